@@ -1,0 +1,5 @@
+import sys
+
+def main(argv=None):
+    print("dikkat")
+    return 0

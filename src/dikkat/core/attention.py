@@ -1,0 +1,228 @@
+"""``dikkat.attention``: one signature, a small registry of backends, and ``auto`` dispatch.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (G divides H; G = H is plain
+multi-head, G = 1 multi-query), ``T`` query length, ``S`` key length, ``D`` head dim.
+
+A backend is a function ``run(request) -> (out, weights | None)`` with a ``supports(request)``
+that returns None when it can serve the request and otherwise the reason it cannot. ``auto``
+walks the backends in order of preference and takes the first that can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dikkat.core.checks import (
+    AttentionShape,
+    check_bias,
+    check_dropout,
+    check_mask,
+    check_qkv,
+    check_scale,
+)
+from dikkat.core.masks import Mask
+from dikkat.core.reference import reference_attention
+from dikkat.core.sdpa import sdpa_attention
+
+__all__ = [
+    "AttentionRequest",
+    "Backend",
+    "attention",
+    "available_backends",
+    "explain",
+    "register_backend",
+]
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """One validated attention call, as every backend receives it."""
+
+    q: Tensor  # (B, H, T, D)
+    k: Tensor  # (B, G, S, D)
+    v: Tensor  # (B, G, S, Dv)
+    mask: Mask | None  # True = may attend; None = every key
+    bias: Tensor | None  # additive, broadcastable to (B, H, T, S)
+    scale: float
+    q_offset: int  # absolute position of query 0 (decoding with a cache)
+    dropout: float
+    return_weights: bool
+    shape: AttentionShape
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named attention implementation."""
+
+    name: str
+    run: Callable[[AttentionRequest], tuple[Tensor, Tensor | None]]
+    supports: Callable[[AttentionRequest], str | None]
+    doc: str
+
+
+_BACKENDS: dict[str, Backend] = {}
+# Preference order for "auto": fastest first; the reference can serve everything, so it is last.
+_AUTO_ORDER: list[str] = []
+
+
+def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
+    """Add a backend; ``auto_rank`` is its place in auto's preference list (None: never auto)."""
+    _BACKENDS[backend.name] = backend
+    if backend.name in _AUTO_ORDER:
+        _AUTO_ORDER.remove(backend.name)
+    if auto_rank is not None:
+        _AUTO_ORDER.insert(auto_rank, backend.name)
+
+
+def available_backends() -> list[str]:
+    """Names accepted by ``backend=`` (besides ``"auto"``)."""
+    return sorted(_BACKENDS)
+
+
+def _choose(request: AttentionRequest) -> tuple[Backend, str]:
+    refused = []
+    for name in _AUTO_ORDER:
+        reason = _BACKENDS[name].supports(request)
+        if reason is None:
+            why = "; ".join(refused) if refused else "the first choice"
+            return _BACKENDS[name], why
+        refused.append(f"not {name}: {reason}")
+    raise RuntimeError("no attention backend can serve this request: " + "; ".join(refused))
+
+
+def _request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None,
+    scale: float | None,
+    bias: Tensor | None,
+    q_offset: int,
+    dropout: float,
+    return_weights: bool,
+) -> AttentionRequest:
+    shape = check_qkv(q, k, v)
+    return AttentionRequest(
+        q=q,
+        k=k,
+        v=v,
+        mask=check_mask(mask, shape, q_offset),
+        bias=check_bias(bias, q, shape),
+        scale=check_scale(scale, shape.D),
+        q_offset=q_offset,
+        dropout=check_dropout(dropout),
+        return_weights=bool(return_weights),
+        shape=shape,
+    )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    scale: float | None = None,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+    dropout: float = 0.0,
+    backend: str = "auto",
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention: ``softmax(Q Kᵀ · scale + bias) V`` over the allowed keys.
+
+    Args:
+        q: queries (B, H, T, D).
+        k: keys (B, G, S, D); G must divide H (grouped-query attention; G = H is multi-head).
+        v: values (B, G, S, Dv).
+        mask: a :mod:`dikkat.masks` mask or a bool tensor broadcastable to (B, H, T, S);
+            **True = may attend**. A row with no allowed key gives output 0.
+        scale: multiplies the scores; default 1/√D.
+        bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
+        q_offset: absolute position of the first query, for masks when decoding with a cache.
+        dropout: dropout probability on the weights (pass 0 at evaluation).
+        backend: ``"auto"`` or one of :func:`available_backends`.
+        return_weights: also return the weights (B, H, T, S).
+
+    Returns:
+        The output (B, H, T, Dv), or ``(output, weights)`` when ``return_weights``.
+
+    >>> q = k = v = torch.randn(1, 2, 4, 8)
+    >>> attention(q, k, v, dikkat.masks.causal()).shape
+    torch.Size([1, 2, 4, 8])
+    """
+    request = _request(q, k, v, mask, scale, bias, q_offset, dropout, return_weights)
+    if backend == "auto":
+        chosen, _ = _choose(request)
+    elif backend in _BACKENDS:
+        chosen = _BACKENDS[backend]
+        reason = chosen.supports(request)
+        if reason is not None:
+            raise ValueError(f"backend {backend!r} cannot serve this call: {reason}")
+    else:
+        raise ValueError(
+            f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}"
+        )
+    out, weights = chosen.run(request)
+    return (out, weights) if return_weights else out
+
+
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+    return_weights: bool = False,
+) -> str:
+    """Say which backend ``auto`` would pick for this call, and why."""
+    request = _request(q, k, v, mask, None, bias, q_offset, 0.0, return_weights)
+    chosen, why = _choose(request)
+    return f"{chosen.name} ({why}): {chosen.doc}"
+
+
+# --- the built-in backends ------------------------------------------------------------------------
+
+
+def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor]:
+    return reference_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset, dropout=r.dropout
+    )
+
+
+def _run_sdpa(r: AttentionRequest) -> tuple[Tensor, None]:
+    out = sdpa_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset, dropout=r.dropout
+    )
+    return out, None
+
+
+def _sdpa_supports(r: AttentionRequest) -> str | None:
+    if r.return_weights:
+        return "it cannot return the weights"
+    return None
+
+
+register_backend(
+    Backend(
+        "reference",
+        _run_reference,
+        lambda r: None,
+        "the seed's formula, full (B, H, T, S) score matrix, returns weights",
+    ),
+    auto_rank=0,
+)
+register_backend(
+    Backend(
+        "sdpa",
+        _run_sdpa,
+        _sdpa_supports,
+        "torch.nn.functional.scaled_dot_product_attention (fused kernels; masks made dense)",
+    ),
+    auto_rank=0,
+)

@@ -1,0 +1,124 @@
+"""Input checks shared by every attention backend: errors name the argument and the shapes.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query length, ``S`` key
+length, ``D`` query/key head dim, ``Dv`` value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dikkat.core.masks import Mask, as_mask
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The sizes of one attention call, read off q (B, H, T, D), k (B, G, S, D), v (B, G, S, Dv)."""
+
+    B: int
+    H: int
+    G: int
+    T: int
+    S: int
+    D: int
+    Dv: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.H // self.G
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
+    """Validate q (B, H, T, D), k (B, G, S, D), v (B, G, S, Dv) and return their sizes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 4:
+            layout = "(B, H, T, D)" if name == "q" else "(B, G, S, D)"
+            raise ValueError(f"{name} must have 4 dims {layout}, got shape {_shape(t)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, T, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(
+            f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 0 is B)"
+        )
+    if k.shape[3] != D:
+        raise ValueError(f"q has head dim {D} but k has {k.shape[3]}: q {_shape(q)}, k {_shape(k)}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k {_shape(k)} and v {_shape(v)} must agree on (G, S)")
+    G, S = k.shape[1], k.shape[2]
+    if G == 0 or H % G:
+        raise ValueError(
+            f"key has {G} heads, which does not divide the {H} query heads: "
+            f"q {_shape(q)}, k {_shape(k)}"
+        )
+    return AttentionShape(B, H, G, T, S, D, v.shape[3])
+
+
+def check_scale(scale: float | None, D: int) -> float:
+    """Default 1/√D (the seed's √d_k); otherwise a positive finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+    return float(scale)
+
+
+def check_mask(mask: Mask | Tensor | None, shape: AttentionShape, q_offset: int) -> Mask | None:
+    """Wrap a tensor mask and check that the mask applies to the (B, H, T, S) scores."""
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+    m = as_mask(mask, q_offset)
+    if m is not None:
+        m.validate(shape.B, shape.H, shape.T, shape.S, q_offset)
+    return m
+
+
+def check_bias(bias: Tensor | None, q: Tensor, shape: AttentionShape) -> Tensor | None:
+    """An additive float bias broadcastable to (B, H, T, S) (ALiBi, relative position terms)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias must be a float tensor, got dtype {bias.dtype}")
+    target = (shape.B, shape.H, shape.T, shape.S)
+    b4 = bias.view((1,) * max(0, 4 - bias.dim()) + _shape(bias))
+    if b4.dim() != 4 or any(n not in (1, m) for n, m in zip(b4.shape, target, strict=True)):
+        raise ValueError(
+            f"bias of shape {_shape(bias)} does not broadcast to the (B, H, T, S) = {target} scores"
+        )
+    if bias.device != q.device:
+        raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+    return b4
+
+
+def check_dropout(dropout: float) -> float:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    return float(dropout)
+
+
+def dense_mask(mask: Mask | None, shape: AttentionShape, q_offset: int, device: torch.device):
+    """The mask as a bool tensor broadcastable to (B, H, T, S), or None."""
+    if mask is None:
+        return None
+    return mask.materialize(shape.B, shape.H, shape.T, shape.S, q_offset, device)

@@ -1,0 +1,436 @@
+"""Attention masks, written once as predicates and run by every backend.
+
+Convention, everywhere in dikkat: **True = may attend.** (PyTorch's ``nn.MultiheadAttention`` and
+``F.scaled_dot_product_attention`` disagree with each other here; see
+:func:`from_torch_mask` for the conversion.)
+
+Shapes: ``B`` batch, ``H`` query heads, ``T`` query length, ``S`` key length.
+
+Every mask is a predicate ``mask(b, h, q_idx, kv_idx) -> bool`` evaluated on broadcastable integer
+tensors. ``q_idx`` is the *absolute* position of a query: when decoding with a KV cache the queries
+sit at positions ``q_offset … q_offset + T - 1`` while the keys run from 0. A backend may evaluate
+the predicate on the whole (B, H, T, S) grid (:meth:`Mask.materialize`) or on one tile of it to
+decide whether the tile can be skipped.
+
+Masks combine with ``&`` and ``|`` (and ``~``); a boolean tensor broadcastable to (B, H, T, S)
+is accepted wherever a mask is, and can be wrapped explicitly with :func:`dense`.
+
+>>> m = causal() & padding(torch.tensor([3, 2]))
+>>> m.materialize(2, 1, 3, 3)[1, 0].int().tolist()
+[[1, 0, 0], [1, 1, 0], [1, 1, 0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "And",
+    "Causal",
+    "DenseMask",
+    "Document",
+    "Mask",
+    "Not",
+    "Or",
+    "Padding",
+    "PrefixLM",
+    "SlidingWindow",
+    "as_mask",
+    "causal",
+    "dense",
+    "document",
+    "from_torch_mask",
+    "padding",
+    "prefix_lm",
+    "sliding_window",
+]
+
+
+class Mask:
+    """A predicate on (batch, head, absolute query position, key position)."""
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Return a bool tensor, broadcast from the index tensors: True where attention is allowed."""
+        raise NotImplementedError
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        """Raise ``ValueError`` if this mask cannot apply to a (B, H, T, S) score grid."""
+
+    def materialize(
+        self,
+        B: int,
+        H: int,
+        T: int,
+        S: int,
+        q_offset: int = 0,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """The dense bool mask, broadcastable to (B, H, T, S).
+
+        Dimensions the predicate does not depend on stay of size 1 (a causal mask is (1, 1, T, S)).
+        """
+        self.validate(B, H, T, S, q_offset)
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=device).view(1, H, 1, 1)
+        q = torch.arange(q_offset, q_offset + T, device=device).view(1, 1, T, 1)
+        kv = torch.arange(S, device=device).view(1, 1, 1, S)
+        out = self.predicate(b, h, q, kv)
+        if out.dim() < 4:
+            out = out.view((1,) * (4 - out.dim()) + tuple(out.shape))
+        return out
+
+    @property
+    def is_causal(self) -> bool:
+        """True only for the plain causal mask (lets a backend use a dedicated causal kernel)."""
+        return False
+
+    def __and__(self, other: Mask | Tensor) -> Mask:
+        return And(self, as_mask(other))
+
+    def __rand__(self, other: Tensor) -> Mask:
+        return And(as_mask(other), self)
+
+    def __or__(self, other: Mask | Tensor) -> Mask:
+        return Or(self, as_mask(other))
+
+    def __ror__(self, other: Tensor) -> Mask:
+        return Or(as_mask(other), self)
+
+    def __invert__(self) -> Mask:
+        return Not(self)
+
+
+@dataclass(frozen=True, eq=False)
+class And(Mask):
+    left: Mask
+    right: Mask
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.left.predicate(b, h, q_idx, kv_idx) & self.right.predicate(b, h, q_idx, kv_idx)
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        self.left.validate(B, H, T, S, q_offset)
+        self.right.validate(B, H, T, S, q_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class Or(Mask):
+    left: Mask
+    right: Mask
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.left.predicate(b, h, q_idx, kv_idx) | self.right.predicate(b, h, q_idx, kv_idx)
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        self.left.validate(B, H, T, S, q_offset)
+        self.right.validate(B, H, T, S, q_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class Not(Mask):
+    inner: Mask
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ~self.inner.predicate(b, h, q_idx, kv_idx)
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        self.inner.validate(B, H, T, S, q_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class Causal(Mask):
+    """Position i sees keys 0 … i (the seed's −∞ above the diagonal)."""
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx >= kv_idx
+
+    @property
+    def is_causal(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, eq=False)
+class SlidingWindow(Mask):
+    """Causal, and position i sees itself and the ``window - 1`` keys before it."""
+
+    window: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise TypeError(f"window must be an int, got {type(self.window).__name__}")
+        if self.window <= 0:
+            raise ValueError(f"window must be positive, got {self.window}")
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        distance = q_idx - kv_idx
+        return (distance >= 0) & (distance < self.window)
+
+
+def _batch_vector(name: str, value: Tensor | int, *, dtype_kind: str = "int") -> Tensor:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.tensor([value])
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be an int or a tensor, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(f"{name} must have shape (B,), got {tuple(value.shape)}")
+    return value
+
+
+def _check_batch(name: str, n: int, B: int) -> None:
+    if n not in (1, B):
+        raise ValueError(f"{name} has {n} entries but the batch has B={B}")
+
+
+@dataclass(frozen=True, eq=False)
+class Padding(Mask):
+    """Key padding: in sequence b only keys ``kv < lengths[b]`` are real, or those marked in ``valid``.
+
+    Exactly one of ``lengths`` (B,) integers (right padding) and ``valid`` (B, S) bools (any
+    layout, e.g. left padding for batched generation) is set.
+    """
+
+    lengths: Tensor | None = None
+    valid: Tensor | None = None
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if self.lengths is not None:
+            lengths = self.lengths.to(kv_idx.device)
+            return kv_idx < lengths[b.clamp(max=lengths.numel() - 1)]
+        valid = self.valid.to(kv_idx.device)  # (B, S)
+        return valid[b.clamp(max=valid.shape[0] - 1), kv_idx.clamp(max=valid.shape[1] - 1)]
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        if self.lengths is not None:
+            _check_batch("padding lengths", self.lengths.numel(), B)
+        else:
+            _check_batch("padding valid", self.valid.shape[0], B)
+            if self.valid.shape[1] != S:
+                raise ValueError(
+                    f"padding valid has shape {tuple(self.valid.shape)} but there are S={S} keys"
+                )
+
+
+@dataclass(frozen=True, eq=False)
+class Document(Mask):
+    """Packed sequences: attend only within the same document, causally.
+
+    ``ids`` (B, N) or (N,) gives the document of every position, N ≥ q_offset + T and N ≥ S.
+    """
+
+    ids: Tensor
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        ids = self.ids.to(q_idx.device)
+        rows = b.clamp(max=ids.shape[0] - 1)
+        same = ids[rows, q_idx] == ids[rows, kv_idx]
+        return same & (q_idx >= kv_idx)
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        _check_batch("document ids", self.ids.shape[0], B)
+        needed = max(q_offset + T, S)
+        if self.ids.shape[1] < needed:
+            raise ValueError(
+                f"document ids cover {self.ids.shape[1]} positions but queries reach position "
+                f"{q_offset + T - 1} and keys position {S - 1}"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixLM(Mask):
+    """Prefix-LM: every position sees the whole prefix (``kv < prefix_len``), then causally."""
+
+    prefix_len: Tensor
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        prefix = self.prefix_len.to(kv_idx.device)
+        return (kv_idx < prefix[b.clamp(max=prefix.numel() - 1)]) | (q_idx >= kv_idx)
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        _check_batch("prefix_len", self.prefix_len.numel(), B)
+
+
+@dataclass(frozen=True, eq=False)
+class DenseMask(Mask):
+    """Any bool tensor broadcastable to (B, H, T, S); its rows are the queries as passed.
+
+    ``q_offset`` is the absolute position of row 0 (the attention call sets it when it wraps a
+    plain tensor), so a dense mask composes with the absolute-position predicates.
+    """
+
+    tensor: Tensor
+    q_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, Tensor):
+            raise TypeError(f"mask must be a Mask or a bool tensor, got {type(self.tensor).__name__}")
+        if self.tensor.dtype != torch.bool:
+            raise TypeError(
+                f"mask tensor must be bool (True = may attend), got dtype {self.tensor.dtype}; "
+                "pass an additive float mask as `bias` instead"
+            )
+        if not 1 <= self.tensor.dim() <= 4:
+            raise ValueError(
+                f"mask tensor must have 1 to 4 dims broadcastable to (B, H, T, S), "
+                f"got shape {tuple(self.tensor.shape)}"
+            )
+
+    def _as4d(self) -> Tensor:
+        t = self.tensor
+        return t.view((1,) * (4 - t.dim()) + tuple(t.shape))
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        t = self._as4d().to(q_idx.device)
+        idx = (b, h, q_idx - self.q_offset, kv_idx)
+        # A size-1 dimension broadcasts: every index maps to its one entry.
+        idx = tuple(i if n > 1 else torch.zeros_like(i) for i, n in zip(idx, t.shape, strict=True))
+        return t[idx]
+
+    def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        shape = tuple(self._as4d().shape)
+        target = (B, H, T, S)
+        if any(n not in (1, m) for n, m in zip(shape, target, strict=True)):
+            raise ValueError(
+                f"mask of shape {tuple(self.tensor.shape)} does not broadcast to the "
+                f"(B, H, T, S) = {target} scores"
+            )
+        if shape[2] > 1 and q_offset != self.q_offset:
+            raise ValueError(
+                f"dense mask rows start at query position {self.q_offset}, but the queries start "
+                f"at {q_offset}"
+            )
+
+    def materialize(
+        self,
+        B: int,
+        H: int,
+        T: int,
+        S: int,
+        q_offset: int = 0,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        self.validate(B, H, T, S, q_offset)
+        return self._as4d().to(device) if device is not None else self._as4d()
+
+
+# --- constructors -------------------------------------------------------------------------------
+
+
+def causal() -> Mask:
+    """Causal mask: query position i attends to keys 0 … i."""
+    return Causal()
+
+
+def sliding_window(window: int) -> Mask:
+    """Causal sliding window: query i attends to keys i − window + 1 … i (``window`` keys)."""
+    return SlidingWindow(window)
+
+
+def padding(lengths: Tensor | None = None, *, valid: Tensor | None = None) -> Mask:
+    """Key padding mask from per-sequence ``lengths`` (B,) or a ``valid`` (B, S) bool tensor."""
+    if (lengths is None) == (valid is None):
+        raise ValueError("padding() takes exactly one of `lengths` and `valid`")
+    if lengths is not None:
+        return Padding(lengths=_batch_vector("lengths", lengths))
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+        raise TypeError("valid must be a bool tensor of shape (B, S) (True = real token)")
+    if valid.dim() != 2:
+        raise ValueError(f"valid must have shape (B, S), got {tuple(valid.shape)}")
+    return Padding(valid=valid)
+
+
+def document(ids: Tensor) -> Mask:
+    """Packed documents: causal attention within each document; ``ids`` (B, N) or (N,)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"ids must be a tensor, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"ids must hold integer document ids, got dtype {ids.dtype}")
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2:
+        raise ValueError(f"ids must have shape (N,) or (B, N), got {tuple(ids.shape)}")
+    return Document(ids)
+
+
+def prefix_lm(prefix_len: Tensor | int) -> Mask:
+    """Prefix-LM mask: bidirectional over the first ``prefix_len`` keys, causal after them."""
+    prefix = _batch_vector("prefix_len", prefix_len)
+    if (prefix < 0).any():
+        raise ValueError(f"prefix_len must be non-negative, got {prefix.tolist()}")
+    return PrefixLM(prefix)
+
+
+def dense(tensor: Tensor, q_offset: int = 0) -> Mask:
+    """Wrap a bool tensor broadcastable to (B, H, T, S) (True = may attend) as a mask."""
+    return DenseMask(tensor, q_offset)
+
+
+def as_mask(mask: Mask | Tensor | None, q_offset: int = 0) -> Mask | None:
+    """Accept a :class:`Mask`, a bool tensor, or None."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, Tensor):
+        return DenseMask(mask, q_offset)
+    raise TypeError(f"mask must be a dikkat Mask, a bool tensor or None, got {type(mask).__name__}")
+
+
+def from_torch_mask(
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    *,
+    n_heads: int | None = None,
+) -> Tensor | None:
+    """Convert the masks of ``torch.nn.MultiheadAttention`` into a dikkat bool mask.
+
+    PyTorch's MHA means the opposite of dikkat: a True entry there is *blocked*. Float masks there
+    are additive; only 0 (allowed) and −inf (blocked) convert to a bool mask.
+
+    Args:
+        attn_mask: (T, S) or (B·n_heads, T, S), bool (True = blocked) or float (additive).
+        key_padding_mask: (B, S), bool (True = padding, ignored) or float (additive).
+        n_heads: needed to unfold a 3-D ``attn_mask``.
+
+    Returns:
+        A bool tensor broadcastable to (B, H, T, S), True = may attend; None if both are None.
+    """
+    out: Tensor | None = None
+    if attn_mask is not None:
+        allowed = _torch_allowed("attn_mask", attn_mask)
+        if allowed.dim() == 2:
+            allowed = allowed.view(1, 1, *allowed.shape)
+        elif allowed.dim() == 3:
+            if n_heads is None or allowed.shape[0] % n_heads:
+                raise ValueError(
+                    f"a 3-D attn_mask of shape {tuple(attn_mask.shape)} needs n_heads dividing "
+                    f"its first dim, got n_heads={n_heads}"
+                )
+            allowed = allowed.view(-1, n_heads, *allowed.shape[1:])
+        else:
+            raise ValueError(
+                f"attn_mask must have shape (T, S) or (B*n_heads, T, S), got {tuple(attn_mask.shape)}"
+            )
+        out = allowed
+    if key_padding_mask is not None:
+        keep = _torch_allowed("key_padding_mask", key_padding_mask)
+        if keep.dim() != 2:
+            raise ValueError(f"key_padding_mask must have shape (B, S), got {tuple(keep.shape)}")
+        keep = keep.view(keep.shape[0], 1, 1, keep.shape[1])
+        out = keep if out is None else out & keep
+    return out
+
+
+def _torch_allowed(name: str, m: Tensor) -> Tensor:
+    if m.dtype == torch.bool:
+        return ~m
+    if m.dtype.is_floating_point:
+        blocked = torch.isneginf(m)
+        if not ((m == 0) | blocked).all():
+            raise ValueError(
+                f"{name} holds additive values other than 0 and -inf; pass it as `bias` instead"
+            )
+        return ~blocked
+    raise TypeError(f"{name} must be bool or float, got dtype {m.dtype}")

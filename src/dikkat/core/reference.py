@@ -1,0 +1,67 @@
+"""The seed's formula written out: ``softmax(Q Kᵀ / √d_k) V``. This is the oracle.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query length, ``S`` key
+length, ``D`` head dim, ``Dv`` value head dim.
+
+Every faster backend is tested against this function run in float64. It computes in the dtype of
+its inputs (so in bf16 it shows how much error a plain bf16 implementation makes, which is the
+yardstick of the 2× error rule), materialises the full (B, H, T, S) score matrix and returns the
+weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dikkat.core.masks import Mask
+
+
+def repeat_kv(x: Tensor, group: int) -> Tensor:
+    """(B, G, S, D) → (B, G·group, S, D): key/value head g serves query heads g·group … g·group+group−1."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | None = None,
+    *,
+    scale: float,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+    dropout: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) V, with its weights.
+
+    Args:
+        q: (B, H, T, D); k: (B, G, S, D); v: (B, G, S, Dv), G dividing H.
+        mask: True = may attend; masked scores become −inf, so exp(−inf) = 0.
+        scale: multiplies the scores (1/√D in the seed).
+        bias: additive scores, broadcastable to (B, H, T, S).
+        q_offset: absolute position of the first query (for masks, when decoding with a cache).
+        dropout: probability of dropping a weight before it multiplies V (training only).
+
+    Returns:
+        out (B, H, T, Dv) and weights (B, H, T, S); each row of weights is ≥ 0 and sums to 1,
+        except a row whose every key is masked, which is all 0 (and its output 0, never NaN).
+    """
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    group = H // k.shape[1]
+    k, v = repeat_kv(k, group), repeat_kv(v, group)  # (B, H, S, D), (B, H, S, Dv)
+
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S): q_i · k_j / √d_k
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None:
+        allowed = mask.materialize(B, H, T, S, q_offset, q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    # A row with every key masked would be softmax(−inf, …, −inf) = 0/0. Give it finite scores
+    # for the softmax and zero weights after it, so its output is 0 and its gradients are finite.
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, T, 1)
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
+    return dropped @ v, weights

@@ -1,0 +1,65 @@
+"""PyTorch's fused ``F.scaled_dot_product_attention`` as a dikkat backend.
+
+Differences from the reference: no weights; a dikkat mask is handed over as SDPA's ``is_causal``
+flag when it is the plain causal mask at offset 0, otherwise materialised as a dense bool mask
+(or folded into a float mask when there is a bias); fully masked rows are opened for the kernel
+and their outputs zeroed afterwards, so they give 0 and finite gradients like every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dikkat.core.masks import Mask
+from dikkat.core.reference import repeat_kv
+
+# ``enable_gqa`` arrived in torch 2.5; before it, key/value heads are repeated by hand.
+_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def sdpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | None = None,
+    *,
+    scale: float,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+    dropout: float = 0.0,
+) -> Tensor:
+    """Attention through ``F.scaled_dot_product_attention``; shapes as in the reference."""
+    B, H, T, _ = q.shape
+    G, S = k.shape[1], k.shape[2]
+    kwargs: dict = {"dropout_p": dropout, "scale": scale}
+    if G != H:
+        if _HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:  # torch < 2.5
+            k, v = repeat_kv(k, H // G), repeat_kv(v, H // G)
+
+    if bias is None and (mask is None or (mask.is_causal and q_offset == 0)):
+        # SDPA's causal flag aligns query 0 with key 0, which is our causal mask at offset 0.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, **kwargs)
+
+    allowed = None if mask is None else mask.materialize(B, H, T, S, q_offset, q.device)
+    if bias is None:
+        attn_mask = allowed  # bool, True = may attend: SDPA's convention too
+        empty = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
+    else:
+        attn_mask = bias.to(q.dtype)
+        if allowed is not None:
+            attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+        empty = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
+
+    if empty is not None and bool(empty.any()):
+        # Open fully masked rows (else the kernel may return NaN) and zero them afterwards.
+        if attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask | empty
+        else:
+            attn_mask = attn_mask.masked_fill(empty, 0.0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+        return out.masked_fill(empty, 0.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
