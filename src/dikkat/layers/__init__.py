@@ -1,0 +1,28 @@
+"""Transformer layers: parameters live here; the math they call lives in :mod:`dikkat.core`."""
+
+from dikkat.layers.attention import MultiHeadAttention
+from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
+from dikkat.layers.mlp import MLP
+from dikkat.layers.norm import LayerNorm
+from dikkat.layers.positional import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    alibi_slopes,
+)
+
+__all__ = [
+    "MLP",
+    "PRESETS",
+    "ALiBi",
+    "Block",
+    "BlockConfig",
+    "BlockWeights",
+    "LayerNorm",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "alibi_slopes",
+]

@@ -1,0 +1,180 @@
+"""Multi-head attention as a layer: projections, heads, position injection, output projection.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query length, ``S`` key
+length, ``D`` head dim, ``C`` model width (``d_model``), ``Cc`` context width (cross-attention).
+
+h heads each see d_k = C/h features of their own projections; their outputs are concatenated and
+mapped back to C by W_O (S9). With ``n_kv_heads = G < H`` several query heads share one key/value
+head (grouped-query attention, S17), which shrinks the keys and values to cache by H/G.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.core.attention import attention
+from dikkat.core.masks import Mask
+from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with H query heads and G key/value heads.
+
+    Args:
+        d_model: width C of x.
+        n_heads: query heads H.
+        n_kv_heads: key/value heads G (divides H); None → H (plain multi-head attention).
+        head_dim: D; None → C / H.
+        context_dim: width of the cross-attention context; None → C.
+        bias: biases in the four projections.
+        dropout: dropout on the attention weights during training.
+        rope, alibi: position information acting inside attention (self-attention only).
+        backend: the :func:`dikkat.attention` backend.
+
+    >>> mha = MultiHeadAttention(16, 2)
+    >>> y, w = mha(torch.randn(1, 5, 16), return_weights=True)
+    >>> y.shape, w.shape
+    (torch.Size([1, 5, 16]), torch.Size([1, 2, 5, 5]))
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        context_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rope: RotaryEmbedding | None = None,
+        alibi: ALiBi | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={n_kv_heads} must be positive and divide n_heads={n_heads}"
+            )
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(
+                    f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim"
+                )
+            head_dim = d_model // n_heads
+        if rope is not None and rope.head_dim != head_dim:
+            raise ValueError(f"rope was built for head_dim {rope.head_dim}, attention has {head_dim}")
+        if alibi is not None and alibi.n_heads != n_heads:
+            raise ValueError(f"alibi was built for {alibi.n_heads} heads, attention has {n_heads}")
+        context_dim = d_model if context_dim is None else context_dim
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim, self.context_dim = head_dim, context_dim
+        self.dropout, self.backend = dropout, backend
+        self.rope, self.alibi = rope, alibi
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+
+    def _heads(self, t: Tensor, n: int) -> Tensor:
+        B, L, _ = t.shape
+        return t.view(B, L, n, self.head_dim).transpose(1, 2)  # (B, L, n·D) → (B, n, L, D)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        mask: Mask | Tensor | None = None,
+        *,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from x (B, T, C) to itself, or to ``context`` (B, S, Cc) for cross-attention.
+
+        Args:
+            mask: True = may attend, over the (B, H, T, S) scores.
+            offset, positions: the absolute positions of x's tokens, for RoPE and ALiBi.
+            return_weights: also return the weights (B, H, T, S).
+        """
+        self._check_input("x", x, self.d_model)
+        source = x if context is None else context
+        if context is not None:
+            self._check_input("context", context, self.context_dim)
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"context batch {context.shape[0]} differs from x batch {x.shape[0]}: "
+                    f"x {tuple(x.shape)}, context {tuple(context.shape)}"
+                )
+        q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
+        k = self._heads(self.k_proj(source), self.n_kv_heads)  # (B, G, S, D)
+        v = self._heads(self.v_proj(source), self.n_kv_heads)  # (B, G, S, D)
+
+        bias = None
+        if context is None and (self.rope is not None or self.alibi is not None):
+            pos = resolve_positions(x.shape[1], offset, positions, x.device)
+            if self.rope is not None:
+                q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+            if self.alibi is not None:
+                bias = self.alibi.bias(pos, pos).to(q.dtype)
+
+        out = attention(
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            dropout=self.dropout if self.training else 0.0,
+            backend=self.backend,
+            return_weights=return_weights,
+        )
+        out, weights = out if return_weights else (out, None)
+        B, H, T, D = out.shape
+        y = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))  # concat heads, then W_O
+        return (y, weights) if return_weights else y
+
+    @staticmethod
+    def _check_input(name: str, t: Tensor, width: int) -> None:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 3 or t.shape[-1] != width:
+            raise ValueError(f"{name} must have shape (B, L, {width}), got {tuple(t.shape)}")
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A layer with the weights of ``torch.nn.MultiheadAttention`` ``m`` (same outputs).
+
+        Our layer is batch-first; convert torch's masks with :func:`dikkat.masks.from_torch_mask`
+        (torch's True means *blocked*).
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"expected torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn have no dikkat equivalent")
+        if m.kdim != m.vdim:
+            raise ValueError(f"kdim={m.kdim} and vdim={m.vdim} differ; dikkat uses one context width")
+        has_bias = m.in_proj_bias is not None
+        layer = cls(
+            m.embed_dim,
+            m.num_heads,
+            context_dim=m.kdim,
+            bias=has_bias,
+            dropout=m.dropout,
+        )
+        E = m.embed_dim
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                wq, wk, wv = m.in_proj_weight.split(E, dim=0)
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            for proj, w in ((layer.q_proj, wq), (layer.k_proj, wk), (layer.v_proj, wv)):
+                proj.weight.copy_(w)
+            layer.out_proj.weight.copy_(m.out_proj.weight)
+            if has_bias:
+                bq, bk, bv = m.in_proj_bias.split(E)
+                for proj, b in ((layer.q_proj, bq), (layer.k_proj, bk), (layer.v_proj, bv)):
+                    proj.bias.copy_(b)
+                layer.out_proj.bias.copy_(m.out_proj.bias)
+        return layer.to(m.out_proj.weight.dtype).to(m.out_proj.weight.device)

@@ -1,0 +1,207 @@
+"""The Transformer block: attention and an MLP, each wrapped in a residual and a LayerNorm (S10).
+
+Notation: ``B`` batch, ``T`` length, ``S`` context length, ``C`` model width.
+
+Pre-norm (GPT-2 and most models since)::
+
+    x ← x + Attention(LN(x))
+    x ← x + CrossAttention(LN(x), context)     # decoder blocks of an encoder-decoder only
+    x ← x + MLP(LN(x))
+
+Post-norm (the original 2017 Transformer, BERT)::
+
+    x ← LN(x + Attention(x))
+    x ← LN(x + CrossAttention(x, context))
+    x ← LN(x + MLP(x))
+
+The residual path adds ∂L/∂x_out to ∂L/∂x_in, so the gradient reaches deep layers by a sum, not
+only through a product of layer Jacobians.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from torch import Tensor, nn
+
+from dikkat.core.masks import Mask
+from dikkat.layers.attention import MultiHeadAttention
+from dikkat.layers.mlp import MLP, Activation
+from dikkat.layers.norm import LayerNorm
+from dikkat.layers.positional import ALiBi, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Sizes and choices of one Transformer block."""
+
+    d_model: int = 512  # width C of the residual stream
+    n_heads: int = 8  # query heads H; head dim D = C / H
+    n_kv_heads: int | None = None  # key/value heads G (GQA); None = n_heads
+    d_ff: int | None = None  # MLP hidden width; None = 4·d_model
+    norm: Literal["pre", "post"] = "pre"  # where LayerNorm sits relative to the residual
+    norm_eps: float = 1e-5  # LayerNorm epsilon (BERT uses 1e-12)
+    activation: Activation = "gelu"  # MLP nonlinearity: gelu (exact), gelu_tanh, relu
+    bias: bool = True  # biases in projections and LayerNorm
+    dropout: float = 0.0  # dropout on residual branches and attention weights in training
+    cross_attention: bool = False  # add a cross-attention sub-layer (encoder-decoder decoder)
+
+    def __post_init__(self) -> None:
+        if self.norm not in ("pre", "post"):
+            raise ValueError(f"norm must be 'pre' or 'post', got {self.norm!r}")
+        if self.d_model <= 0 or self.n_heads <= 0:
+            raise ValueError(f"d_model and n_heads must be positive, got {self.d_model}, {self.n_heads}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        kv = self.kv_heads
+        if kv <= 0 or self.n_heads % kv:
+            raise ValueError(f"n_kv_heads={kv} must be positive and divide n_heads={self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> BlockConfig:
+        """A named configuration, optionally with some fields changed."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, BlockConfig] = {
+    # "Attention Is All You Need", base model: d 512, 8 heads of 64, MLP 2048, ReLU, post-norm,
+    # dropout 0.1.
+    "original-base": BlockConfig(
+        d_model=512, n_heads=8, d_ff=2048, norm="post", activation="relu", dropout=0.1
+    ),
+    # The same paper's big model.
+    "original-big": BlockConfig(
+        d_model=1024, n_heads=16, d_ff=4096, norm="post", activation="relu", dropout=0.3
+    ),
+    # GPT-2 small: pre-norm, tanh GELU, 12 heads of 64.
+    "gpt2-small": BlockConfig(d_model=768, n_heads=12, activation="gelu_tanh"),
+    # BERT-base: post-norm, exact GELU, eps 1e-12.
+    "bert-base": BlockConfig(d_model=768, n_heads=12, norm="post", norm_eps=1e-12),
+}
+
+
+@dataclass
+class BlockWeights:
+    """Attention weights of one block: self-attention (B, H, T, T), cross (B, H, T, S) or None."""
+
+    self_attn: Tensor
+    cross_attn: Tensor | None = None
+
+
+class Block(nn.Module):
+    """One Transformer block; position modules (RoPE, ALiBi) are injected and shared by blocks.
+
+    >>> block = Block(BlockConfig(d_model=32, n_heads=4))
+    >>> block(torch.randn(2, 7, 32), masks.causal()).shape
+    torch.Size([2, 7, 32])
+    """
+
+    def __init__(
+        self,
+        config: BlockConfig,
+        *,
+        rope: RotaryEmbedding | None = None,
+        alibi: ALiBi | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.attn = MultiHeadAttention(
+            c.d_model,
+            c.n_heads,
+            n_kv_heads=c.n_kv_heads,
+            bias=c.bias,
+            dropout=c.dropout,
+            rope=rope,
+            alibi=alibi,
+            backend=backend,
+        )
+        self.norm1 = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
+        self.cross_attn = None
+        self.norm_cross = None
+        if c.cross_attention:
+            self.cross_attn = MultiHeadAttention(
+                c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias, dropout=c.dropout,
+                backend=backend,
+            )
+            self.norm_cross = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
+        self.mlp = MLP(c.d_model, c.hidden, activation=c.activation, bias=c.bias)
+        self.norm2 = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
+        self.drop = nn.Dropout(c.dropout)
+
+    def _residual(self, x: Tensor, norm: LayerNorm, sublayer) -> tuple[Tensor, Tensor | None]:
+        """Apply one sub-layer with its residual and norm; the sub-layer returns (y, weights)."""
+        if self.config.norm == "pre":
+            y, w = sublayer(norm(x))
+            return x + self.drop(y), w
+        y, w = sublayer(x)
+        return norm(x + self.drop(y)), w
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Mask | Tensor | None = None,
+        *,
+        context: Tensor | None = None,
+        context_mask: Mask | Tensor | None = None,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, BlockWeights]:
+        """x (B, T, C) → (B, T, C).
+
+        Args:
+            mask: self-attention mask over (B, H, T, T), True = may attend.
+            context: encoder output (B, S, C), required when the block has cross-attention.
+            context_mask: cross-attention mask over (B, H, T, S), e.g. source padding.
+            offset, positions: absolute positions of x's tokens (RoPE, ALiBi).
+            return_weights: also return a :class:`BlockWeights`.
+        """
+        if (context is None) == (self.cross_attn is not None):
+            need = "needs" if self.cross_attn is not None else "has no cross-attention and takes no"
+            raise ValueError(f"this block {need} a context")
+
+        def self_attention(h: Tensor) -> tuple[Tensor, Tensor | None]:
+            return self._attend(self.attn, h, None, mask, offset, positions, return_weights)
+
+        x, w_self = self._residual(x, self.norm1, self_attention)
+        w_cross = None
+        if self.cross_attn is not None:
+
+            def cross_attention(h: Tensor) -> tuple[Tensor, Tensor | None]:
+                return self._attend(self.cross_attn, h, context, context_mask, 0, None, return_weights)
+
+            x, w_cross = self._residual(x, self.norm_cross, cross_attention)
+        x, _ = self._residual(x, self.norm2, lambda h: (self.mlp(h), None))
+        return (x, BlockWeights(w_self, w_cross)) if return_weights else x
+
+    @staticmethod
+    def _attend(
+        layer: MultiHeadAttention,
+        h: Tensor,
+        context: Tensor | None,
+        mask: Mask | Tensor | None,
+        offset: int,
+        positions: Tensor | None,
+        return_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        out = layer(h, context, mask, offset=offset, positions=positions, return_weights=return_weights)
+        return out if return_weights else (out, None)

@@ -1,0 +1,161 @@
+"""Position information: without it attention cannot see order (S8).
+
+Notation: ``B`` batch, ``H`` heads, ``T`` length, ``D`` head dim, ``C`` model width.
+
+Two families, as the seed says: vectors *added* to x before the first layer (sinusoidal, learned),
+and position acting *inside* attention on q and k (RoPE rotates them; ALiBi adds a distance
+penalty to the scores). The second kind is injected into :class:`MultiHeadAttention`.
+
+Positions are absolute token indices: an int ``offset`` (first position, for decoding with a KV
+cache) or an explicit integer tensor ``positions`` of shape (T,) or (B, T).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ALiBi",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "alibi_slopes",
+    "resolve_positions",
+]
+
+
+def resolve_positions(
+    T: int, offset: int = 0, positions: Tensor | None = None, device: torch.device | None = None
+) -> Tensor:
+    """Integer positions (T,) or (B, T): ``positions`` if given, else ``offset … offset+T−1``."""
+    if positions is None:
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        return torch.arange(offset, offset + T, device=device)
+    if not isinstance(positions, Tensor) or positions.dtype.is_floating_point:
+        raise TypeError("positions must be an integer tensor of shape (T,) or (B, T)")
+    if positions.dim() not in (1, 2) or positions.shape[-1] != T:
+        raise ValueError(f"positions must have shape (T,) or (B, T) with T={T}, got {tuple(positions.shape)}")
+    return positions
+
+
+def _check_max_len(pos: Tensor, max_len: int, what: str) -> None:
+    if pos.numel() and (int(pos.max()) >= max_len or int(pos.min()) < 0):
+        raise ValueError(
+            f"{what} holds positions 0 … {max_len - 1}, got positions up to {int(pos.max())}"
+        )
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); (max_len, d)."""
+    if d_model % 2:
+        raise ValueError(f"sinusoidal encoding needs an even d_model, got {d_model}")
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (L, 1)
+    inv_freq = torch.exp(
+        -math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model
+    )  # (d/2,)
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq)
+    return table.float()
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """The original paper's fixed sin/cos vectors, added to x (B, T, C). No parameters."""
+
+    def __init__(self, d_model: int, max_len: int = 4096) -> None:
+        super().__init__()
+        self.d_model, self.max_len = d_model, max_len
+        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        pos = resolve_positions(x.shape[1], offset, positions, x.device)
+        _check_max_len(pos, self.max_len, "SinusoidalPositionalEncoding")
+        return x + self.table[pos].to(x.dtype)  # (T, C) or (B, T, C), broadcast over B
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """One learned vector per position (GPT-2, BERT), added to x (B, T, C)."""
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        pos = resolve_positions(x.shape[1], offset, positions, x.device)
+        _check_max_len(pos, self.max_len, "LearnedPositionalEmbedding")
+        return x + self.weight[pos].to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotate pairs of q/k features by an angle proportional to the position.
+
+    The score q_i · k_j then depends on content and on i − j only. Pairs are (x[:D/2], x[D/2:])
+    (the "rotate half" layout of GPT-NeoX and LLaMA). Applied inside attention, after the
+    projections, to q (B, H, T, D) and k (B, G, S, D).
+    """
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0, max_len: int = 4096) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.head_dim, self.base, self.max_len = head_dim, base, max_len
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.arange(max_len, dtype=torch.float64).unsqueeze(1) * inv_freq  # (L, D/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}")
+        _check_max_len(positions, self.max_len, "RotaryEmbedding")
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, D/2) or (B, T, D/2)
+        if positions.dim() == 2:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D/2): same for every head
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi head slopes: the geometric sequence 2^(−8/n), 2^(−16/n), … for n a power of two;
+    otherwise those of the nearest lower power of two, then every other slope of the next one."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if n_heads <= 0:
+        raise ValueError(f"n_heads must be positive, got {n_heads}")
+    lower = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two(lower)
+    if lower != n_heads:
+        slopes += power_of_two(2 * lower)[0::2][: n_heads - lower]
+    return torch.tensor(slopes)
+
+
+class ALiBi(nn.Module):
+    """ALiBi: score(i, j) −= slope_h · (i − j). No position vectors; the penalty grows with distance.
+
+    Produces an additive bias for :func:`dikkat.attention`. Keys after the query (j > i) get a
+    positive term; models that use ALiBi pair it with a causal mask, encoders use |i − j|.
+    """
+
+    def __init__(self, n_heads: int, *, symmetric: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.symmetric = n_heads, symmetric
+        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """q positions (T,) or (B, T), key positions (S,) or (B, S) → bias (1 or B, H, T, S)."""
+        qp = q_positions if q_positions.dim() == 2 else q_positions.unsqueeze(0)
+        kp = k_positions if k_positions.dim() == 2 else k_positions.unsqueeze(0)
+        distance = (qp.unsqueeze(-1) - kp.unsqueeze(-2)).float()  # (B, T, S)
+        if self.symmetric:
+            distance = distance.abs()
+        return -self.slopes.view(1, -1, 1, 1) * distance.unsqueeze(1)  # (B, H, T, S)
