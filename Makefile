@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 demo: setup
 	$(VENV)/bin/dikkat demo

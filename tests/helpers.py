@@ -1,0 +1,205 @@
+"""Shared test helpers: attention cases drawn by hypothesis, running a backend forward and
+backward, and the fp64 oracle.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query length, ``S`` key
+length, ``D`` query/key head dim, ``Dv`` value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from dikkat.core import attention, masks
+from dikkat.core.masks import Mask
+
+HEAD_DIMS = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention call: sizes, mask, bias layout and the seed of its random tensors."""
+
+    B: int
+    H: int
+    G: int
+    T: int
+    S: int
+    D: int
+    Dv: int
+    q_offset: int
+    mask: Mask | Tensor | None  # a bare tensor is wrapped by attention() at q_offset
+    bias_shape: tuple[int, ...] | None  # broadcastable to (B, H, T, S)
+    seed: int
+
+    @property
+    def group(self) -> int:
+        return self.H // self.G
+
+    def inputs(self) -> dict[str, Tensor | None]:
+        """q, k, v, bias and an upstream gradient ``dout``, all float64."""
+        g = torch.Generator().manual_seed(self.seed)
+
+        def randn(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+        return {
+            "q": randn(self.B, self.H, self.T, self.D),
+            "k": randn(self.B, self.G, self.S, self.D),
+            "v": randn(self.B, self.G, self.S, self.Dv),
+            "bias": None if self.bias_shape is None else randn(*self.bias_shape),
+            "dout": randn(self.B, self.H, self.T, self.Dv),
+        }
+
+    def allowed(self) -> Tensor:
+        """The mask as a dense (B, H, T, S) bool tensor (all True without a mask)."""
+        full = (self.B, self.H, self.T, self.S)
+        if self.mask is None:
+            return torch.ones(full, dtype=torch.bool)
+        m = masks.as_mask(self.mask, self.q_offset)
+        return m.materialize(*full, self.q_offset).expand(full)
+
+    def empty_rows(self) -> Tensor:
+        """(B, H, T, 1): True for queries that may attend to no key."""
+        return ~self.allowed().any(dim=-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A backend's output and the gradients of q, k, v under the case's upstream gradient."""
+
+    out: Tensor
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+
+    def items(self) -> list[tuple[str, Tensor]]:
+        return [("out", self.out), ("dq", self.dq), ("dk", self.dk), ("dv", self.dv)]
+
+
+def rounded(inputs: dict[str, Tensor | None], dtype: torch.dtype) -> dict[str, Tensor | None]:
+    """The inputs as the dtype holds them, carried back to float64 (what the oracle sees)."""
+    return {k: None if t is None else t.to(dtype).double() for k, t in inputs.items()}
+
+
+def run(
+    case: Case,
+    inputs: dict[str, Tensor | None],
+    dtype: torch.dtype,
+    backend: str,
+    **kwargs,
+) -> Result:
+    """Run ``attention`` in ``dtype`` forward, then backward under ``inputs['dout']``."""
+    q, k, v = (inputs[n].to(dtype).requires_grad_() for n in "qkv")
+    bias = inputs["bias"]
+    out = attention(
+        q,
+        k,
+        v,
+        case.mask,
+        bias=None if bias is None else bias.to(dtype),
+        q_offset=case.q_offset,
+        backend=backend,
+        **kwargs,
+    )
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs["dout"].to(dtype))
+    return Result(out.detach(), dq, dk, dv)
+
+
+def oracle(case: Case, inputs: dict[str, Tensor | None], dtype: torch.dtype) -> Result:
+    """The reference in float64 on the inputs exactly as ``dtype`` holds them."""
+    return run(case, rounded(inputs, dtype), torch.float64, "reference")
+
+
+def max_err(x: Tensor, exact: Tensor) -> float:
+    return (x.double() - exact).abs().max().item()
+
+
+# --- hypothesis strategies ------------------------------------------------------------------------
+
+
+def broadcast_shapes(full: tuple[int, ...]) -> st.SearchStrategy[tuple[int, ...]]:
+    """Shapes broadcastable to ``full``: each dim kept or 1, some leading dims dropped."""
+
+    @st.composite
+    def shapes(draw) -> tuple[int, ...]:
+        kept = tuple(n if draw(st.booleans()) else 1 for n in full)
+        drop = draw(st.integers(0, len(full) - 1))
+        return kept[drop:]
+
+    return shapes()
+
+
+def _random_bool(shape: tuple[int, ...], seed: int, p_true: float = 0.7) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g) < p_true
+
+
+def dense_tensors(B: int, H: int, T: int, S: int) -> st.SearchStrategy[Tensor]:
+    """Random bool tensors broadcastable to (B, H, T, S), mostly True."""
+    return st.tuples(broadcast_shapes((B, H, T, S)), st.integers(0, 2**31 - 1)).map(
+        lambda shape_seed: _random_bool(*shape_seed)
+    )
+
+
+def mask_leaves(B: int, H: int, T: int, S: int, q_offset: int) -> st.SearchStrategy[Mask]:
+    """Every built-in mask, with parameters that fit a (B, H, T, S) call at ``q_offset``."""
+    N = max(q_offset + T, S)  # positions a document-id row must cover
+    seeds = st.integers(0, 2**31 - 1)
+    batch_ints = st.lists(st.integers(0, S), min_size=B, max_size=B).map(torch.tensor)
+
+    @st.composite
+    def document_ids(draw) -> Tensor:
+        rows = draw(st.sampled_from([1, B]))
+        # Packed documents are runs of equal ids: a new document starts wherever a flag is set.
+        starts = draw(st.lists(st.booleans(), min_size=rows * N, max_size=rows * N))
+        return torch.tensor(starts).view(rows, N).long().cumsum(dim=1)
+
+    return st.one_of(
+        st.just(masks.causal()),
+        st.integers(1, S + 1).map(masks.sliding_window),
+        batch_ints.map(masks.padding),  # a length of 0 masks every key of that sequence
+        seeds.map(lambda s: masks.padding(valid=_random_bool((B, S), s))),
+        document_ids().map(masks.document),
+        st.integers(0, S).map(masks.prefix_lm),
+        batch_ints.map(masks.prefix_lm),
+        dense_tensors(B, H, T, S).map(lambda t: masks.dense(t, q_offset)),
+    )
+
+
+def mask_strategy(B: int, H: int, T: int, S: int, q_offset: int) -> st.SearchStrategy:
+    """None, a built-in mask, a bare bool tensor, or ``&`` / ``|`` / ``~`` combinations."""
+    leaves = mask_leaves(B, H, T, S, q_offset)
+    combined = st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.tuples(inner, inner).map(lambda lr: lr[0] & lr[1]),
+            st.tuples(inner, inner).map(lambda lr: lr[0] | lr[1]),
+            inner.map(lambda m: ~m),
+        ),
+        max_leaves=3,
+    )
+    # A bare tensor is what most callers pass; attention() wraps it at the call's q_offset.
+    return st.one_of(st.none(), combined, dense_tensors(B, H, T, S))
+
+
+@st.composite
+def attention_cases(draw, *, bias: bool | None = None, max_len: int = 24) -> Case:
+    """A random attention call; ``bias`` True/False forces a bias on/off (None: either)."""
+    B = draw(st.integers(1, 2))
+    G = draw(st.integers(1, 3))
+    H = G * draw(st.integers(1, 3))
+    T = draw(st.integers(1, max_len))
+    S = draw(st.integers(1, max_len))
+    D = draw(st.sampled_from(HEAD_DIMS))
+    Dv = draw(st.one_of(st.just(D), st.sampled_from(HEAD_DIMS)))
+    # Decoding with a cache: the T queries are the last ones of S ≥ T + q_offset positions.
+    q_offset = draw(st.integers(0, S - T)) if S > T and draw(st.booleans()) else 0
+    mask = draw(mask_strategy(B, H, T, S, q_offset))
+    with_bias = draw(st.booleans()) if bias is None else bias
+    bias_shape = draw(broadcast_shapes((B, H, T, S))) if with_bias else None
+    seed = draw(st.integers(0, 2**31 - 1))
+    return Case(B, H, G, T, S, D, Dv, q_offset, mask, bias_shape, seed)
