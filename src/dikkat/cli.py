@@ -48,24 +48,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print("\nS4  causal mask, 3 tokens: cells set to −∞ (x) — queries down, keys across")
     for i, r in enumerate(causal_exercise(3).tolist()):
-        print("  " + " ".join("x" if c else "." for c in r) + ("   " + SEED_CLAIMS["S4"] if i == 0 else ""))
+        print(
+            "  "
+            + " ".join("x" if c else "." for c in r)
+            + ("   " + SEED_CLAIMS["S4"] if i == 0 else "")
+        )
 
     s = scaling_experiment(d_k=args.d_k)
     print(f"\nS3  why divide by √d_k: d_k = {s.d_k}, {s.n_keys} keys, unit-variance q and k")
-    row("score variance", f"unscaled {s.score_var_unscaled:.1f}, scaled {s.score_var_scaled:.2f}",
-        f"grows with d_k ({s.d_k}) vs ≈ 1")
-    row("mean largest weight", f"unscaled {s.max_weight_unscaled:.2f}, scaled {s.max_weight_scaled:.2f}",
-        SEED_CLAIMS["S3"])
-    row("mean entropy (nats)", f"unscaled {s.entropy_unscaled:.2f}, scaled {s.entropy_scaled:.2f}",
-        f"uniform would be {math.log(s.n_keys):.2f}")
+    row(
+        "score variance",
+        f"unscaled {s.score_var_unscaled:.1f}, scaled {s.score_var_scaled:.2f}",
+        f"grows with d_k ({s.d_k}) vs ≈ 1",
+    )
+    row(
+        "mean largest weight",
+        f"unscaled {s.max_weight_unscaled:.2f}, scaled {s.max_weight_scaled:.2f}",
+        SEED_CLAIMS["S3"],
+    )
+    row(
+        "mean entropy (nats)",
+        f"unscaled {s.entropy_unscaled:.2f}, scaled {s.entropy_scaled:.2f}",
+        f"uniform would be {math.log(s.n_keys):.2f}",
+    )
 
     print("\nS13 torch.nn.MultiheadAttention script, run through MultiHeadAttention.from_torch")
     f = torch_mha_facts()
     row("weights shape", str(f.weights_shape), SEED_CLAIMS["S13 shape"])
     row("same outputs after shuffling", str(f.shuffle_equal), SEED_CLAIMS["S13 shuffle"])
     row("max |ours − torch| output", f"{f.max_output_diff:.1e}", "(ours must match torch)")
-    print(f"  causal weights (ours; max |ours − torch| = "
-          f"{(f.causal_weights_ours - f.causal_weights_torch).abs().max().item():.1e}):")
+    print(
+        f"  causal weights (ours; max |ours − torch| = "
+        f"{(f.causal_weights_ours - f.causal_weights_torch).abs().max().item():.1e}):"
+    )
     for r in f.causal_weights_ours.tolist():
         print("    " + " ".join(f"{x:.2f}" for x in r))
     print(f"  {'':<28} {'':<34} seed: {SEED_CLAIMS['S13 causal']}")
@@ -105,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  dikkat demo\n  dikkat demo --d-k 128",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--d-k", type=positive_int, default=64, help="head dim for the S3 scaling experiment")
+    demo.add_argument(
+        "--d-k", type=positive_int, default=64, help="head dim for the S3 scaling experiment"
+    )
     demo.set_defaults(func=cmd_demo)
     return parser
 

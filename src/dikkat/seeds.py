@@ -71,7 +71,9 @@ class ScalingStats:
     n_keys: int
 
 
-def scaling_experiment(d_k: int = 64, n_keys: int = 64, rows: int = 4096, seed: int = 0) -> ScalingStats:
+def scaling_experiment(
+    d_k: int = 64, n_keys: int = 64, rows: int = 4096, seed: int = 0
+) -> ScalingStats:
     """Random unit-variance q and k: how peaked is softmax(q·k) against softmax(q·k / √d_k)?"""
     for name, value in (("d_k", d_k), ("n_keys", n_keys), ("rows", rows)):
         if value <= 0:
@@ -113,7 +115,9 @@ def torch_mha_facts() -> TorchMHAFacts:
         out, weights = ours(tokens, return_weights=True)
         perm = torch.tensor([3, 0, 4, 1, 2])
         out_shuffled = ours(tokens[:, perm])
-        blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # torch: True = blocked
+        blocked = torch.triu(
+            torch.ones(5, 5, dtype=torch.bool), diagonal=1
+        )  # torch: True = blocked
         _, causal_torch = attn(tokens, tokens, tokens, attn_mask=blocked)
         _, causal_ours = ours(tokens, mask=from_torch_mask(blocked), return_weights=True)
     return TorchMHAFacts(

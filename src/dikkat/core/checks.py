@@ -106,7 +106,7 @@ def check_bias(bias: Tensor | None, q: Tensor, shape: AttentionShape) -> Tensor 
         )
     if bias.device != q.device:
         raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
-    return b4
+    return b4.to(q.dtype)  # every backend adds it to scores in the dtype of q
 
 
 def check_dropout(dropout: float) -> float:

@@ -53,7 +53,7 @@ class Mask:
     """A predicate on (batch, head, absolute query position, key position)."""
 
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """Return a bool tensor, broadcast from the index tensors: True where attention is allowed."""
+        """A bool tensor broadcast from the index tensors: True where attention is allowed."""
         raise NotImplementedError
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
@@ -188,7 +188,7 @@ def _check_batch(name: str, n: int, B: int) -> None:
 
 @dataclass(frozen=True, eq=False)
 class Padding(Mask):
-    """Key padding: in sequence b only keys ``kv < lengths[b]`` are real, or those marked in ``valid``.
+    """Key padding: in sequence b only keys ``kv < lengths[b]`` (or marked in ``valid``) are real.
 
     Exactly one of ``lengths`` (B,) integers (right padding) and ``valid`` (B, S) bools (any
     layout, e.g. left padding for batched generation) is set.
@@ -267,7 +267,9 @@ class DenseMask(Mask):
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor, Tensor):
-            raise TypeError(f"mask must be a Mask or a bool tensor, got {type(self.tensor).__name__}")
+            raise TypeError(
+                f"mask must be a Mask or a bool tensor, got {type(self.tensor).__name__}"
+            )
         if self.tensor.dtype != torch.bool:
             raise TypeError(
                 f"mask tensor must be bool (True = may attend), got dtype {self.tensor.dtype}; "
@@ -411,7 +413,8 @@ def from_torch_mask(
             allowed = allowed.view(-1, n_heads, *allowed.shape[1:])
         else:
             raise ValueError(
-                f"attn_mask must have shape (T, S) or (B*n_heads, T, S), got {tuple(attn_mask.shape)}"
+                f"attn_mask must have shape (T, S) or (B*n_heads, T, S), "
+                f"got {tuple(attn_mask.shape)}"
             )
         out = allowed
     if key_padding_mask is not None:

@@ -19,7 +19,7 @@ from dikkat.core.masks import Mask
 
 
 def repeat_kv(x: Tensor, group: int) -> Tensor:
-    """(B, G, S, D) → (B, G·group, S, D): key/value head g serves query heads g·group … g·group+group−1."""
+    """(B, G, S, D) → (B, G·group, S, D): kv head g serves query heads g·group … (g+1)·group − 1."""
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 

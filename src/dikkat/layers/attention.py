@@ -65,7 +65,9 @@ class MultiHeadAttention(nn.Module):
                 )
             head_dim = d_model // n_heads
         if rope is not None and rope.head_dim != head_dim:
-            raise ValueError(f"rope was built for head_dim {rope.head_dim}, attention has {head_dim}")
+            raise ValueError(
+                f"rope was built for head_dim {rope.head_dim}, attention has {head_dim}"
+            )
         if alibi is not None and alibi.n_heads != n_heads:
             raise ValueError(f"alibi was built for {alibi.n_heads} heads, attention has {n_heads}")
         context_dim = d_model if context_dim is None else context_dim
@@ -154,7 +156,9 @@ class MultiHeadAttention(nn.Module):
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn have no dikkat equivalent")
         if m.kdim != m.vdim:
-            raise ValueError(f"kdim={m.kdim} and vdim={m.vdim} differ; dikkat uses one context width")
+            raise ValueError(
+                f"kdim={m.kdim} and vdim={m.vdim} differ; dikkat uses one context width"
+            )
         has_bias = m.in_proj_bias is not None
         layer = cls(
             m.embed_dim,

@@ -51,7 +51,9 @@ class BlockConfig:
         if self.norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {self.norm!r}")
         if self.d_model <= 0 or self.n_heads <= 0:
-            raise ValueError(f"d_model and n_heads must be positive, got {self.d_model}, {self.n_heads}")
+            raise ValueError(
+                f"d_model and n_heads must be positive, got {self.d_model}, {self.n_heads}"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         kv = self.kv_heads
@@ -139,7 +141,11 @@ class Block(nn.Module):
         self.norm_cross = None
         if c.cross_attention:
             self.cross_attn = MultiHeadAttention(
-                c.d_model, c.n_heads, n_kv_heads=c.n_kv_heads, bias=c.bias, dropout=c.dropout,
+                c.d_model,
+                c.n_heads,
+                n_kv_heads=c.n_kv_heads,
+                bias=c.bias,
+                dropout=c.dropout,
                 backend=backend,
             )
             self.norm_cross = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
@@ -187,7 +193,9 @@ class Block(nn.Module):
         if self.cross_attn is not None:
 
             def cross_attention(h: Tensor) -> tuple[Tensor, Tensor | None]:
-                return self._attend(self.cross_attn, h, context, context_mask, 0, None, return_weights)
+                return self._attend(
+                    self.cross_attn, h, context, context_mask, 0, None, return_weights
+                )
 
             x, w_cross = self._residual(x, self.norm_cross, cross_attention)
         x, _ = self._residual(x, self.norm2, lambda h: (self.mlp(h), None))
@@ -203,5 +211,7 @@ class Block(nn.Module):
         positions: Tensor | None,
         return_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        out = layer(h, context, mask, offset=offset, positions=positions, return_weights=return_weights)
+        out = layer(
+            h, context, mask, offset=offset, positions=positions, return_weights=return_weights
+        )
         return out if return_weights else (out, None)

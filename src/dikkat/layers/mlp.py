@@ -31,7 +31,9 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
         hidden = 4 * d_model if hidden is None else hidden
         self.up = nn.Linear(d_model, hidden, bias=bias)
         self.act = _ACTIVATIONS[activation]()

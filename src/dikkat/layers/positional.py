@@ -38,7 +38,9 @@ def resolve_positions(
     if not isinstance(positions, Tensor) or positions.dtype.is_floating_point:
         raise TypeError("positions must be an integer tensor of shape (T,) or (B, T)")
     if positions.dim() not in (1, 2) or positions.shape[-1] != T:
-        raise ValueError(f"positions must have shape (T,) or (B, T) with T={T}, got {tuple(positions.shape)}")
+        raise ValueError(
+            f"positions must have shape (T,) or (B, T) with T={T}, got {tuple(positions.shape)}"
+        )
     return positions
 
 
@@ -50,7 +52,7 @@ def _check_max_len(pos: Tensor, max_len: int, what: str) -> None:
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); (max_len, d)."""
+    """(max_len, d): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same angle)."""
     if d_model % 2:
         raise ValueError(f"sinusoidal encoding needs an even d_model, got {d_model}")
     pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (L, 1)
@@ -112,7 +114,9 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype."""
         if x.shape[-1] != self.head_dim:
-            raise ValueError(f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}")
+            raise ValueError(
+                f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}"
+            )
         _check_max_len(positions, self.max_len, "RotaryEmbedding")
         cos, sin = self.cos[positions], self.sin[positions]  # (T, D/2) or (B, T, D/2)
         if positions.dim() == 2:
@@ -140,7 +144,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
 
 
 class ALiBi(nn.Module):
-    """ALiBi: score(i, j) −= slope_h · (i − j). No position vectors; the penalty grows with distance.
+    """ALiBi: score(i, j) −= slope_h · (i − j), a penalty that grows with distance.
 
     Produces an additive bias for :func:`dikkat.attention`. Keys after the query (j > i) get a
     positive term; models that use ALiBi pair it with a causal mask, encoders use |i − j|.

@@ -1,0 +1,11 @@
+"""`make bench`: run every benchmark in turn; each prints a table and writes results/*.json."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import attention
+
+if __name__ == "__main__":
+    attention.main(sys.argv[1:])
