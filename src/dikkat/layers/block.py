@@ -182,8 +182,9 @@ class Block(nn.Module):
             return_weights: also return a :class:`BlockWeights`.
         """
         if (context is None) == (self.cross_attn is not None):
-            need = "needs" if self.cross_attn is not None else "has no cross-attention and takes no"
-            raise ValueError(f"this block {need} a context")
+            if self.cross_attn is not None:
+                raise ValueError("this block has cross-attention and needs a context")
+            raise ValueError("this block has no cross-attention and takes no context")
 
         def self_attention(h: Tensor) -> tuple[Tensor, Tensor | None]:
             return self._attend(self.attn, h, None, mask, offset, positions, return_weights)

@@ -35,7 +35,11 @@ def resolve_positions(
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         return torch.arange(offset, offset + T, device=device)
-    if not isinstance(positions, Tensor) or positions.dtype.is_floating_point:
+    if (
+        not isinstance(positions, Tensor)
+        or positions.dtype.is_floating_point
+        or positions.dtype == torch.bool  # a bool tensor would index as a mask, not positions
+    ):
         raise TypeError("positions must be an integer tensor of shape (T,) or (B, T)")
     if positions.dim() not in (1, 2) or positions.shape[-1] != T:
         raise ValueError(
@@ -47,7 +51,8 @@ def resolve_positions(
 def _check_max_len(pos: Tensor, max_len: int, what: str) -> None:
     if pos.numel() and (int(pos.max()) >= max_len or int(pos.min()) < 0):
         raise ValueError(
-            f"{what} holds positions 0 … {max_len - 1}, got positions up to {int(pos.max())}"
+            f"{what} holds positions 0 … {max_len - 1}, got positions {int(pos.min())} … "
+            f"{int(pos.max())}"
         )
 
 
@@ -106,10 +111,9 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim, self.base, self.max_len = head_dim, base, max_len
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.arange(max_len, dtype=torch.float64).unsqueeze(1) * inv_freq  # (L, D/2)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
+        # frequencies. Angles are computed in float64 for the positions of each call.
+        self.inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype."""
@@ -118,10 +122,11 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}"
             )
         _check_max_len(positions, self.max_len, "RotaryEmbedding")
-        cos, sin = self.cos[positions], self.sin[positions]  # (T, D/2) or (B, T, D/2)
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
         if positions.dim() == 2:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D/2): same for every head
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
