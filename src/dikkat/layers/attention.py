@@ -10,12 +10,17 @@ head (grouped-query attention, S17), which shrinks the keys and values to cache 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from dikkat.core.attention import attention
 from dikkat.core.masks import Mask
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
+
+if TYPE_CHECKING:  # layers only call the cache; generation owns it
+    from dikkat.generation.kv_cache import KVCache
 
 
 class MultiHeadAttention(nn.Module):
@@ -92,35 +97,40 @@ class MultiHeadAttention(nn.Module):
         *,
         offset: int = 0,
         positions: Tensor | None = None,
+        cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, C) to itself, or to ``context`` (B, S, Cc) for cross-attention.
 
         Args:
-            mask: True = may attend, over the (B, H, T, S) scores.
-            offset, positions: the absolute positions of x's tokens, for RoPE and ALiBi.
+            mask: True = may attend, over the (B, H, T, S) scores. With a cache, key j is cache
+                slot j and query i sits at slot ``offset + i``; without one, keys are x's tokens.
+            offset: cache slot (and, unless ``positions`` is given, position) of x's first token.
+            positions: explicit positions (T,) or (B, T) of x's tokens, for RoPE.
+            cache: self-attention: x's keys/values are written at ``offset`` and all filled slots
+                are attended. Cross-attention: filled from ``context`` on first use and reused
+                after, so the source is projected once per generation.
             return_weights: also return the weights (B, H, T, S).
         """
         self._check_input("x", x, self.d_model)
-        source = x if context is None else context
-        if context is not None:
-            self._check_input("context", context, self.context_dim)
-            if context.shape[0] != x.shape[0]:
-                raise ValueError(
-                    f"context batch {context.shape[0]} differs from x batch {x.shape[0]}: "
-                    f"x {tuple(x.shape)}, context {tuple(context.shape)}"
-                )
         q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
-        k = self._heads(self.k_proj(source), self.n_kv_heads)  # (B, G, S, D)
-        v = self._heads(self.v_proj(source), self.n_kv_heads)  # (B, G, S, D)
-
-        bias = None
-        if context is None and (self.rope is not None or self.alibi is not None):
-            pos = resolve_positions(x.shape[1], offset, positions, x.device)
+        bias, q_offset = None, 0
+        if context is not None:
+            k, v = self._cross_kv(x, context, cache)  # (B, G, S, D) each
+        else:
+            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, G, T, D)
+            v = self._heads(self.v_proj(x), self.n_kv_heads)
             if self.rope is not None:
+                pos = resolve_positions(x.shape[1], offset, positions, x.device)
                 q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+            if cache is not None:
+                k, v = cache.update(offset, k, v)  # (B, G, offset + T, D): every filled slot
+                q_offset = offset
             if self.alibi is not None:
-                bias = self.alibi.bias(pos, pos).to(q.dtype)
+                # ALiBi needs only distances, and slot distance equals position distance.
+                q_idx = torch.arange(q_offset, q_offset + x.shape[1], device=x.device)
+                bias = self.alibi.bias(q_idx, torch.arange(k.shape[2], device=x.device))
+                bias = bias.to(q.dtype)
 
         out = attention(
             q,
@@ -128,6 +138,7 @@ class MultiHeadAttention(nn.Module):
             v,
             mask,
             bias=bias,
+            q_offset=q_offset,
             dropout=self.dropout if self.training else 0.0,
             backend=self.backend,
             return_weights=return_weights,
@@ -136,6 +147,22 @@ class MultiHeadAttention(nn.Module):
         B, H, T, D = out.shape
         y = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))  # concat heads, then W_O
         return (y, weights) if return_weights else y
+
+    def _cross_kv(self, x: Tensor, context: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        """Keys and values of the context: projected now, or read from a filled cross cache."""
+        self._check_input("context", context, self.context_dim)
+        if context.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"context batch {context.shape[0]} differs from x batch {x.shape[0]}: "
+                f"x {tuple(x.shape)}, context {tuple(context.shape)}"
+            )
+        if cache is not None and cache.length > 0:
+            return cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]
+        k = self._heads(self.k_proj(context), self.n_kv_heads)  # (B, G, S, D)
+        v = self._heads(self.v_proj(context), self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.update(0, k, v)
+        return k, v
 
     @staticmethod
     def _check_input(name: str, t: Tensor, width: int) -> None:

@@ -21,7 +21,7 @@ only through a product of layer Jacobians.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
 
@@ -30,6 +30,9 @@ from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.mlp import MLP, Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import ALiBi, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from dikkat.generation.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,8 @@ class Block(nn.Module):
         context_mask: Mask | Tensor | None = None,
         offset: int = 0,
         positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        cross_cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, BlockWeights]:
         """x (B, T, C) → (B, T, C).
@@ -178,7 +183,8 @@ class Block(nn.Module):
             mask: self-attention mask over (B, H, T, T), True = may attend.
             context: encoder output (B, S, C), required when the block has cross-attention.
             context_mask: cross-attention mask over (B, H, T, S), e.g. source padding.
-            offset, positions: absolute positions of x's tokens (RoPE, ALiBi).
+            offset, positions: cache slot / absolute positions of x's tokens (RoPE, ALiBi).
+            cache, cross_cache: KV caches of the self- and cross-attention (generation).
             return_weights: also return a :class:`BlockWeights`.
         """
         if (context is None) == (self.cross_attn is not None):
@@ -187,7 +193,7 @@ class Block(nn.Module):
             raise ValueError("this block has no cross-attention and takes no context")
 
         def self_attention(h: Tensor) -> tuple[Tensor, Tensor | None]:
-            return self._attend(self.attn, h, None, mask, offset, positions, return_weights)
+            return self._attend(self.attn, h, None, mask, offset, positions, cache, return_weights)
 
         x, w_self = self._residual(x, self.norm1, self_attention)
         w_cross = None
@@ -195,7 +201,7 @@ class Block(nn.Module):
 
             def cross_attention(h: Tensor) -> tuple[Tensor, Tensor | None]:
                 return self._attend(
-                    self.cross_attn, h, context, context_mask, 0, None, return_weights
+                    self.cross_attn, h, context, context_mask, 0, None, cross_cache, return_weights
                 )
 
             x, w_cross = self._residual(x, self.norm_cross, cross_attention)
@@ -210,9 +216,16 @@ class Block(nn.Module):
         mask: Mask | Tensor | None,
         offset: int,
         positions: Tensor | None,
+        cache: KVCache | None,
         return_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         out = layer(
-            h, context, mask, offset=offset, positions=positions, return_weights=return_weights
+            h,
+            context,
+            mask,
+            offset=offset,
+            positions=positions,
+            cache=cache,
+            return_weights=return_weights,
         )
         return out if return_weights else (out, None)

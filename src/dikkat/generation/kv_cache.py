@@ -1,0 +1,91 @@
+"""A preallocated KV cache: keys and values of past tokens, written in place, never re-grown (S7).
+
+Notation: ``B`` batch, ``G`` key/value heads, ``S_max`` cache capacity, ``T`` new tokens,
+``D`` head dim.
+
+Decoding one token with the cache costs one row of scores against the S cached keys instead of
+recomputing the whole (S, S) prefix; the prefill still pays the n² the seed warns about. With
+grouped-query attention only G of the H heads are stored, so the cache is H/G times smaller (S17).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    """Keys and values of one attention layer, (B, G, S_max, D) each, filled from slot 0.
+
+    >>> cache = KVCache(batch=1, n_kv_heads=2, max_len=16, head_dim=8)
+    >>> k, v = cache.update(0, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))  # prefill
+    >>> k, v = cache.update(5, torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))  # one step
+    >>> k.shape, cache.length
+    (torch.Size([1, 2, 6, 8]), 6)
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("batch", batch),
+            ("n_kv_heads", n_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.length = 0  # slots 0 … length−1 hold real keys
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated keys and values."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, G, T, D) into slots start … start+T−1; return all filled slots.
+
+        Returns views (B, G, start+T, D) of the keys and values so far; writing at ``start`` below
+        the current length overwrites (e.g. to reuse the cache for a new prompt).
+        """
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+        B, G, T, D = self.k.shape[0], self.k.shape[1], k.shape[2], self.k.shape[3]
+        if k.dim() != 4 or k.shape[0] != B or k.shape[1] != G or k.shape[3] != D:
+            raise ValueError(
+                f"cache holds (B, G, S_max, D) = {tuple(self.k.shape)}; got k of shape "
+                f"{tuple(k.shape)}"
+            )
+        if not 0 <= start <= self.length:
+            raise ValueError(f"start={start} must lie in 0 … {self.length} (the filled length)")
+        end = start + T
+        if end > self.max_len:
+            raise ValueError(
+                f"cache is full: {end} tokens do not fit in its {self.max_len} slots "
+                "(allocate a larger max_len)"
+            )
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.k.shape)}, dtype={self.k.dtype}, length={self.length}"
