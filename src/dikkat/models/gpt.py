@@ -1,0 +1,198 @@
+"""GPT: a decoder-only, causal stack of pre-norm blocks (S11).
+
+Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
+
+ids (B, T) → token embedding (+ learned positions, or RoPE inside attention) → n blocks, each
+attending only to the past → final LayerNorm → logits (B, T, V) through the output embedding,
+which by default is the token embedding itself (tied).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.core.masks import Mask, causal
+from dikkat.generation.kv_cache import KVCache
+from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.mlp import Activation
+from dikkat.layers.norm import LayerNorm
+from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
+from dikkat.models.io import SaveLoad
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes and choices of a GPT."""
+
+    vocab_size: int = 256  # V: 256 = raw bytes
+    max_len: int = 256  # longest sequence (context length)
+    d_model: int = 128  # width C
+    n_layers: int = 4  # number of blocks
+    n_heads: int = 4  # query heads H
+    n_kv_heads: int | None = None  # key/value heads G (GQA); None = n_heads
+    d_ff: int | None = None  # MLP hidden width; None = 4·d_model
+    position: Literal["learned", "rope"] = "learned"  # added vectors, or rotated q/k
+    rope_base: float = 10000.0  # RoPE frequency base
+    dropout: float = 0.0  # on embeddings, residual branches and attention weights
+    bias: bool = True  # biases in projections and LayerNorms
+    norm_eps: float = 1e-5  # LayerNorm epsilon
+    activation: Activation = "gelu_tanh"  # GPT-2's GELU
+    tie_embeddings: bool = True  # output projection = token embedding
+
+    def __post_init__(self) -> None:
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"position must be 'learned' or 'rope', got {self.position!r}")
+        for name in ("vocab_size", "max_len", "n_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.block()  # validates widths and head counts
+
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            d_ff=self.d_ff,
+            norm="pre",
+            norm_eps=self.norm_eps,
+            activation=self.activation,
+            bias=self.bias,
+            dropout=self.dropout,
+        )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> GPTConfig:
+        if name not in GPT_PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(GPT_PRESETS)}")
+        return replace(GPT_PRESETS[name], **overrides)
+
+
+GPT_PRESETS: dict[str, GPTConfig] = {
+    # For tests and the demo: bytes in, 4 layers of width 128.
+    "tiny": GPTConfig(),
+    # GPT-2 small (124M): 12 layers, 12 heads, width 768, BPE vocabulary, context 1024.
+    "gpt2-small": GPTConfig(vocab_size=50257, max_len=1024, d_model=768, n_layers=12, n_heads=12),
+}
+
+
+class GPT(SaveLoad, nn.Module):
+    """Decoder-only Transformer language model.
+
+    >>> model = GPT(GPTConfig.preset("tiny"))
+    >>> model(torch.randint(0, 256, (2, 16))).shape
+    torch.Size([2, 16, 256])
+    """
+
+    config_class = GPTConfig
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = (
+            LearnedPositionalEmbedding(c.max_len, c.d_model) if c.position == "learned" else None
+        )
+        rope = (
+            RotaryEmbedding(c.d_model // c.n_heads, base=c.rope_base, max_len=c.max_len)
+            if c.position == "rope"
+            else None
+        )
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c.block(), rope=rope) for _ in range(c.n_layers))
+        self.norm_f = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/√(2·layers).
+        for name, p in self.named_parameters():
+            if name.endswith(("out_proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layers))
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.Embedding, LearnedPositionalEmbedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def is_tied(self, name: str) -> bool:
+        return self.config.tie_embeddings and name == "lm_head.weight"
+
+    @property
+    def n_params(self) -> int:
+        """Parameters, counting a tied embedding once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(
+        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        """One preallocated KV cache per layer, (B, G, max_len, D) each."""
+        c = self.config
+        max_len = c.max_len if max_len is None else max_len
+        if max_len > c.max_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's context of {c.max_len}")
+        weight = self.tok_emb.weight
+        return [
+            KVCache(
+                batch,
+                c.block().kv_heads,
+                max_len,
+                c.d_model // c.n_heads,
+                dtype=dtype or weight.dtype,
+                device=weight.device,
+            )
+            for _ in range(c.n_layers)
+        ]
+
+    def forward(
+        self,
+        ids: Tensor,
+        mask: Mask | Tensor | None = None,
+        *,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        cache: list[KVCache] | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
+
+        Args:
+            mask: default ``causal()``; a given mask replaces it (combine with ``causal() & …``).
+            offset: cache slot (and default position) of ids[:, 0].
+            positions: explicit positions (T,) or (B, T), e.g. after left padding.
+            cache: per-layer KV caches from :meth:`new_cache`; filled at ``offset``.
+        """
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dim() != 2:
+            raise ValueError(
+                f"ids must be an integer tensor (B, T), got {getattr(ids, 'shape', ids)}"
+            )
+        T = ids.shape[1]
+        c = self.config
+        end = offset + T if positions is None else int(positions.max()) + 1
+        if end > c.max_len:
+            raise ValueError(f"positions reach {end - 1}, past the model's context of {c.max_len}")
+        if cache is not None and len(cache) != c.n_layers:
+            raise ValueError(f"cache has {len(cache)} layers, the model {c.n_layers}")
+        mask = causal() if mask is None else mask
+        x = self.tok_emb(ids)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = self.pos_emb(x, offset, positions)
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(
+                x,
+                mask,
+                offset=offset,
+                positions=positions,
+                cache=None if cache is None else cache[i],
+            )
+        x = self.norm_f(x)
+        return x if return_hidden else self.lm_head(x)  # (B, T, V)

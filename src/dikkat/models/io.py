@@ -1,0 +1,115 @@
+"""Saving and loading models: safetensors weights + a JSON config, each written atomically.
+
+A directory ``path/`` holds ``config.json`` (the frozen config dataclass, the model's class name,
+the dikkat version) and ``model.safetensors``. Each file is written to a temporary name and renamed
+into place, so a crash while saving never destroys the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+M = TypeVar("M", bound="SaveLoad")
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it onto ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied (shared-storage) tensors stored once, under their first name."""
+    seen: dict[tuple[int, int], str] = {}
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen[key] = name
+        out[name] = t.detach().contiguous()
+    return out
+
+
+class SaveLoad:
+    """Mixin for a model with a frozen-dataclass ``config`` and ``__init__(config)``."""
+
+    config: Any
+    config_class: type
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (atomically)."""
+        from dikkat import __version__
+
+        path = Path(path)
+        meta = {
+            "model": type(self).__name__,
+            "dikkat_version": __version__,
+            "config": dataclasses.asdict(self.config),
+        }
+        tensors = _state_for_saving(self)  # type: ignore[arg-type]
+        atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp))
+        atomic_write(
+            path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2))
+        )
+        return path
+
+    @classmethod
+    def load(cls: type[M], path: str | os.PathLike, *, map_location: str = "cpu") -> M:
+        """Rebuild the model saved in directory ``path``; clear errors for missing or bad files."""
+        path = Path(path)
+        config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+        for p in (config_path, weights_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"checkpoint {path} has no {p.name}")
+        try:
+            meta = json.loads(config_path.read_text())
+            config = cls.config_class(**meta["config"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{config_path} is not a valid {cls.__name__} config: {e}") from None
+        if meta.get("model") != cls.__name__:
+            raise ValueError(f"{path} holds a {meta.get('model')!r}, not a {cls.__name__}")
+        try:
+            tensors = load_file(weights_path, device=map_location)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{weights_path} is truncated or corrupt: {e}") from None
+        model = cls(config)  # type: ignore[call-arg]
+        own = model.state_dict()  # type: ignore[attr-defined]
+        missing = [k for k in own if k not in tensors and not model.is_tied(k)]  # type: ignore[attr-defined]
+        unexpected = [k for k in tensors if k not in own]
+        wrong = [
+            f"{k}: file {tuple(t.shape)}, model {tuple(own[k].shape)}"
+            for k, t in tensors.items()
+            if k in own and t.shape != own[k].shape
+        ]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"{weights_path} does not match its config: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}"
+            )
+        model.load_state_dict(tensors, strict=False)  # type: ignore[attr-defined]
+        return model
+
+    def is_tied(self, name: str) -> bool:
+        """True for a parameter stored under another name (a tied output embedding)."""
+        return False
