@@ -1,5 +1,13 @@
 """Inference: the preallocated KV cache, prefill and one-token decode, sampling."""
 
+from dikkat.generation.generate import (
+    decode_step,
+    generate,
+    iter_generate,
+    left_pad,
+    prefill,
+    sample,
+)
 from dikkat.generation.kv_cache import KVCache
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "decode_step", "generate", "iter_generate", "left_pad", "prefill", "sample"]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, causal
+from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.mlp import Activation
@@ -196,3 +197,43 @@ class GPT(SaveLoad, nn.Module):
             )
         x = self.norm_f(x)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        ids: Tensor | list[list[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        seed: int | None = None,
+    ) -> Tensor | list[list[int]]:
+        """Continue each prompt by up to ``max_new_tokens`` tokens (greedy at temperature 0).
+
+        ``ids`` is a (B, T) tensor (returns (B, T + steps), rows that stopped at ``eos_id`` are
+        filled with it) or a list of prompts of any lengths (returns a list of prompt + tokens).
+        Uses a KV cache: one prefill pass, then one-token decode steps.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            new = generate(
+                self,
+                ids,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_id=eos_id,
+                seed=seed,
+            )
+        finally:
+            self.train(was_training)
+        if isinstance(ids, Tensor):
+            steps = max((len(r) for r in new), default=0)
+            fill = 0 if eos_id is None else eos_id
+            tail = torch.tensor([r + [fill] * (steps - len(r)) for r in new], dtype=ids.dtype)
+            return torch.cat([ids, tail.view(len(new), steps).to(ids.device)], dim=1)
+        return [list(p) + r for p, r in zip(ids, new, strict=True)]
