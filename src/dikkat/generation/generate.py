@@ -62,7 +62,7 @@ def sample(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else top-k / nucleus sampling."""
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
     if temperature == 0:
@@ -94,7 +94,7 @@ def _step_mask(valid: Tensor | None, length: int) -> Mask:
 def prefill(
     model: CausalLM, ids: Tensor, cache: list[KVCache], valid: Tensor | None = None
 ) -> Tensor:
-    """Run the prompt ids (B, T) through the model, filling the cache; logits of the last slot (B, V)."""
+    """Run the prompts ids (B, T) through the model, filling the cache; last-slot logits (B, V)."""
     T = ids.shape[1]
     positions = None if valid is None else (valid[:, :T].long().cumsum(-1) - 1).clamp_min(0)
     logits = model(ids, _step_mask(valid, T), cache=cache, positions=positions)
