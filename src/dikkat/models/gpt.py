@@ -198,6 +198,13 @@ class GPT(SaveLoad, nn.Module):
         x = self.norm_f(x)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
+    @classmethod
+    def from_hf(cls, model_or_state_dict: object, config: object = None) -> GPT:
+        """Build from a Hugging Face ``GPT2LMHeadModel``/``GPT2Model`` or its state dict."""
+        from dikkat.interop.hf_gpt2 import gpt_from_hf
+
+        return gpt_from_hf(model_or_state_dict, config)
+
     @torch.no_grad()
     def generate(
         self,
