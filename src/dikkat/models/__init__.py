@@ -2,5 +2,16 @@
 
 from dikkat.models.bert import BERT, BERT_PRESETS, BERTConfig
 from dikkat.models.gpt import GPT, GPT_PRESETS, GPTConfig
+from dikkat.models.seq2seq import SEQ2SEQ_PRESETS, Seq2Seq, Seq2SeqConfig
 
-__all__ = ["BERT", "BERT_PRESETS", "GPT", "GPT_PRESETS", "BERTConfig", "GPTConfig"]
+__all__ = [
+    "BERT",
+    "BERT_PRESETS",
+    "GPT",
+    "GPT_PRESETS",
+    "SEQ2SEQ_PRESETS",
+    "BERTConfig",
+    "GPTConfig",
+    "Seq2Seq",
+    "Seq2SeqConfig",
+]

@@ -1,0 +1,281 @@
+"""The original encoder-decoder translator ("Attention Is All You Need", 2017) (S11, S14).
+
+Notation: ``B`` batch, ``S`` source tokens, ``T`` target tokens, ``C`` width, ``V`` vocabulary.
+
+The encoder reads the source bidirectionally (only padding is masked). The decoder attends
+causally to the target so far, and through cross-attention to the encoded source: its queries
+come from the target, its keys and values from the encoder's output. Positions are the fixed
+sinusoids, embeddings are scaled by √C, blocks are post-norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.core.masks import Mask, causal, padding
+from dikkat.generation.generate import left_pad, sample
+from dikkat.generation.kv_cache import KVCache
+from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.mlp import Activation
+from dikkat.layers.norm import LayerNorm
+from dikkat.layers.positional import SinusoidalPositionalEncoding
+from dikkat.models.io import SaveLoad
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig:
+    """Sizes and choices of an encoder-decoder Transformer."""
+
+    src_vocab_size: int = 256  # source vocabulary
+    tgt_vocab_size: int = 256  # target vocabulary
+    max_len: int = 256  # longest source or target
+    d_model: int = 128  # width C
+    n_heads: int = 4  # heads H
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    d_ff: int | None = None  # MLP hidden width; None = 4·d_model
+    norm: Literal["pre", "post"] = "post"  # the 2017 paper is post-norm
+    norm_eps: float = 1e-5
+    activation: Activation = "relu"  # the 2017 paper's FFN
+    dropout: float = 0.0
+    share_embeddings: bool = False  # one embedding for source and target (needs equal vocabs)
+    tie_output: bool = True  # output projection = target embedding
+
+    def __post_init__(self) -> None:
+        for name in (
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "max_len",
+            "n_encoder_layers",
+            "n_decoder_layers",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError("share_embeddings needs src_vocab_size == tgt_vocab_size")
+        self.block()
+
+    def block(self, *, cross_attention: bool = False) -> BlockConfig:
+        return BlockConfig(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+            norm=self.norm,
+            norm_eps=self.norm_eps,
+            activation=self.activation,
+            dropout=self.dropout,
+            cross_attention=cross_attention,
+        )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> Seq2SeqConfig:
+        if name not in SEQ2SEQ_PRESETS:
+            raise ValueError(
+                f"unknown Seq2Seq preset {name!r}; choose one of {sorted(SEQ2SEQ_PRESETS)}"
+            )
+        return replace(SEQ2SEQ_PRESETS[name], **overrides)
+
+
+SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
+    "tiny": Seq2SeqConfig(),
+    # The paper's base model: d 512, 8 heads of 64, 6 + 6 layers, MLP 2048, dropout 0.1, one
+    # shared 37k BPE vocabulary for English–German.
+    "original-base": Seq2SeqConfig(
+        src_vocab_size=37000,
+        tgt_vocab_size=37000,
+        max_len=512,
+        d_model=512,
+        n_heads=8,
+        n_encoder_layers=6,
+        n_decoder_layers=6,
+        d_ff=2048,
+        dropout=0.1,
+        share_embeddings=True,
+    ),
+}
+
+
+class Seq2Seq(SaveLoad, nn.Module):
+    """Encoder-decoder Transformer for translation.
+
+    >>> model = Seq2Seq(Seq2SeqConfig.preset("tiny"))
+    >>> src, tgt = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 7))
+    >>> model(src, tgt).shape                                   # logits for each target slot
+    torch.Size([2, 7, 256])
+    """
+
+    config_class = Seq2SeqConfig
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.src_emb = nn.Embedding(c.src_vocab_size, c.d_model)
+        self.tgt_emb = (
+            self.src_emb if c.share_embeddings else nn.Embedding(c.tgt_vocab_size, c.d_model)
+        )
+        self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len)
+        self.drop = nn.Dropout(c.dropout)
+        self.encoder = nn.ModuleList(Block(c.block()) for _ in range(c.n_encoder_layers))
+        self.decoder = nn.ModuleList(
+            Block(c.block(cross_attention=True)) for _ in range(c.n_decoder_layers)
+        )
+        # Pre-norm stacks end with a LayerNorm; post-norm blocks already end with one.
+        self.enc_norm = LayerNorm(c.d_model, eps=c.norm_eps) if c.norm == "pre" else None
+        self.dec_norm = LayerNorm(c.d_model, eps=c.norm_eps) if c.norm == "pre" else None
+        self.out = nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        nn.init.normal_(self.src_emb.weight, std=c.d_model**-0.5)
+        if not c.share_embeddings:
+            nn.init.normal_(self.tgt_emb.weight, std=c.d_model**-0.5)
+        if c.tie_output:
+            self.out.weight = self.tgt_emb.weight
+
+    def is_tied(self, name: str) -> bool:
+        c = self.config
+        return (c.tie_output and name == "out.weight") or (
+            c.share_embeddings and name == "tgt_emb.weight"
+        )
+
+    def _embed(self, emb: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dim() != 2:
+            raise ValueError(
+                f"token ids must be an integer tensor (B, L), got {getattr(ids, 'shape', ids)}"
+            )
+        # the paper multiplies embeddings by √C so they are not drowned by the sinusoids
+        return self.drop(self.pos(emb(ids) * math.sqrt(self.config.d_model), offset))
+
+    def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
+        """Source ids (B, S) → memory (B, S, C); ``src_valid`` (B, S) is False at padding."""
+        mask = None if src_valid is None else padding(valid=src_valid)
+        x = self._embed(self.src_emb, src)
+        for block in self.encoder:
+            x = block(x, mask)
+        return x if self.enc_norm is None else self.enc_norm(x)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_valid: Tensor | None = None,
+        *,
+        tgt_mask: Mask | None = None,
+        offset: int = 0,
+        cache: list[KVCache] | None = None,
+        cross_cache: list[KVCache] | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, list]:
+        """Target ids (B, T) and memory (B, S, C) → logits (B, T, V).
+
+        ``tgt_mask`` defaults to ``causal()``; caches make one-token decoding cheap (the cross
+        caches hold the projected memory, computed on the first step only).
+        """
+        ctx_mask = None if src_valid is None else padding(valid=src_valid)
+        mask = causal() if tgt_mask is None else tgt_mask
+        x = self._embed(self.tgt_emb, tgt, offset)
+        weights = []
+        for i, block in enumerate(self.decoder):
+            out = block(
+                x,
+                mask,
+                context=memory,
+                context_mask=ctx_mask,
+                offset=offset,
+                cache=None if cache is None else cache[i],
+                cross_cache=None if cross_cache is None else cross_cache[i],
+                return_weights=return_weights,
+            )
+            x, w = out if return_weights else (out, None)
+            weights.append(w)
+        if self.dec_norm is not None:
+            x = self.dec_norm(x)
+        logits = self.out(x)
+        return (logits, weights) if return_weights else logits
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_valid: Tensor | None = None,
+        tgt_valid: Tensor | None = None,
+    ) -> Tensor:
+        """Teacher forcing: logits (B, T, V) for every target slot given the ones before it."""
+        memory = self.encode(src, src_valid)
+        tgt_mask = causal() if tgt_valid is None else causal() & padding(valid=tgt_valid)
+        return self.decode(tgt, memory, src_valid, tgt_mask=tgt_mask)
+
+    def new_caches(
+        self, batch: int, max_len: int, src_len: int
+    ) -> tuple[list[KVCache], list[KVCache]]:
+        """Per decoder layer: self caches (B, H, max_len, D) and cross caches (B, H, src_len, D)."""
+        c = self.config
+        w = self.tgt_emb.weight
+        make = lambda n: [  # noqa: E731
+            KVCache(batch, c.n_heads, n, c.d_model // c.n_heads, dtype=w.dtype, device=w.device)
+            for _ in range(c.n_decoder_layers)
+        ]
+        return make(max_len), make(src_len)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        src: Tensor | list[list[int]],
+        max_new_tokens: int,
+        *,
+        bos_id: int,
+        eos_id: int | None = None,
+        pad_id: int = 0,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """Translate: encode the source once, then decode token by token from ``bos_id``.
+
+        The cross-attention keys/values of the source are projected on the first step and reused
+        from the cross caches at every later step. Returns the generated ids (without ``bos_id``),
+        cut after ``eos_id``.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            return self._generate(src, max_new_tokens, bos_id, eos_id, pad_id, temperature, seed)
+        finally:
+            self.train(was_training)
+
+    def _generate(self, src, max_new_tokens, bos_id, eos_id, pad_id, temperature, seed):
+        if isinstance(src, Tensor):
+            ids, valid = src, torch.ones_like(src, dtype=torch.bool)
+        else:  # right-pad sources: the encoder is bidirectional, padding only needs masking
+            ids, valid = left_pad([list(reversed(s)) for s in src], pad_id)
+            ids, valid = ids.flip(1), valid.flip(1)
+        device = self.tgt_emb.weight.device
+        ids, valid = ids.to(device), valid.to(device)
+        src_valid = None if bool(valid.all()) else valid
+        B = ids.shape[0]
+        steps = min(max_new_tokens, self.config.max_len - 1)
+        memory = self.encode(ids, src_valid)
+        cache, cross = self.new_caches(B, steps + 1, ids.shape[1])
+        generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        token = torch.full((B,), bos_id, dtype=torch.long, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        out = []
+        for t in range(steps):
+            logits = self.decode(
+                token.view(B, 1), memory, src_valid, offset=t, cache=cache, cross_cache=cross
+            )[:, -1]
+            token = sample(logits, temperature=temperature, generator=generator)
+            if eos_id is not None:
+                token = token.masked_fill(done, eos_id)
+                done |= token == eos_id
+            out.append(token)
+            if eos_id is not None and bool(done.all()):
+                break
+        rows = torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
+        if eos_id is not None:
+            rows = [r[: r.index(eos_id) + 1] if eos_id in r else r for r in rows]
+        return rows
