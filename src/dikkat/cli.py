@@ -14,7 +14,11 @@ from collections.abc import Sequence
 from dikkat import __version__
 
 EXAMPLES = """examples:
-  dikkat demo            walk through the seeds' numbers on real tensors
+  dikkat demo                                   the seeds' numbers on real tensors
+  dikkat generate runs/gpt "def main(" -n 200   continue a prompt with a trained GPT
+  dikkat generate --hf-gpt2 ./gpt2 "Hello" -n 40 --temperature 0.8 --top-p 0.9
+  dikkat embed "a cat" "a dog"                  MiniLM sentence embeddings
+  dikkat similar "a feline" "a cat" "a car"     rank sentences by similarity
   dikkat --version
 """
 
@@ -98,6 +102,100 @@ def positive_int(text: str) -> int:
     return value
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Continue a prompt, printing tokens as they come."""
+    import torch
+
+    from dikkat.generation import iter_generate
+    from dikkat.text import load_tokenizer
+
+    if (args.checkpoint is None) == (args.hf_gpt2 is None):
+        raise ValueError("give either a CHECKPOINT directory or --hf-gpt2 PATH")
+    if args.hf_gpt2 is not None:
+        from dikkat.interop import load_hf_gpt2_dir
+
+        model, source = load_hf_gpt2_dir(args.hf_gpt2), args.hf_gpt2
+    else:
+        from dikkat.models import GPT
+
+        model, source = GPT.load(args.checkpoint), args.checkpoint
+    model.eval()
+    tokenizer = load_tokenizer(source)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError("the prompt encodes to no tokens")
+    room = model.config.max_len - len(prompt)
+    if room <= 0:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {room + len(prompt)}"
+        )
+    steps = min(args.max_new_tokens, room)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    new: list[int] = []
+    shown = ""
+    with torch.inference_mode():
+        for token in iter_generate(
+            model,
+            [prompt],
+            steps,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_id=args.eos_id,
+            seed=args.seed,
+        ):
+            new.append(int(token[0]))
+            text = tokenizer.decode(new)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+    sys.stdout.write(tokenizer.decode(new)[len(shown) :] + "\n")
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Print one JSON list per sentence: its 384-dim MiniLM embedding."""
+    import json
+
+    from dikkat.pretrained import minilm
+
+    for row in minilm().encode(args.sentences).tolist():
+        print(json.dumps([round(x, args.digits) for x in row]))
+    return 0
+
+
+def cmd_similar(args: argparse.Namespace) -> int:
+    """Rank candidate sentences by cosine similarity to the query."""
+    from dikkat.pretrained import minilm
+
+    for score, text in minilm().similar(args.query, args.candidates):
+        print(f"{score:7.4f}  {text}")
+    return 0
+
+
+def probability(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {value}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not a usage dump
         self.exit(2, f"dikkat: error: {message} (see `dikkat --help`)\n")
@@ -124,6 +222,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--d-k", type=positive_int, default=64, help="head dim for the S3 scaling experiment"
     )
     demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser(
+        "generate",
+        help="continue a prompt with a GPT (streams tokens)",
+        description="Continue PROMPT with a dikkat GPT checkpoint or a locally saved Hugging Face "
+        "GPT-2, one token at a time over a KV cache. Greedy unless --temperature > 0.",
+        epilog="examples:\n  dikkat generate runs/gpt 'import os' -n 100\n"
+        "  dikkat generate --hf-gpt2 ./gpt2 'Hello, my name is' -n 40 --temperature 0.8 --top-k 50",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("checkpoint", nargs="?", help="directory written by model.save / dikkat train")
+    gen.add_argument("prompt", help="text to continue")
+    gen.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
+    gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=100)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=positive_int, default=None)
+    gen.add_argument("--top-p", type=probability, default=None)
+    gen.add_argument("--eos-id", type=int, default=None, help="stop at this token id")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.set_defaults(func=cmd_generate)
+
+    embed = sub.add_parser(
+        "embed",
+        help="sentence embeddings from the real all-MiniLM-L6-v2",
+        description="Print each sentence's 384-dim, L2-normalised MiniLM embedding as a JSON list.",
+        epilog="example:\n  dikkat embed 'a cat sits on the mat' 'attention is all you need'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    embed.add_argument("sentences", nargs="+")
+    embed.add_argument("--digits", type=positive_int, default=6, help="decimals to print")
+    embed.set_defaults(func=cmd_embed)
+
+    similar = sub.add_parser(
+        "similar",
+        help="rank sentences by similarity to a query (MiniLM)",
+        description="Rank CANDIDATES by cosine similarity of their MiniLM embeddings to QUERY.",
+        epilog="example:\n  dikkat similar 'a feline on a rug' 'a cat on a mat' 'prices fell'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    similar.add_argument("query")
+    similar.add_argument("candidates", nargs="+")
+    similar.set_defaults(func=cmd_similar)
     return parser
 
 
@@ -135,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"dikkat: error: {e}", file=sys.stderr)
         return 2
 

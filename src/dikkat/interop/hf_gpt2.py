@@ -13,8 +13,12 @@ unless one of these functions is called with a model object.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,7 +36,7 @@ def gpt2_config(hf_config: Any) -> GPTConfig:
             raise ValueError(f"GPT-2 configs with {flag}=True have no dikkat equivalent")
     if not getattr(hf_config, "scale_attn_weights", True):
         raise ValueError("GPT-2 configs with scale_attn_weights=False have no dikkat equivalent")
-    act = hf_config.activation_function
+    act = getattr(hf_config, "activation_function", "gelu_new")
     if act not in _ACTIVATIONS:
         raise ValueError(f"GPT-2 activation {act!r} is not one of {sorted(_ACTIVATIONS)}")
     return GPTConfig(
@@ -41,9 +45,9 @@ def gpt2_config(hf_config: Any) -> GPTConfig:
         d_model=hf_config.n_embd,
         n_layers=hf_config.n_layer,
         n_heads=hf_config.n_head,
-        d_ff=hf_config.n_inner,
+        d_ff=getattr(hf_config, "n_inner", None),
         position="learned",
-        norm_eps=hf_config.layer_norm_epsilon,
+        norm_eps=getattr(hf_config, "layer_norm_epsilon", 1e-5),
         activation=_ACTIVATIONS[act],
         tie_embeddings=True,
     )
@@ -115,3 +119,23 @@ def gpt_from_hf(model_or_state_dict: Any, config: Any = None) -> GPT:
     model.load_state_dict(tensors, strict=False)  # a tied lm_head.weight is tok_emb.weight
     dtype = next(iter(tensors.values())).dtype
     return model.to(dtype if dtype.is_floating_point else torch.float32)
+
+
+def load_hf_gpt2_dir(path: str | os.PathLike) -> GPT:
+    """A GPT from a locally saved HF GPT-2 directory (``save_pretrained``): its ``config.json``
+    and ``model.safetensors`` (or ``pytorch_model.bin``). Needs no ``transformers`` import."""
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d} has no config.json (expected an HF GPT-2 directory)")
+    hf_config = SimpleNamespace(**json.loads((d / "config.json").read_text()))
+    if getattr(hf_config, "model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{d} holds a {hf_config.model_type!r} model, not GPT-2")
+    if (d / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(d / "model.safetensors")
+    elif (d / "pytorch_model.bin").is_file():
+        state = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{d} has neither model.safetensors nor pytorch_model.bin")
+    return gpt_from_hf(state, hf_config)
