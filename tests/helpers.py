@@ -13,7 +13,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from dikkat.core import attention, masks
+from dikkat.core import attention, masks, repeat_kv
 from dikkat.core.masks import Mask
 
 HEAD_DIMS = (8, 16, 32)
@@ -118,6 +118,35 @@ def max_err(x: Tensor, exact: Tensor) -> float:
     return (x.double() - exact).abs().max().item()
 
 
+def term_sizes(case: Case, inputs: dict[str, Tensor | None], dtype: torch.dtype) -> Result:
+    """For each entry of out, dq, dk, dv: the sum of the absolute values of the terms it adds up.
+
+    Rounding errors scale with these, not with the result, which can cancel to 0 (with one
+    allowed key dq = dk = 0 exactly). With P the weights and dP = dout·Vᵀ (whose terms are
+    bounded by |dout|·|V|ᵀ):
+    out = P·V, dv = Pᵀ·dout, dS = P∘(dP − rowsum(P∘dP)), dq = scale·dS·K, dk = scale·dSᵀ·Q.
+    """
+    x = rounded(inputs, dtype)
+    q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
+    group, scale = case.group, case.D**-0.5
+    _, P = attention(
+        q, k, v, case.mask, bias=x["bias"], q_offset=case.q_offset, return_weights=True
+    )  # (B, H, T, S)
+    k, v = repeat_kv(k, group), repeat_kv(v, group)  # (B, H, S, D), (B, H, S, Dv)
+    dP = dout.abs() @ v.abs().transpose(-2, -1)  # (B, H, T, S): bounds |dP| term by term
+    dS = P * (dP + (P * dP).sum(dim=-1, keepdim=True))
+
+    def per_kv_head(t: Tensor) -> Tensor:  # (B, H, S, ·) → (B, G, S, ·): a group's heads add up
+        return t.unflatten(1, (case.G, group)).sum(dim=2)
+
+    return Result(
+        out=P @ v.abs(),
+        dq=scale * dS @ k.abs(),
+        dk=per_kv_head(scale * dS.transpose(-2, -1) @ q.abs()),
+        dv=per_kv_head(P.transpose(-2, -1) @ dout.abs()),
+    )
+
+
 # --- hypothesis strategies ------------------------------------------------------------------------
 
 
@@ -145,7 +174,7 @@ def dense_tensors(B: int, H: int, T: int, S: int) -> st.SearchStrategy[Tensor]:
     )
 
 
-def mask_leaves(B: int, H: int, T: int, S: int, q_offset: int) -> st.SearchStrategy[Mask]:
+def mask_leaves(B: int, H: int, T: int, S: int, q_offset: int) -> dict[str, st.SearchStrategy]:
     """Every built-in mask, with parameters that fit a (B, H, T, S) call at ``q_offset``."""
     N = max(q_offset + T, S)  # positions a document-id row must cover
     seeds = st.integers(0, 2**31 - 1)
@@ -158,47 +187,88 @@ def mask_leaves(B: int, H: int, T: int, S: int, q_offset: int) -> st.SearchStrat
         starts = draw(st.lists(st.booleans(), min_size=rows * N, max_size=rows * N))
         return torch.tensor(starts).view(rows, N).long().cumsum(dim=1)
 
-    return st.one_of(
-        st.just(masks.causal()),
-        st.integers(1, S + 1).map(masks.sliding_window),
-        batch_ints.map(masks.padding),  # a length of 0 masks every key of that sequence
-        seeds.map(lambda s: masks.padding(valid=_random_bool((B, S), s))),
-        document_ids().map(masks.document),
-        st.integers(0, S).map(masks.prefix_lm),
-        batch_ints.map(masks.prefix_lm),
-        dense_tensors(B, H, T, S).map(lambda t: masks.dense(t, q_offset)),
-    )
+    return {
+        "causal": st.just(masks.causal()),
+        "sliding_window": st.integers(1, S + 1).map(masks.sliding_window),
+        # a length of 0 masks every key of that sequence
+        "padding": batch_ints.map(masks.padding),
+        "padding_valid": seeds.map(lambda s: masks.padding(valid=_random_bool((B, S), s))),
+        "document": document_ids().map(masks.document),
+        "prefix_lm": st.one_of(st.integers(0, S), batch_ints).map(masks.prefix_lm),
+        "dense": dense_tensors(B, H, T, S).map(lambda t: masks.dense(t, q_offset)),
+    }
 
 
-def mask_strategy(B: int, H: int, T: int, S: int, q_offset: int) -> st.SearchStrategy:
-    """None, a built-in mask, a bare bool tensor, or ``&`` / ``|`` / ``~`` combinations."""
+MASK_KINDS = (
+    "none",
+    "causal",
+    "sliding_window",
+    "padding",
+    "padding_valid",
+    "document",
+    "prefix_lm",
+    "dense",
+    "bare_tensor",
+    "and",
+    "or",
+    "not",
+    "nested",
+)
+
+
+def mask_strategy(B: int, H: int, T: int, S: int, q_offset: int, kind: str) -> st.SearchStrategy:
+    """Masks of one kind (see ``MASK_KINDS``) for a (B, H, T, S) call at ``q_offset``."""
     leaves = mask_leaves(B, H, T, S, q_offset)
-    combined = st.recursive(
-        leaves,
-        lambda inner: st.one_of(
-            st.tuples(inner, inner).map(lambda lr: lr[0] & lr[1]),
-            st.tuples(inner, inner).map(lambda lr: lr[0] | lr[1]),
-            inner.map(lambda m: ~m),
-        ),
-        max_leaves=3,
-    )
-    # A bare tensor is what most callers pass; attention() wraps it at the call's q_offset.
-    return st.one_of(st.none(), combined, dense_tensors(B, H, T, S))
+    any_leaf = st.one_of(*leaves.values())
+    if kind in leaves:
+        return leaves[kind]
+    if kind == "none":
+        return st.none()
+    if kind == "bare_tensor":  # what most callers pass; attention() wraps it at q_offset
+        return dense_tensors(B, H, T, S)
+    if kind == "and":
+        return st.tuples(any_leaf, any_leaf).map(lambda lr: lr[0] & lr[1])
+    if kind == "or":
+        return st.tuples(any_leaf, any_leaf).map(lambda lr: lr[0] | lr[1])
+    if kind == "not":
+        return any_leaf.map(lambda m: ~m)
+    if kind == "nested":
+        return st.recursive(
+            any_leaf,
+            lambda inner: st.one_of(
+                st.tuples(inner, inner).map(lambda lr: lr[0] & lr[1]),
+                st.tuples(inner, inner).map(lambda lr: lr[0] | lr[1]),
+                inner.map(lambda m: ~m),
+            ),
+            max_leaves=4,
+        )
+    raise ValueError(f"unknown mask kind {kind!r}; choose one of {MASK_KINDS}")
 
 
 @st.composite
-def attention_cases(draw, *, bias: bool | None = None, max_len: int = 24) -> Case:
-    """A random attention call; ``bias`` True/False forces a bias on/off (None: either)."""
+def attention_cases(
+    draw, *, mask_kind: str | None = None, bias: bool | None = None, max_len: int = 24
+) -> Case:
+    """A random attention call.
+
+    ``mask_kind`` fixes the kind of mask (one of ``MASK_KINDS``; None: any); ``bias`` True/False
+    forces a bias on/off (None: either).
+    """
     B = draw(st.integers(1, 2))
     G = draw(st.integers(1, 3))
     H = G * draw(st.integers(1, 3))
-    T = draw(st.integers(1, max_len))
-    S = draw(st.integers(1, max_len))
+    if draw(st.booleans()):
+        # Decoding with a cache: the T queries sit at q_offset … q_offset + T − 1 and the keys
+        # run from 0 to at least the last query.
+        T = draw(st.integers(1, max_len - 1))
+        q_offset = draw(st.integers(1, max_len - T))
+        S = draw(st.integers(T + q_offset, max_len))
+    else:
+        T, S, q_offset = draw(st.integers(1, max_len)), draw(st.integers(1, max_len)), 0
     D = draw(st.sampled_from(HEAD_DIMS))
     Dv = draw(st.one_of(st.just(D), st.sampled_from(HEAD_DIMS)))
-    # Decoding with a cache: the T queries are the last ones of S ≥ T + q_offset positions.
-    q_offset = draw(st.integers(0, S - T)) if S > T and draw(st.booleans()) else 0
-    mask = draw(mask_strategy(B, H, T, S, q_offset))
+    kind = draw(st.sampled_from(MASK_KINDS)) if mask_kind is None else mask_kind
+    mask = draw(mask_strategy(B, H, T, S, q_offset, kind))
     with_bias = draw(st.booleans()) if bias is None else bias
     bias_shape = draw(broadcast_shapes((B, H, T, S))) if with_bias else None
     seed = draw(st.integers(0, 2**31 - 1))
