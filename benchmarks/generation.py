@@ -1,0 +1,135 @@
+"""Greedy generation speed: dikkat's GPT against Hugging Face ``generate``, identical weights.
+
+    python benchmarks/generation.py [--new 128] [--prompt 16] [--repeats 3]
+
+GPT-2-small shape (12 layers, 12 heads, 768 wide, vocabulary 50257), randomly initialised (no
+download), fp32, batch 1. Both models decode greedily from the same prompt; the tokens must be
+identical. Also: the KV cache against recomputing the whole prefix, on the tiny preset.
+The memory-bandwidth limit is (bytes of weights read per token) / (measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import save_json  # noqa: I001 — run as a script from benchmarks/
+from dikkat.models import GPT, GPTConfig
+
+
+def copy_bandwidth(nbytes: int = 1 << 29) -> float:
+    """Bytes per second of one large tensor copy (read + write), best of 5."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def time_generate(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=50256, eos_token_id=50256
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    ours = GPT.from_hf(hf).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, n_prompt))
+
+    def run_hf():
+        with torch.inference_mode():
+            return hf.generate(
+                ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0
+            )
+
+    def run_ours():
+        with torch.inference_mode():
+            return ours.generate(ids, n_new)
+
+    t_hf, out_hf = time_generate(run_hf, repeats)
+    t_ours, out_ours = time_generate(run_ours, repeats)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    bw = copy_bandwidth()
+    limit = bw / weight_bytes  # tokens/s if each token only had to read the weights once
+    return {
+        "hf_tok_s": n_new / t_hf,
+        "ours_tok_s": n_new / t_ours,
+        "speedup": t_hf / t_ours,
+        "identical_tokens": bool(torch.equal(out_hf, out_ours)),
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_gb_s": bw / 1e9,
+        "bandwidth_limit_tok_s": limit,
+        "fraction_of_limit": (n_new / t_ours) / limit,
+    }
+
+
+def cache_vs_recompute(n_new: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", max_len=n_new + 16)).eval()
+    ids = torch.randint(0, 256, (1, 16))
+
+    def recompute():
+        seq = ids
+        with torch.inference_mode():
+            for _ in range(n_new):
+                nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], dim=1)
+        return seq
+
+    def cached():
+        with torch.inference_mode():
+            return model.generate(ids, n_new)
+
+    t_re, a = time_generate(recompute, repeats)
+    t_kv, b = time_generate(cached, repeats)
+    return {
+        "recompute_tok_s": n_new / t_re,
+        "cached_tok_s": n_new / t_kv,
+        "speedup": t_re / t_kv,
+        "identical_tokens": bool(torch.equal(a, b)),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new", type=int, default=128, help="tokens to generate")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-new", type=int, default=512, help="tokens for the cache bench")
+    args = parser.parse_args(argv)
+    print(f"GPT-2 small, fp32, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
+    r = vs_hf(args.new, args.prompt, args.repeats)
+    print(f"  HF generate     {r['hf_tok_s']:7.1f} tok/s")
+    print(f"  dikkat          {r['ours_tok_s']:7.1f} tok/s   ×{r['speedup']:.2f} HF, "
+          f"identical tokens: {r['identical_tokens']}")
+    print(f"  bandwidth limit {r['bandwidth_limit_tok_s']:7.1f} tok/s   "
+          f"({r['weight_bytes'] / 1e6:.0f} MB of weights at {r['copy_bandwidth_gb_s']:.1f} GB/s); "
+          f"dikkat reaches {100 * r['fraction_of_limit']:.0f}%")
+    c = cache_vs_recompute(args.cache_new, 1)
+    print(f"tiny preset, {args.cache_new} greedy tokens: KV cache {c['cached_tok_s']:.0f} tok/s, "
+          f"recompute {c['recompute_tok_s']:.0f} tok/s, ×{c['speedup']:.1f}, "
+          f"identical tokens: {c['identical_tokens']}")
+    path = save_json("generation", {"args": vars(args), "vs_hf": r, "cache": c})
+    print(f"wrote {path}")
+    return {"vs_hf": r, "cache": c}
+
+
+if __name__ == "__main__":
+    main()
