@@ -40,6 +40,8 @@ def sdpa_attention(
         else:  # torch < 2.5
             k, v = repeat_kv(k, H // G), repeat_kv(v, H // G)
 
+    if mask is not None and mask.is_causal and q_offset >= S - 1:
+        mask = None  # every query sits at or after the last key: the causal mask hides nothing
     if bias is None and (mask is None or (mask.is_causal and q_offset == 0)):
         # SDPA's causal flag aligns query 0 with key 0, which is our causal mask at offset 0.
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, **kwargs)

@@ -32,6 +32,7 @@ class CausalLM(Protocol):
         offset: int = 0,
         positions: Tensor | None = None,
         cache: list[KVCache] | None = None,
+        last_only: bool = False,
     ) -> Tensor: ...
 
 
@@ -42,6 +43,8 @@ def left_pad(prompts: Sequence[Sequence[int]] | Tensor, pad_id: int = 0) -> tupl
             raise ValueError(
                 f"prompt ids must be an integer tensor (B, T), got {tuple(prompts.shape)}"
             )
+        if prompts.numel() == 0:
+            raise ValueError(f"every prompt needs at least one token, got {tuple(prompts.shape)}")
         return prompts, torch.ones_like(prompts, dtype=torch.bool)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -54,6 +57,16 @@ def left_pad(prompts: Sequence[Sequence[int]] | Tensor, pad_id: int = 0) -> tupl
     return ids, valid
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Reject bad sampling arguments, also where greedy decoding (temperature 0) ignores them."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def sample(
     logits: Tensor,
     *,
@@ -63,19 +76,14 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Next tokens (B,) from logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None:
-        if top_k <= 0:
-            raise ValueError(f"top_k must be positive, got {top_k}")
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # drop a token when the tokens before it already reach top_p (the first always stays)
@@ -97,7 +105,7 @@ def prefill(
     """Run the prompts ids (B, T) through the model, filling the cache; last-slot logits (B, V)."""
     T = ids.shape[1]
     positions = None if valid is None else (valid[:, :T].long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(ids, _step_mask(valid, T), cache=cache, positions=positions)
+    logits = model(ids, _step_mask(valid, T), cache=cache, positions=positions, last_only=True)
     return logits[:, -1]
 
 
@@ -119,6 +127,7 @@ def decode_step(
         offset=offset,
         positions=positions,
         cache=cache,
+        last_only=True,
     )
     return logits[:, -1]
 
@@ -142,6 +151,7 @@ def iter_generate(
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
     ids, valid = left_pad(prompts, pad_id)
     B, T = ids.shape
     device = next(iter(model.parameters())).device  # type: ignore[attr-defined]

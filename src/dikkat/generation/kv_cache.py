@@ -65,12 +65,13 @@ class KVCache(nn.Module):
         """
         if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
-        B, G, T, D = self.k.shape[0], self.k.shape[1], k.shape[2], self.k.shape[3]
+        B, G, _, D = self.k.shape
         if k.dim() != 4 or k.shape[0] != B or k.shape[1] != G or k.shape[3] != D:
             raise ValueError(
                 f"cache holds (B, G, S_max, D) = {tuple(self.k.shape)}; got k of shape "
                 f"{tuple(k.shape)}"
             )
+        T = k.shape[2]
         if not 0 <= start <= self.length:
             raise ValueError(f"start={start} must lie in 0 … {self.length} (the filled length)")
         end = start + T

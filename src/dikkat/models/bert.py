@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import padding
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.layout import store_column_major
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding
@@ -116,6 +117,7 @@ class BERT(SaveLoad, nn.Module):
         self.blocks = nn.ModuleList(Block(c.block()) for _ in range(c.n_layers))
         self.mlm = MLMHead(c, self.tok_emb) if c.mlm_head else None
         self.apply(self._init_weights)
+        store_column_major(self)  # faster matrix-vector products on CPU; same values
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

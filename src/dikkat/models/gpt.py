@@ -20,6 +20,7 @@ from dikkat.core.masks import Mask, causal
 from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.layout import store_column_major
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
@@ -114,6 +115,7 @@ class GPT(SaveLoad, nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layers))
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        store_column_major(self)  # faster one-token decoding on CPU; same values
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -161,6 +163,7 @@ class GPT(SaveLoad, nn.Module):
         offset: int = 0,
         positions: Tensor | None = None,
         cache: list[KVCache] | None = None,
+        last_only: bool = False,
         return_hidden: bool = False,
     ) -> Tensor:
         """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
@@ -170,6 +173,7 @@ class GPT(SaveLoad, nn.Module):
             offset: cache slot (and default position) of ids[:, 0].
             positions: explicit positions (T,) or (B, T), e.g. after left padding.
             cache: per-layer KV caches from :meth:`new_cache`; filled at ``offset``.
+            last_only: logits of the last position only, (B, 1, V) (what generation needs).
         """
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dim() != 2:
             raise ValueError(
@@ -195,6 +199,8 @@ class GPT(SaveLoad, nn.Module):
                 positions=positions,
                 cache=None if cache is None else cache[i],
             )
+        if last_only:
+            x = x[:, -1:]
         x = self.norm_f(x)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 

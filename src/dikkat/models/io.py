@@ -1,8 +1,9 @@
 """Saving and loading models: safetensors weights + a JSON config, each written atomically.
 
 A directory ``path/`` holds ``config.json`` (the frozen config dataclass, the model's class name,
-the dikkat version) and ``model.safetensors``. Each file is written to a temporary name and renamed
-into place, so a crash while saving never destroys the previous checkpoint.
+the dikkat version) and ``model.safetensors``. Both are written to temporary names and renamed
+into place only once both are written, so a crash while saving never destroys the previous
+checkpoint nor pairs new weights with an old config.
 """
 
 from __future__ import annotations
@@ -27,14 +28,25 @@ M = TypeVar("M", bound="SaveLoad")
 
 def atomic_write(path: Path, write: Any) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    atomic_write_all({path: write})
+
+
+def atomic_write_all(writes: dict[Path, Any]) -> None:
+    """Write every file to a temporary name beside it, and only once all are written, rename
+    them into place: a failed write leaves every old file as it was (and no temporary file)."""
+    tmps: dict[Path, str] = {}
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        for path, write in writes.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            tmps[path] = tmp
+            write(tmp)
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp in tmps.values():
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -68,9 +80,11 @@ class SaveLoad:
             "config": dataclasses.asdict(self.config),
         }
         tensors = _state_for_saving(self)  # type: ignore[arg-type]
-        atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp))
-        atomic_write(
-            path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2))
+        atomic_write_all(
+            {
+                path / WEIGHTS_FILE: lambda tmp: save_file(tensors, tmp),
+                path / CONFIG_FILE: lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)),
+            }
         )
         return path
 
