@@ -1,0 +1,191 @@
+"""GPT: shapes, presets and parameter count, causality, argument checks (S11, S17).
+
+Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from dikkat.models import GPT, GPT_PRESETS, GPTConfig
+
+V = 53
+
+
+def scramble(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Order-one weights: matrices std 1/√(fan-in), LayerNorm gains 1 ± 0.1, biases ± 0.1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+    return model.eval()
+
+
+def small(seed: int = 0, **overrides: object) -> GPT:
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=V, max_len=24, d_model=32, n_layers=2, n_heads=4)
+    fields.update(overrides)
+    return scramble(GPT(GPTConfig(**fields)), seed)
+
+
+def random_ids(B: int, T: int, seed: int) -> Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+VARIANTS = {
+    "learned": {},
+    "rope": dict(position="rope"),
+    "gqa": dict(n_kv_heads=2),
+    "gqa-rope": dict(position="rope", n_kv_heads=1),
+}
+
+
+# --- shapes and presets ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_hidden_shapes(variant):
+    model = small(**VARIANTS[variant])
+    ids = random_ids(3, 11, seed=1)
+    with torch.no_grad():
+        assert model(ids).shape == (3, 11, V)
+        assert model(ids, return_hidden=True).shape == (3, 11, 32)
+        assert model(ids[:, :1]).shape == (3, 1, V)
+
+
+def test_the_output_embedding_is_tied_by_default_and_untied_on_request():
+    tied = GPT(GPTConfig(vocab_size=V, max_len=8, d_model=16, n_layers=1, n_heads=2))
+    assert tied.lm_head.weight is tied.tok_emb.weight
+    untied = GPT(dataclasses.replace(tied.config, tie_embeddings=False))
+    assert untied.lm_head.weight is not untied.tok_emb.weight
+    assert untied.n_params == tied.n_params + V * 16
+
+
+def test_tiny_preset_is_the_default_config():
+    assert GPTConfig.preset("tiny") == GPTConfig()
+    model = GPT(GPTConfig.preset("tiny"))
+    assert model(torch.randint(0, 256, (2, 5))).shape == (2, 5, 256)
+
+
+def test_gpt2_small_preset_has_gpt2_sizes():
+    c = GPTConfig.preset("gpt2-small")
+    assert (c.n_layers, c.n_heads, c.d_model, c.vocab_size, c.max_len) == (12, 12, 768, 50257, 1024)
+    assert c.position == "learned" and c.activation == "gelu_tanh" and c.tie_embeddings
+    assert c.norm_eps == 1e-5
+
+
+def gpt2_formula(V: int, L: int, C: int, n: int) -> int:
+    """GPT-2's parameters counted by hand, the tied output embedding once."""
+    embeddings = V * C + L * C
+    attention = C * 3 * C + 3 * C + C * C + C  # fused q/k/v and the output projection
+    mlp = C * 4 * C + 4 * C + 4 * C * C + C
+    norms = 2 * 2 * C
+    return embeddings + n * (attention + mlp + norms) + 2 * C  # + the final LayerNorm
+
+
+def test_gpt2_small_parameter_count_matches_hugging_face():
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):  # shapes only: no 124M parameters allocated
+        ours = GPT(GPTConfig.preset("gpt2-small"))
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    hf_count = sum(p.numel() for p in hf.parameters())  # counts the tied lm_head once
+    assert ours.n_params == hf_count == gpt2_formula(50257, 1024, 768, 12)
+    assert 124e6 < ours.n_params < 125e6
+
+
+def test_preset_overrides_and_unknown_presets():
+    c = GPTConfig.preset("gpt2-small", n_layers=2)
+    assert c.n_layers == 2 and c.d_model == 768
+    assert GPT_PRESETS["gpt2-small"].n_layers == 12  # the preset itself is untouched
+    with pytest.raises(ValueError, match="unknown GPT preset"):
+        GPTConfig.preset("gpt5")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(position="alibi"),
+        dict(n_heads=3),  # does not divide d_model 32
+        dict(n_kv_heads=3),  # does not divide 4 heads
+        dict(vocab_size=0),
+        dict(max_len=0),
+        dict(n_layers=0),
+    ],
+)
+def test_bad_configs_raise(fields):
+    base = dict(vocab_size=V, max_len=8, d_model=32, n_layers=1, n_heads=4)
+    with pytest.raises(ValueError):
+        GPTConfig(**{**base, **fields})
+
+
+# --- causality -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("t", [0, 4, 9])
+def test_changing_a_future_token_never_changes_earlier_logits(variant, t):
+    model = small(seed=2, **VARIANTS[variant])
+    ids = random_ids(2, 10, seed=3)
+    changed = ids.clone()
+    changed[:, t] = (ids[:, t] + 1) % V
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    # the changed position itself (and so the audit) does see the change
+    assert (a[:, t] - b[:, t]).abs().amax() > 1e-2
+
+
+# --- argument checks -------------------------------------------------------------------------
+
+
+def test_forward_rejects_bad_ids_and_overlong_sequences():
+    model = small()
+    with pytest.raises(ValueError, match="integer"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="integer"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="context"):
+        model(random_ids(1, 25, seed=0))
+    with pytest.raises(ValueError, match="context"):
+        model(random_ids(1, 4, seed=0), offset=21)
+
+
+def test_forward_rejects_a_cache_with_the_wrong_number_of_layers():
+    model = small()
+    cache = model.new_cache(1, 8)[:1]
+    with pytest.raises(ValueError, match="layers"):
+        model(random_ids(1, 4, seed=0), cache=cache)
+
+
+def test_positions_shift_learned_embeddings():
+    """Explicit positions equal to offset … offset+T−1 give the same logits as ``offset``."""
+    model = small(seed=4)
+    ids = random_ids(2, 5, seed=5)
+    with torch.no_grad():
+        by_offset = model(ids, offset=3)
+        by_positions = model(ids, positions=torch.arange(3, 8))
+        from_zero = model(ids)
+    torch.testing.assert_close(by_offset, by_positions, rtol=0, atol=0)
+    assert (by_offset - from_zero).abs().amax() > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["learned", "gqa-rope"])
+def test_last_only_gives_the_last_positions_logits(variant):
+    model = small(seed=6, **VARIANTS[variant])
+    ids = random_ids(2, 7, seed=7)
+    with torch.no_grad():
+        full = model(ids)
+        last = model(ids, last_only=True)
+    assert last.shape == (2, 1, V)
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-6)
