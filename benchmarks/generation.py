@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from common import save_json  # noqa: I001 — run as a script from benchmarks/
+from common import save_json
 from dikkat.models import GPT, GPTConfig
 
 
@@ -117,15 +117,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"GPT-2 small, fp32, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
     r = vs_hf(args.new, args.prompt, args.repeats)
     print(f"  HF generate     {r['hf_tok_s']:7.1f} tok/s")
-    print(f"  dikkat          {r['ours_tok_s']:7.1f} tok/s   ×{r['speedup']:.2f} HF, "
-          f"identical tokens: {r['identical_tokens']}")
-    print(f"  bandwidth limit {r['bandwidth_limit_tok_s']:7.1f} tok/s   "
-          f"({r['weight_bytes'] / 1e6:.0f} MB of weights at {r['copy_bandwidth_gb_s']:.1f} GB/s); "
-          f"dikkat reaches {100 * r['fraction_of_limit']:.0f}%")
+    print(
+        f"  dikkat          {r['ours_tok_s']:7.1f} tok/s   ×{r['speedup']:.2f} HF, "
+        f"identical tokens: {r['identical_tokens']}"
+    )
+    print(
+        f"  bandwidth limit {r['bandwidth_limit_tok_s']:7.1f} tok/s   "
+        f"({r['weight_bytes'] / 1e6:.0f} MB of weights at {r['copy_bandwidth_gb_s']:.1f} GB/s); "
+        f"dikkat reaches {100 * r['fraction_of_limit']:.0f}%"
+    )
     c = cache_vs_recompute(args.cache_new, 1)
-    print(f"tiny preset, {args.cache_new} greedy tokens: KV cache {c['cached_tok_s']:.0f} tok/s, "
-          f"recompute {c['recompute_tok_s']:.0f} tok/s, ×{c['speedup']:.1f}, "
-          f"identical tokens: {c['identical_tokens']}")
+    print(
+        f"tiny preset, {args.cache_new} greedy tokens: KV cache {c['cached_tok_s']:.0f} tok/s, "
+        f"recompute {c['recompute_tok_s']:.0f} tok/s, ×{c['speedup']:.1f}, "
+        f"identical tokens: {c['identical_tokens']}"
+    )
     path = save_json("generation", {"args": vars(args), "vs_hf": r, "cache": c})
     print(f"wrote {path}")
     return {"vs_hf": r, "cache": c}
