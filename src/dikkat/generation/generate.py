@@ -17,6 +17,7 @@ from torch import Tensor
 
 from dikkat.core.masks import Mask, causal, padding
 from dikkat.generation.kv_cache import KVCache
+from dikkat.layers.linear import packed_for_inference
 
 
 class CausalLM(Protocol):
@@ -167,19 +168,20 @@ def iter_generate(
     if max_new_tokens == 0:
         return
     cache = model.new_cache(B, T + max_new_tokens)
-    logits = prefill(model, ids, cache, full_valid)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        token = sample(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
-        if eos_id is not None:
-            token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
-        yield token
-        if step + 1 == max_new_tokens or bool(done.all()):
-            return
-        logits = decode_step(model, token, cache, T + step, full_valid)
+    with packed_for_inference(model):  # oneDNN-packed weights: decoding reads them faster
+        logits = prefill(model, ids, cache, full_valid)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            token = sample(
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            )
+            if eos_id is not None:
+                token = token.masked_fill(done, eos_id)
+                done |= token == eos_id
+            yield token
+            if step + 1 == max_new_tokens or bool(done.all()):
+                return
+            logits = decode_step(model, token, cache, T + step, full_valid)
 
 
 def generate(

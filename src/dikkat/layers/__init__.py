@@ -2,6 +2,8 @@
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
+from dikkat.layers.layout import store_column_major
+from dikkat.layers.linear import Linear, packed_for_inference, release_packed
 from dikkat.layers.mlp import MLP
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import (
@@ -21,8 +23,12 @@ __all__ = [
     "BlockWeights",
     "LayerNorm",
     "LearnedPositionalEmbedding",
+    "Linear",
     "MultiHeadAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
+    "packed_for_inference",
+    "release_packed",
+    "store_column_major",
 ]

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from dikkat.core.attention import attention
 from dikkat.core.masks import Mask
+from dikkat.layers.linear import Linear
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
 
 if TYPE_CHECKING:  # layers only call the cache; generation owns it
@@ -80,10 +81,10 @@ class MultiHeadAttention(nn.Module):
         self.head_dim, self.context_dim = head_dim, context_dim
         self.dropout, self.backend = dropout, backend
         self.rope, self.alibi = rope, alibi
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
-        self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = Linear(context_dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(context_dim, n_kv_heads * head_dim, bias=bias)
+        self.out_proj = Linear(n_heads * head_dim, d_model, bias=bias)
 
     def _heads(self, t: Tensor, n: int) -> Tensor:
         B, L, _ = t.shape

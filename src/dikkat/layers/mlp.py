@@ -6,6 +6,8 @@ from typing import Literal
 
 from torch import Tensor, nn
 
+from dikkat.layers.linear import Linear
+
 Activation = Literal["gelu", "gelu_tanh", "relu"]
 
 _ACTIVATIONS = {
@@ -35,9 +37,9 @@ class MLP(nn.Module):
                 f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
             )
         hidden = 4 * d_model if hidden is None else hidden
-        self.up = nn.Linear(d_model, hidden, bias=bias)
+        self.up = Linear(d_model, hidden, bias=bias)
         self.act = _ACTIVATIONS[activation]()
-        self.down = nn.Linear(hidden, d_model, bias=bias)
+        self.down = Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.act(self.up(x)))

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from dikkat.core.masks import padding
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.layout import store_column_major
+from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding
@@ -86,7 +87,7 @@ class MLMHead(nn.Module):
 
     def __init__(self, config: BERTConfig, embedding: nn.Embedding) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dense = Linear(config.d_model, config.d_model)
         self.act = nn.GELU() if config.activation == "gelu" else nn.GELU(approximate="tanh")
         self.norm = LayerNorm(config.d_model, eps=config.norm_eps)
         self.embedding = embedding  # tied: logits = h · Eᵀ + bias

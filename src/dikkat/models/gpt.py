@@ -21,6 +21,7 @@ from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.layout import store_column_major
+from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
@@ -107,7 +108,7 @@ class GPT(SaveLoad, nn.Module):
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c.block(), rope=rope) for _ in range(c.n_layers))
         self.norm_f = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
         self.apply(self._init_weights)
         # GPT-2: scale the projections that write into the residual stream by 1/√(2·layers).
         for name, p in self.named_parameters():

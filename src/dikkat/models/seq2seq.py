@@ -22,6 +22,7 @@ from dikkat.generation.generate import left_pad, sample
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.layout import store_column_major
+from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
@@ -128,7 +129,7 @@ class Seq2Seq(SaveLoad, nn.Module):
         # Pre-norm stacks end with a LayerNorm; post-norm blocks already end with one.
         self.enc_norm = LayerNorm(c.d_model, eps=c.norm_eps) if c.norm == "pre" else None
         self.dec_norm = LayerNorm(c.d_model, eps=c.norm_eps) if c.norm == "pre" else None
-        self.out = nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
+        self.out = Linear(c.d_model, c.tgt_vocab_size, bias=False)
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
