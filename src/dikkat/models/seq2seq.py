@@ -22,7 +22,7 @@ from dikkat.generation.generate import left_pad, sample
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.layout import store_column_major
-from dikkat.layers.linear import Linear
+from dikkat.layers.linear import Linear, packed_for_inference
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
@@ -246,7 +246,10 @@ class Seq2Seq(SaveLoad, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            return self._generate(src, max_new_tokens, bos_id, eos_id, pad_id, temperature, seed)
+            with packed_for_inference(self):
+                return self._generate(
+                    src, max_new_tokens, bos_id, eos_id, pad_id, temperature, seed
+                )
         finally:
             self.train(was_training)
 
