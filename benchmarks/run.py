@@ -5,7 +5,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import attention
+import attention  # noqa: E402
+import generation  # noqa: E402
 
 if __name__ == "__main__":
-    attention.main(sys.argv[1:])
+    attention.main([])
+    print()
+    generation.main([])

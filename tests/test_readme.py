@@ -6,7 +6,8 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_tour_runs():
+def test_readme_tour_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the tour saves a checkpoint under runs/
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "README has no python block"
     for code in blocks:
