@@ -5,8 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import attention  # noqa: E402
-import generation  # noqa: E402
+import attention
+import generation
 
 if __name__ == "__main__":
     attention.main([])

@@ -7,6 +7,8 @@ length, ``D`` query/key head dim, ``Dv`` value head dim.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -273,3 +275,25 @@ def attention_cases(
     bias_shape = draw(broadcast_shapes((B, H, T, S))) if with_bias else None
     seed = draw(st.integers(0, 2**31 - 1))
     return Case(B, H, G, T, S, D, Dv, q_offset, mask, bias_shape, seed)
+
+
+def scramble(
+    model: torch.nn.Module,
+    seed: int,
+    fan_in: Callable[[str, torch.Tensor], int] = lambda name, p: p.shape[-1],
+) -> torch.nn.Module:
+    """Order-one weights instead of the std-0.02 inits, so logits are large and attention peaked
+    enough for a 1e-5 parity bound to mean something: matrices std 1/√fan_in, norm gains 1 ± 0.1,
+    biases ± 0.1. Tied parameters are one parameter and stay tied. Returns the model in eval mode.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:
+                p.copy_(noise / math.sqrt(fan_in(name, p)))
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+    return model.eval()

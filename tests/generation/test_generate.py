@@ -9,14 +9,13 @@ step must reproduce its logits at that position.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import Tensor
 
 from dikkat.generation import decode_step, left_pad, prefill, sample
 from dikkat.models import GPT, GPTConfig
+from helpers import scramble
 
 V = 61  # a vocabulary that is not a power of two
 
@@ -27,24 +26,6 @@ VARIANTS = {
     "gqa-rope": dict(position="rope", n_heads=4, n_kv_heads=1),
     "untied-no-bias": dict(position="rope", tie_embeddings=False, bias=False),
 }
-
-
-def scramble(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of order-one logits and peaked attention (the default init makes both nearly flat).
-
-    Matrices get std 1/√(fan-in) (embeddings 1/√C), LayerNorm gains 1 ± 0.1, biases ± 0.1.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model.eval()
 
 
 def make_gpt(variant: str, seed: int = 0, **overrides: object) -> GPT:

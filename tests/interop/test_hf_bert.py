@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dikkat.models import BERT, BERTConfig
+from helpers import scramble
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,22 +40,6 @@ def hf_config(size: tuple):
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-
-
-def scramble(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Order-one activations instead of HF's std-0.02 init: nn.Linear and embedding matrices get
-    std 1/√(last dim), LayerNorm gains 1 ± 0.1, biases ± 0.1 (tied parameters stay tied)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() == 2:
-                p.copy_(noise / p.shape[1] ** 0.5)
-            elif name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model.eval()
 
 
 def batch(size: tuple, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -162,5 +147,5 @@ def test_bad_inputs_are_rejected():
         BERT.from_hf(hf.state_dict(), relative)
     wider = hf_config(SIZES[0])
     wider.hidden_size = 64  # same layers, other width
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="does not fit the model's config"):
         BERT.from_hf(hf.state_dict(), wider)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dikkat.models import GPT, GPTConfig
+from helpers import scramble as scramble_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,23 +48,10 @@ def hf_gpt2(size: tuple, seed: int, **extra: object):
 
 
 def scramble(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Order-one logits and peaked attention instead of HF's std-0.02 init.
-
-    Conv1D weights are (in, out): std 1/√in; embeddings (N, C): std 1/√C; LayerNorm gains 1 ± 0.1,
-    biases ± 0.1. A tied lm_head is the same parameter as wte, so it stays tied.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() == 2:
-                fan_in = p.shape[0] if ".h." in name else p.shape[1]
-                p.copy_(noise / fan_in**0.5)
-            elif name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model.eval()
+    """HF GPT-2's Conv1D weights are (in, out): their fan-in is the first dim."""
+    return scramble_weights(
+        model, seed, lambda name, p: p.shape[0] if ".h." in name else p.shape[1]
+    )
 
 
 def random_ids(V: int, B: int, T: int, seed: int) -> Tensor:
@@ -251,7 +239,7 @@ def test_a_config_that_does_not_fit_the_weights_is_rejected():
     hf = hf_gpt2(SIZES[0], seed=17)
     V, C, L, H, P = SIZES[0][:5]
     wrong = GPTConfig(vocab_size=V, max_len=P, d_model=C, n_layers=L, n_heads=H, d_ff=3 * C)
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="does not fit the model's config"):
         GPT.from_hf(hf.state_dict(), wrong)
 
 

@@ -322,7 +322,7 @@ def test_presets_build_and_overrides_copy():
 
 
 def test_unknown_preset():
-    with pytest.raises(ValueError, match="unknown preset 'gpt5'; choose one of"):
+    with pytest.raises(ValueError, match="unknown block preset 'gpt5'; choose one of"):
         BlockConfig.preset("gpt5")
 
 

@@ -5,30 +5,14 @@ Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``H`` heads, ``V`` vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import Tensor
 
 from dikkat.models import BERT, BERTConfig
+from helpers import scramble
 
 V, C, H = 47, 32, 4
-
-
-def scramble(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Order-one weights: matrices std 1/√(fan-in), LayerNorm gains 1 ± 0.1, biases ± 0.1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model.eval()
 
 
 def small(seed: int = 0, **overrides: object) -> BERT:

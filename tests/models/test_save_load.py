@@ -218,7 +218,7 @@ def test_weights_of_a_different_size(tmp_path, make, field, value):
     assert meta["config"][field] != value
     meta["config"][field] = value
     (tmp_path / CONFIG).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="does not fit the model's config"):
         type(model).load(tmp_path)
 
 

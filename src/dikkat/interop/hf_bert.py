@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from dikkat.models.bert import BERT, BERTConfig
+from dikkat.models.io import load_checked
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -95,15 +96,6 @@ def bert_from_hf(model_or_state_dict: Any, config: Any = None) -> BERT:
         raise ValueError(f"not a BERT state dict: it has no {e.args[0]!r}") from None
     model = BERT(cfg)
     own = model.state_dict()
-    wrong = [
-        f"{k} {tuple(t.shape)} vs {tuple(own[k].shape)}"
-        for k, t in tensors.items()
-        if k in own and t.shape != own[k].shape
-    ]
-    missing = [k for k in own if k not in tensors and not model.is_tied(k)]
-    if wrong or missing:
-        raise ValueError(
-            f"BERT weights do not fit the config: shapes {wrong[:5]}, missing {missing[:5]}"
-        )
-    model.load_state_dict({k: v for k, v in tensors.items() if k in own}, strict=False)
+    tensors = {k: v for k, v in tensors.items() if k in own}  # e.g. no MLM head in the config
+    load_checked(model, tensors, "the BERT weights")
     return model

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dikkat.models.gpt import GPT, GPTConfig
+from dikkat.models.io import load_checked
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -105,18 +106,7 @@ def gpt_from_hf(model_or_state_dict: Any, config: Any = None) -> GPT:
         cfg = replace(cfg, tie_embeddings=False)  # an untied output embedding
         tensors["lm_head.weight"] = head.detach().clone()
     model = GPT(cfg)
-    own = model.state_dict()
-    wrong = [
-        f"{k} {tuple(t.shape)} vs {tuple(own[k].shape)}"
-        for k, t in tensors.items()
-        if t.shape != own[k].shape
-    ]
-    missing = [k for k in own if k not in tensors and not model.is_tied(k)]
-    if wrong or missing:
-        raise ValueError(
-            f"GPT-2 weights do not fit the config: shapes {wrong[:5]}, missing {missing[:5]}"
-        )
-    model.load_state_dict(tensors, strict=False)  # a tied lm_head.weight is tok_emb.weight
+    load_checked(model, tensors, "the GPT-2 weights")
     dtype = next(iter(tensors.values())).dtype
     return model.to(dtype if dtype.is_floating_point else torch.float32)
 

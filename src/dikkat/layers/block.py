@@ -20,7 +20,7 @@ only through a product of layer Jacobians.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.mlp import MLP, Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import ALiBi, RotaryEmbedding
+from dikkat.presets import pick_preset
 
 if TYPE_CHECKING:
     from dikkat.generation.kv_cache import KVCache
@@ -80,9 +81,7 @@ class BlockConfig:
     @classmethod
     def preset(cls, name: str, **overrides: object) -> BlockConfig:
         """A named configuration, optionally with some fields changed."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return replace(PRESETS[name], **overrides)
+        return pick_preset(PRESETS, name, "block", overrides)
 
 
 PRESETS: dict[str, BlockConfig] = {

@@ -9,7 +9,7 @@ learned position and token-type (segment) vectors, then a LayerNorm.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,9 @@ from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding
+from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
+from dikkat.presets import pick_preset
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,8 @@ class BERTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> BERTConfig:
-        if name not in BERT_PRESETS:
-            raise ValueError(f"unknown BERT preset {name!r}; choose one of {sorted(BERT_PRESETS)}")
-        return replace(BERT_PRESETS[name], **overrides)
+        """A named configuration, optionally with some fields changed."""
+        return pick_preset(BERT_PRESETS, name, "BERT", overrides)
 
 
 BERT_PRESETS: dict[str, BERTConfig] = {
@@ -117,17 +118,8 @@ class BERT(SaveLoad, nn.Module):
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c.block()) for _ in range(c.n_layers))
         self.mlm = MLMHead(c, self.tok_emb) if c.mlm_head else None
-        self.apply(self._init_weights)
+        self.apply(init_normal_)
         store_column_major(self)  # faster matrix-vector products on CPU; same values
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, (nn.Embedding, LearnedPositionalEmbedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def is_tied(self, name: str) -> bool:
         return name == "mlm.embedding.weight"

@@ -10,7 +10,7 @@ which by default is the token embedding itself (tied).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -25,7 +25,9 @@ from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
+from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
+from dikkat.presets import pick_preset
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,8 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> GPTConfig:
-        if name not in GPT_PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(GPT_PRESETS)}")
-        return replace(GPT_PRESETS[name], **overrides)
+        """A named configuration, optionally with some fields changed."""
+        return pick_preset(GPT_PRESETS, name, "GPT", overrides)
 
 
 GPT_PRESETS: dict[str, GPTConfig] = {
@@ -109,7 +110,7 @@ class GPT(SaveLoad, nn.Module):
         self.blocks = nn.ModuleList(Block(c.block(), rope=rope) for _ in range(c.n_layers))
         self.norm_f = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(init_normal_)
         # GPT-2: scale the projections that write into the residual stream by 1/√(2·layers).
         for name, p in self.named_parameters():
             if name.endswith(("out_proj.weight", "mlp.down.weight")):
@@ -117,15 +118,6 @@ class GPT(SaveLoad, nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         store_column_major(self)  # faster one-token decoding on CPU; same values
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, (nn.Embedding, LearnedPositionalEmbedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def is_tied(self, name: str) -> bool:
         return self.config.tie_embeddings and name == "lm_head.weight"

@@ -63,6 +63,29 @@ def _state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``tensors`` into ``model`` after checking that every name and shape fits.
+
+    Parameters tied to another one (``model.is_tied(name)``) may be absent: loading the other
+    fills them. Raises ``ValueError`` naming what is missing, unexpected or of the wrong shape.
+    """
+    own = model.state_dict()
+    is_tied = getattr(model, "is_tied", lambda name: False)
+    missing = [k for k in own if k not in tensors and not is_tied(k)]
+    unexpected = [k for k in tensors if k not in own]
+    wrong = [
+        f"{k}: given {tuple(t.shape)}, model {tuple(own[k].shape)}"
+        for k, t in tensors.items()
+        if k in own and t.shape != own[k].shape
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{source} does not fit the model's config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}"
+        )
+    model.load_state_dict(tensors, strict=False)  # strict except for tied names
+
+
 class SaveLoad:
     """Mixin for a model with a frozen-dataclass ``config`` and ``__init__(config)``."""
 
@@ -108,20 +131,7 @@ class SaveLoad:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{weights_path} is truncated or corrupt: {e}") from None
         model = cls(config)  # type: ignore[call-arg]
-        own = model.state_dict()  # type: ignore[attr-defined]
-        missing = [k for k in own if k not in tensors and not model.is_tied(k)]  # type: ignore[attr-defined]
-        unexpected = [k for k in tensors if k not in own]
-        wrong = [
-            f"{k}: file {tuple(t.shape)}, model {tuple(own[k].shape)}"
-            for k, t in tensors.items()
-            if k in own and t.shape != own[k].shape
-        ]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"{weights_path} does not match its config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}"
-            )
-        model.load_state_dict(tensors, strict=False)  # type: ignore[attr-defined]
+        load_checked(model, tensors, str(weights_path))  # type: ignore[arg-type]
         return model
 
     def is_tied(self, name: str) -> bool:

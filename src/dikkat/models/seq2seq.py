@@ -11,7 +11,7 @@ sinusoids, embeddings are scaled by √C, blocks are post-norm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -27,6 +27,7 @@ from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
 from dikkat.models.io import SaveLoad
+from dikkat.presets import pick_preset
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,8 @@ class Seq2SeqConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> Seq2SeqConfig:
-        if name not in SEQ2SEQ_PRESETS:
-            raise ValueError(
-                f"unknown Seq2Seq preset {name!r}; choose one of {sorted(SEQ2SEQ_PRESETS)}"
-            )
-        return replace(SEQ2SEQ_PRESETS[name], **overrides)
+        """A named configuration, optionally with some fields changed."""
+        return pick_preset(SEQ2SEQ_PRESETS, name, "Seq2Seq", overrides)
 
 
 SEQ2SEQ_PRESETS: dict[str, Seq2SeqConfig] = {
