@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
+from dikkat.interop.common import state_and_config
 from dikkat.models.bert import BERT, BERTConfig
 from dikkat.models.io import load_checked
 
@@ -81,13 +82,7 @@ def bert_from_hf(model_or_state_dict: Any, config: Any = None) -> BERT:
 
     The MLM head is included when the weights have one (``cls.predictions.*``).
     """
-    if isinstance(model_or_state_dict, Mapping):
-        state = model_or_state_dict
-        if config is None:
-            raise ValueError("a BERT state dict needs its config (BertConfig or BERTConfig)")
-    else:
-        state = model_or_state_dict.state_dict()
-        config = model_or_state_dict.config if config is None else config
+    state, config = state_and_config(model_or_state_dict, config, "BERT")
     has_head = any(k.startswith("cls.predictions.") for k in state)
     cfg = config if isinstance(config, BERTConfig) else bert_config(config, mlm_head=has_head)
     try:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dikkat.interop.common import state_and_config
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.models.io import load_checked
 
@@ -89,13 +90,7 @@ def gpt_from_hf(model_or_state_dict: Any, config: Any = None) -> GPT:
     With a state dict, pass its ``transformers.GPT2Config`` (or a :class:`GPTConfig`) as
     ``config``.
     """
-    if isinstance(model_or_state_dict, Mapping):
-        state = model_or_state_dict
-        if config is None:
-            raise ValueError("a GPT-2 state dict needs its config (GPT2Config or GPTConfig)")
-    else:
-        state = model_or_state_dict.state_dict()
-        config = model_or_state_dict.config if config is None else config
+    state, config = state_and_config(model_or_state_dict, config, "GPT-2")
     cfg = config if isinstance(config, GPTConfig) else gpt2_config(config)
     try:
         tensors = gpt2_state_dict(state, cfg.n_layers)

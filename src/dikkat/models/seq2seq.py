@@ -251,7 +251,16 @@ class Seq2Seq(SaveLoad, nn.Module):
         finally:
             self.train(was_training)
 
-    def _generate(self, src, max_new_tokens, bos_id, eos_id, pad_id, temperature, seed):
+    def _generate(
+        self,
+        src: Tensor | list[list[int]],
+        max_new_tokens: int,
+        bos_id: int,
+        eos_id: int | None,
+        pad_id: int,
+        temperature: float,
+        seed: int | None,
+    ) -> list[list[int]]:
         if isinstance(src, Tensor):
             ids, valid = src, torch.ones_like(src, dtype=torch.bool)
         else:  # right-pad sources: the encoder is bidirectional, padding only needs masking
