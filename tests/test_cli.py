@@ -14,8 +14,8 @@ def test_version(capsys):
     assert __version__ in capsys.readouterr().out
 
 
-def test_demo_prints_each_seed_number_beside_the_seed(capsys):
-    assert main(["demo"]) == 0
+def test_seeds_prints_each_seed_number_beside_the_seed(capsys):
+    assert main(["seeds"]) == 0
     out = capsys.readouterr().out
     for section in ("S2", "S3", "S4", "S13"):
         assert section in out
@@ -26,7 +26,7 @@ def test_demo_prints_each_seed_number_beside_the_seed(capsys):
 
 def test_bad_argument_is_one_line_not_a_traceback():
     r = subprocess.run(
-        [sys.executable, "-m", "dikkat.cli", "demo", "--d-k", "x"], capture_output=True, text=True
+        [sys.executable, "-m", "dikkat.cli", "seeds", "--d-k", "x"], capture_output=True, text=True
     )
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0

@@ -12,9 +12,15 @@ import sys
 from collections.abc import Sequence
 
 from dikkat import __version__
+from dikkat.argtypes import non_negative_float, positive_int, probability
+from dikkat.training.cli import add_training_commands
 
 EXAMPLES = """examples:
-  dikkat demo                                   the seeds' numbers on real tensors
+  dikkat demo                                   train a GPT, watch it learn, sample from it
+  dikkat seeds                                  the seeds' numbers on real tensors
+  dikkat train --task translate --steps 3000    digits → English words, Seq2Seq
+  dikkat translate runs/translate 4721 90210    use the trained translator
+  dikkat leak-demo                              what training without the causal mask does
   dikkat generate runs/gpt "def main(" -n 200   continue a prompt with a trained GPT
   dikkat generate --hf-gpt2 ./gpt2 "Hello" -n 40 --temperature 0.8 --top-p 0.9
   dikkat embed "a cat" "a dog"                  MiniLM sentence embeddings
@@ -27,7 +33,7 @@ def _fmt(values, digits: int = 2) -> str:
     return "(" + ", ".join(f"{float(x):.{digits}f}" for x in values) + ")"
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def cmd_seeds(args: argparse.Namespace) -> int:
     """Print each seed number we compute beside the number the seed states."""
     from dikkat.seeds import (
         SEED_CLAIMS,
@@ -40,7 +46,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     def row(label: str, ours: str, seed: str) -> None:
         print(f"  {label:<28} {ours:<34} seed: {seed}")
 
-    print("dikkat demo — the seeds, computed\n")
+    print("dikkat seeds — the seeds' numbers, computed\n")
     print("S2  worked example, d_k = 2 (softmax(QKᵀ/√2)V, reference backend, float64)")
     ex = worked_example()
     row("A's scores (A←A, A←B)", _fmt(ex.scores[0], 3), SEED_CLAIMS["S2 A scores"])
@@ -89,17 +95,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("    " + " ".join(f"{x:.2f}" for x in r))
     print(f"  {'':<28} {'':<34} seed: {SEED_CLAIMS['S13 causal']}")
     return 0
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -175,27 +170,6 @@ def cmd_similar(args: argparse.Namespace) -> int:
     return 0
 
 
-def probability(text: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {value}")
-    return value
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not a usage dump
         self.exit(2, f"dikkat: error: {message} (see `dikkat --help`)\n")
@@ -210,18 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dikkat {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    demo = sub.add_parser(
-        "demo",
+    seeds = sub.add_parser(
+        "seeds",
         help="the seeds' numbers, computed on real tensors",
         description="Walk through the seeds on real tensors: the worked example (S2), the causal "
         "mask (S4), √d_k scaling (S3) and the nn.MultiheadAttention facts (S13).",
-        epilog="example:\n  dikkat demo\n  dikkat demo --d-k 128",
+        epilog="example:\n  dikkat seeds\n  dikkat seeds --d-k 128",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument(
+    seeds.add_argument(
         "--d-k", type=positive_int, default=64, help="head dim for the S3 scaling experiment"
     )
-    demo.set_defaults(func=cmd_demo)
+    seeds.set_defaults(func=cmd_seeds)
+    add_training_commands(sub)
 
     gen = sub.add_parser(
         "generate",

@@ -68,10 +68,11 @@ class HFTokenizer:
         return cls(_Tokenizer.from_file(str(path)))
 
 
-def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer saved in a checkpoint or HF model directory; bytes if there is none.
 
-    Reads ``tokenizer.json``, or GPT-2's ``vocab.json`` + ``merges.txt`` (byte-level BPE).
+    Reads ``tokenizer.json``, or GPT-2's ``vocab.json`` + ``merges.txt`` (byte-level BPE), or a
+    ``tokenizer_config.json`` of type ``"number-words"`` (the built-in translation task).
     """
     d = Path(directory)
     if (d / "tokenizer.json").is_file():
@@ -80,4 +81,14 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
         from tokenizers import ByteLevelBPETokenizer
 
         return HFTokenizer(ByteLevelBPETokenizer(str(d / "vocab.json"), str(d / "merges.txt")))
+    config_path = d / "tokenizer_config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+        if isinstance(config, dict) and config.get("type") == "number-words":
+            from dikkat.training.numbers import NumberTokenizer  # lazily: training imports us
+
+            return NumberTokenizer.from_config(config, str(config_path))
     return ByteTokenizer()

@@ -87,6 +87,8 @@ def check_mask(mask: Mask | Tensor | None, shape: AttentionShape, q_offset: int)
     m = as_mask(mask, q_offset)
     if m is not None:
         m.validate(shape.B, shape.H, shape.T, shape.S, q_offset)
+        if m.is_full:
+            return None  # nothing to mask
     return m
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "Causal",
     "DenseMask",
     "Document",
+    "Full",
     "Mask",
     "Not",
     "Or",
@@ -43,6 +44,7 @@ __all__ = [
     "dense",
     "document",
     "from_torch_mask",
+    "full",
     "padding",
     "prefix_lm",
     "sliding_window",
@@ -85,6 +87,11 @@ class Mask:
     @property
     def is_causal(self) -> bool:
         """True only for the plain causal mask (lets a backend use a dedicated causal kernel)."""
+        return False
+
+    @property
+    def is_full(self) -> bool:
+        """True only for :func:`full`: nothing is masked, so backends may skip the mask."""
         return False
 
     def __and__(self, other: Mask | Tensor) -> Mask:
@@ -138,6 +145,18 @@ class Not(Mask):
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         self.inner.validate(B, H, T, S, q_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class Full(Mask):
+    """Every query sees every key: what an encoder does, and what a decoder must never do."""
+
+    def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= 0) | (kv_idx >= 0)  # all True, broadcast to (1, 1, T, S)
+
+    @property
+    def is_full(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True, eq=False)
@@ -320,6 +339,11 @@ class DenseMask(Mask):
 
 
 # --- constructors -------------------------------------------------------------------------------
+
+
+def full() -> Mask:
+    """No restriction: every query attends to every key (bidirectional)."""
+    return Full()
 
 
 def causal() -> Mask:

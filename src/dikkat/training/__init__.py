@@ -1,0 +1,1 @@
+"""Training: the loop, checkpoints, built-in data and tasks."""

@@ -1,0 +1,265 @@
+"""Training tasks: what a batch is, what the loss is, and how to judge the model.
+
+Three families, one per model (S11):
+
+- ``lm`` — GPT, next-token prediction over a text corpus (causal);
+- ``mlm`` — BERT, masked-language modelling: 15 % of tokens chosen, of those 80 % replaced by
+  a mask token, 10 % by a random token, 10 % left as they are; the loss is on the chosen ones;
+- ``translate`` — Seq2Seq, numbers in digits → the same numbers in English words.
+
+A task owns its tokenizer and data and builds its model from a config; it is described by a
+JSON-able :class:`TaskSpec`, which a checkpoint stores so that ``--resume`` can rebuild it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dikkat.core.masks import Mask
+from dikkat.text import ByteTokenizer, HFTokenizer
+from dikkat.training.data import encode_corpus, load_corpus, random_windows
+
+TASKS = ("lm", "mlm", "translate")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything needed to rebuild a task: JSON-able, stored with each checkpoint."""
+
+    task: str = "lm"  # lm | mlm | translate
+    preset: str = "tiny"  # the model preset
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
+    data: str | None = None  # text file or folder; None = the Python standard library
+    tokenizer: str = "bytes"  # bytes | bpe
+    vocab_size: int = 1024  # BPE vocabulary
+    seq_len: int = 256  # training window (lm, mlm)
+    max_bytes: int | None = None  # cap on the training text
+    seed: int = 0  # data split and model initialisation
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.tokenizer not in ("bytes", "bpe"):
+            raise ValueError(f"tokenizer must be 'bytes' or 'bpe', got {self.tokenizer!r}")
+        if self.seq_len <= 1:
+            raise ValueError(f"seq_len must be at least 2, got {self.seq_len}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Task:
+    """Base class: a model, a tokenizer, batches and a loss."""
+
+    spec: TaskSpec
+    model: nn.Module
+    tokenizer: Any
+    unit = "nats/token"  # what reported losses are in
+    report_scale = 1.0  # reported loss = training loss (nats/token) × report_scale
+
+    def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+        """(mean loss over the predicted tokens, number of predicted tokens)."""
+        raise NotImplementedError
+
+    def tokens_in(self, batch: dict[str, Tensor]) -> int:
+        """Tokens the model reads in this batch (for tokens/s)."""
+        return sum(int(t.numel()) for t in batch.values() if t.dtype == torch.long)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Extra task metrics (beyond validation loss), computed at the end of training."""
+        return {}
+
+
+def _train_bpe(text: str, vocab_size: int) -> HFTokenizer:
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    return HFTokenizer(tok)
+
+
+class CorpusTask(Task):
+    """Shared by ``lm`` and ``mlm``: a tokenized corpus split into train and validation ids."""
+
+    def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
+        self.spec = spec
+        corpus = load_corpus(spec.data, seed=spec.seed, max_bytes=spec.max_bytes)
+        if tokenizer is None:
+            tokenizer = (
+                ByteTokenizer()
+                if spec.tokenizer == "bytes"
+                else _train_bpe(corpus.train, spec.vocab_size)
+            )
+        self.tokenizer = tokenizer
+        self.corpus_source = corpus.source
+        self.ids = {
+            "train": encode_corpus(corpus.train, tokenizer),
+            "val": encode_corpus(corpus.val, tokenizer),
+        }
+        # nats/token → nats/byte: the loss per byte of text is comparable across tokenizers
+        bytes_per_token = len(corpus.val.encode("utf-8")) / max(1, self.ids["val"].numel())
+        self.report_scale = 1.0 / bytes_per_token
+
+
+class LMTask(CorpusTask):
+    """GPT next-token prediction."""
+
+    unit = "nats/byte"
+
+    def __init__(
+        self, spec: TaskSpec, tokenizer: Any | None = None, mask: Mask | None = None
+    ) -> None:
+        from dikkat.models.gpt import GPT, GPTConfig
+
+        super().__init__(spec, tokenizer)
+        overrides = {"vocab_size": self.tokenizer.vocab_size, **spec.model_overrides}
+        config = GPTConfig.preset(spec.preset, **overrides)
+        if config.max_len < spec.seq_len:
+            config = GPTConfig.preset(spec.preset, **{**overrides, "max_len": spec.seq_len})
+        torch.manual_seed(spec.seed)
+        self.model = GPT(config)
+        self.mask = mask  # None = causal (the only honest choice; see the leak demo)
+
+    def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
+        x, y = random_windows(self.ids[split], batch_size, self.spec.seq_len, generator)
+        return {"x": x, "y": y}
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Tensor], mask: Mask | None = None
+    ) -> tuple[Tensor, int]:
+        logits = model(batch["x"], self.mask if mask is None else mask)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
+        return loss, batch["y"].numel()
+
+    def tokens_in(self, batch: dict[str, Tensor]) -> int:
+        return batch["x"].numel()
+
+
+class MLMTask(CorpusTask):
+    """BERT masked-language modelling (15 %; 80/10/10)."""
+
+    unit = "nats/masked token"
+
+    def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
+        from dikkat.models.bert import BERT, BERTConfig
+
+        super().__init__(spec, tokenizer)
+        self.report_scale = 1.0
+        self.mask_id = self.tokenizer.vocab_size  # one extra id: [MASK]
+        overrides = {"vocab_size": self.tokenizer.vocab_size + 1, **spec.model_overrides}
+        config = BERTConfig.preset(spec.preset, **overrides)
+        if config.max_len < spec.seq_len:
+            config = BERTConfig.preset(spec.preset, **{**overrides, "max_len": spec.seq_len})
+        torch.manual_seed(spec.seed)
+        self.model = BERT(config)
+
+    def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
+        x, _ = random_windows(self.ids[split], batch_size, self.spec.seq_len, generator)
+        chosen = torch.rand(x.shape, generator=generator) < 0.15
+        roll = torch.rand(x.shape, generator=generator)
+        random_ids = torch.randint(0, self.tokenizer.vocab_size, x.shape, generator=generator)
+        inputs = torch.where(chosen & (roll < 0.8), self.mask_id, x)
+        inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
+        targets = x.masked_fill(~chosen, -100)  # only the chosen tokens count
+        return {"x": inputs, "y": targets}
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+        logits = model(batch["x"])  # (B, T, V + 1)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["y"].flatten(), ignore_index=-100
+        )
+        return loss, int((batch["y"] != -100).sum())
+
+    def tokens_in(self, batch: dict[str, Tensor]) -> int:
+        return batch["x"].numel()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Loss and accuracy on masked validation tokens, beside the best context-free guesses:
+        the unigram distribution's cross-entropy and always guessing the commonest token."""
+        g = torch.Generator().manual_seed(1234)
+        hits = total = 0
+        nats = 0.0
+        for _ in range(8):
+            b = self.batch("val", g, 16)
+            logits = model(b["x"])
+            keep = b["y"] != -100
+            hits += int((logits.argmax(-1)[keep] == b["y"][keep]).sum())
+            nats += float(F.cross_entropy(logits[keep].float(), b["y"][keep], reduction="sum"))
+            total += int(keep.sum())
+        counts = torch.bincount(self.ids["train"].long(), minlength=self.tokenizer.vocab_size)
+        p_train = (counts.double() + 1) / (counts.sum() + counts.numel())  # add-one smoothing
+        val = self.ids["val"].long()
+        return {
+            "masked_loss": nats / max(total, 1),
+            "unigram_loss": float(-p_train[val].log().mean()),
+            "masked_accuracy": hits / max(total, 1),
+            "most_common_token_accuracy": float((val == counts.argmax()).float().mean()),
+        }
+
+
+class TranslateTask(Task):
+    """Seq2Seq: numbers in digits → English words, exact match on held-out numbers."""
+
+    def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
+        from dikkat.models.seq2seq import Seq2Seq, Seq2SeqConfig
+        from dikkat.training import numbers
+
+        self.spec = spec
+        self.tokenizer = tokenizer or numbers.NumberTokenizer()
+        self.heldout, self.val_numbers = numbers.make_splits(seed=spec.seed)
+        self.exclude = set(self.heldout) | set(self.val_numbers)
+        V = self.tokenizer.vocab_size
+        overrides = {
+            "src_vocab_size": V,
+            "tgt_vocab_size": V,
+            "max_len": 64,
+            **spec.model_overrides,
+        }
+        torch.manual_seed(spec.seed)
+        self.model = Seq2Seq(Seq2SeqConfig.preset(spec.preset, **overrides))
+
+    def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
+        from dikkat.training import numbers
+
+        if split == "train":
+            src, tgt = numbers.sample_batch(batch_size, generator, self.exclude)
+        else:
+            pick = torch.randint(0, len(self.val_numbers), (batch_size,), generator=generator)
+            src, tgt = numbers.encode_pairs([self.val_numbers[i] for i in pick.tolist()])
+        return {"src": src, "tgt": tgt}
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+        src, tgt = batch["src"], batch["tgt"]
+        # targets are right-padded: the causal mask alone keeps real tokens off the padding
+        logits = model(src, tgt[:, :-1], src_valid=src != 0)
+        targets = tgt[:, 1:].masked_fill(tgt[:, 1:] == 0, -100)  # no loss on padding
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return loss, int((targets != -100).sum())
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        from dikkat.training import numbers
+
+        return {"heldout_exact_match": numbers.exact_match(model, self.heldout, self.tokenizer)}
+
+
+def build_task(spec: TaskSpec, tokenizer: Any | None = None) -> Task:
+    """The task a spec describes (``tokenizer``: reuse a saved one instead of training/choosing)."""
+    if spec.task == "lm":
+        return LMTask(spec, tokenizer)
+    if spec.task == "mlm":
+        return MLMTask(spec, tokenizer)
+    return TranslateTask(spec, tokenizer)
+
+
+def perplexity(nats: float) -> float:
+    return math.exp(min(nats, 50.0))

@@ -1,0 +1,135 @@
+"""The training commands: train, --resume, translate, leak-demo, demo; bad arguments."""
+
+import json
+
+import pytest
+
+from dikkat.cli import main
+from dikkat.training.trainer import LOG_FILE, PLOT_FILE, STATE_FILE
+
+TINY = [
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--max-bytes",
+    "100000",
+    "--batch-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--no-progress",
+]
+
+
+def run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_train_then_resume_extends_the_run(tmp_path, capsys):
+    out = tmp_path / "gpt"
+    code, text, _ = run(["train", "--task", "lm", "--steps", "4", "--out", str(out), *TINY], capsys)
+    assert code == 0 and "validation loss" in text
+    for name in ("model.safetensors", "config.json", STATE_FILE, LOG_FILE, PLOT_FILE):
+        assert (out / name).is_file()
+    code, _, err = run(["train", "--steps", "4", "--out", str(out), *TINY], capsys)
+    assert code == 2 and "already holds a run" in err  # never overwrite a run by accident
+    code, text, _ = run(
+        ["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"], capsys
+    )
+    assert code == 0 and "resuming" in text
+    steps = [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()]
+    assert max(steps) == 6
+    code, text, _ = run(["generate", str(out), "def ", "-n", "5"], capsys)
+    assert code == 0 and text.startswith("def ")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--task", "mlm", "--kv-heads", "2"], "--kv-heads does not apply to --task mlm"),
+        (["train", "--task", "chat"], "invalid choice"),
+        (["train", "--steps", "0"], "expected a positive integer"),
+        (["train", "--lr", "-1"], "expected a positive number"),
+        (["train", "--resume", "--out", "/no/such/run"], "not a dikkat training run"),
+        (
+            ["train", "--data", "/no/such/file", "--steps", "1", "--out", "/tmp/x-dikkat-none"],
+            "does not exist",
+        ),
+        (["translate", "/no/such/ckpt", "12"], "has no config.json"),
+    ],
+)
+def test_bad_arguments_give_one_line(argv, message, capsys):
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert message in err
+    assert err.strip().count("\n") == 0
+
+
+def test_translate_command(tmp_path, capsys):
+    out = tmp_path / "tr"
+    code, _, _ = run(
+        [
+            "train",
+            "--task",
+            "translate",
+            "--steps",
+            "2",
+            "--d-model",
+            "32",
+            "--heads",
+            "2",
+            "--layers",
+            "1",
+            "--batch-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capsys,
+    )
+    assert code == 0
+    code, text, _ = run(["translate", str(out), "4721", "1,000"], capsys)
+    assert code == 0
+    lines = text.strip().splitlines()
+    assert lines[0].split("→")[0].strip() == "4721" and lines[1].split("→")[0].strip() == "1000"
+    code, _, err = run(["translate", str(out), "12a"], capsys)
+    assert code == 2 and "not a whole number" in err
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    code, text, _ = run(
+        [
+            "demo",
+            "--steps",
+            "3",
+            "--leak-steps",
+            "3",
+            "--sample-tokens",
+            "8",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert "validation loss" in text and "KV cache" in text and "causal val loss" in text
+    assert (out / PLOT_FILE).is_file() and (out / "model.safetensors").is_file()
