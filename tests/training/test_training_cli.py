@@ -133,3 +133,11 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert code == 0
     assert "validation loss" in text and "KV cache" in text and "causal val loss" in text
     assert (out / PLOT_FILE).is_file() and (out / "model.safetensors").is_file()
+
+
+def test_demo_never_deletes_a_folder_that_is_not_a_run(tmp_path, capsys):
+    keep = tmp_path / "precious.txt"
+    keep.write_text("do not delete")
+    code, _, err = run(["demo", "--steps", "1", "--out", str(tmp_path), "--no-progress"], capsys)
+    assert code == 2 and "holds no dikkat run" in err
+    assert keep.read_text() == "do not delete"

@@ -2,7 +2,6 @@
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
-from dikkat.layers.layout import store_column_major
 from dikkat.layers.linear import Linear, packed_for_inference, release_packed
 from dikkat.layers.mlp import MLP
 from dikkat.layers.norm import LayerNorm
@@ -30,5 +29,4 @@ __all__ = [
     "alibi_slopes",
     "packed_for_inference",
     "release_packed",
-    "store_column_major",
 ]

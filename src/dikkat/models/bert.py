@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import padding
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.layout import store_column_major
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
@@ -119,7 +118,6 @@ class BERT(SaveLoad, nn.Module):
         self.blocks = nn.ModuleList(Block(c.block()) for _ in range(c.n_layers))
         self.mlm = MLMHead(c, self.tok_emb) if c.mlm_head else None
         self.apply(init_normal_)
-        store_column_major(self)  # faster matrix-vector products on CPU; same values
 
     def is_tied(self, name: str) -> bool:
         return name == "mlm.embedding.weight"

@@ -20,7 +20,6 @@ from dikkat.core.masks import Mask, causal
 from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.layout import store_column_major
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
@@ -117,7 +116,6 @@ class GPT(SaveLoad, nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layers))
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        store_column_major(self)  # faster one-token decoding on CPU; same values
 
     def is_tied(self, name: str) -> bool:
         return self.config.tie_embeddings and name == "lm_head.weight"

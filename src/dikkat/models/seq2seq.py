@@ -21,7 +21,6 @@ from dikkat.core.masks import Mask, causal, padding
 from dikkat.generation.generate import left_pad, sample
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.layout import store_column_major
 from dikkat.layers.linear import Linear, packed_for_inference
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
@@ -136,7 +135,6 @@ class Seq2Seq(SaveLoad, nn.Module):
             nn.init.normal_(self.tgt_emb.weight, std=c.d_model**-0.5)
         if c.tie_output:
             self.out.weight = self.tgt_emb.weight
-        store_column_major(self)  # faster one-token decoding on CPU; same values
 
     def is_tied(self, name: str) -> bool:
         c = self.config

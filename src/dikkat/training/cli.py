@@ -95,7 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         n = sum(p.numel() for p in task.model.parameters())
         print(
             f"{spec.task}: {type(task.model).__name__} '{spec.preset}' with {n:,} parameters, "
-            f"{config.steps} steps of {config.batch_size}, tokenizer {spec.tokenizer}"
+            f"{config.steps} steps of {config.batch_size}, {type(task.tokenizer).__name__}"
         )
     result = trainer.train(progress=not args.no_progress)
     _summary(result, trainer)
@@ -160,10 +160,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small GPT on the standard library, show the leak, sample with the KV cache."""
     from dikkat.training.leak import leak_demo
     from dikkat.training.tasks import TaskSpec, build_task
-    from dikkat.training.trainer import TrainConfig, Trainer
+    from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer
 
     t0 = time.perf_counter()
     out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        if not (out / TASK_FILE).is_file():
+            raise ValueError(f"{out} is not empty and holds no dikkat run; choose another --out")
+        import shutil
+
+        shutil.rmtree(out)  # an earlier demo run: start fresh
     spec = TaskSpec(
         task="lm",
         preset="tiny",
@@ -185,10 +191,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"   {n:,} parameters, bytes as tokens, "
         f"{config.steps} steps of {config.batch_size}×{spec.seq_len} tokens"
     )
-    if out.exists() and any(out.iterdir()):
-        import shutil
-
-        shutil.rmtree(out)  # the demo's own folder: start fresh
     trainer = Trainer(task, config, out)
     result = trainer.train(progress=not args.no_progress)
     print(
@@ -212,6 +214,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print(f"\nDone in {time.perf_counter() - t0:.0f} s. Checkpoint, log.jsonl and loss.png: {out}/")
     print(f"Continue the text yourself:  dikkat generate {out} 'import ' -n 200 --temperature 0.8")
+    print("Every number in the seeds, computed:  dikkat seeds")
     return 0
 
 

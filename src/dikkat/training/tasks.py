@@ -216,8 +216,9 @@ class TranslateTask(Task):
 
         self.spec = spec
         self.tokenizer = tokenizer or numbers.NumberTokenizer()
-        self.heldout, self.val_numbers = numbers.make_splits(seed=spec.seed)
-        self.exclude = set(self.heldout) | set(self.val_numbers)
+        split = numbers.make_splits(seed=spec.seed)
+        self.heldout, self.val_numbers = split.heldout, split.val
+        self.exclude = split.exclude  # a precomputed mask: never train on these numbers
         V = self.tokenizer.vocab_size
         overrides = {
             "src_vocab_size": V,

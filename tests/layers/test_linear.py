@@ -1,11 +1,9 @@
-"""The CPU fast paths for weights: column-major storage and oneDNN-packed inference."""
+"""The CPU fast path for weights: oneDNN-packed inference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from dikkat.layers.layout import store_column_major
 from dikkat.layers.linear import (
     Linear,
     _onednn_linear_available,
@@ -16,46 +14,14 @@ from dikkat.layers.linear import (
 needs_onednn = pytest.mark.skipif(not _onednn_linear_available(), reason="oneDNN not available")
 
 
-def test_column_major_keeps_values_names_and_ties():
-    torch.manual_seed(0)
-    emb = nn.Embedding(11, 6)
-    head = Linear(6, 11, bias=False)
-    head.weight = emb.weight
-    model = nn.ModuleDict({"emb": emb, "head": head, "proj": Linear(6, 4)})
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    store_column_major(model)
-    after = model.state_dict()
-    assert before.keys() == after.keys()
-    for k in before:
-        assert torch.equal(before[k], after[k])
-    assert model["head"].weight is model["emb"].weight
-    assert model["proj"].weight.stride() == (1, 4)  # (out, in) stored as (in, out)
-    # layout survives load_state_dict and dtype casts
-    model.load_state_dict(before)
-    assert model["proj"].weight.stride() == (1, 4)
-    assert model.to(torch.float64)["proj"].weight.stride() == (1, 4)
-
-
-def test_column_major_gives_the_same_gradients():
-    torch.manual_seed(0)
-    a = Linear(8, 5)
-    b = store_column_major(Linear(8, 5))
-    b.load_state_dict(a.state_dict())
-    x = torch.randn(3, 8)
-    for m in (a, b):
-        m(x).square().sum().backward()
-    torch.testing.assert_close(a.weight.grad, b.weight.grad)
-    assert b.weight.grad.stride() == b.weight.stride()  # the gradient follows the layout
-
-
 @needs_onednn
-@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 24), (2, 7, 24), (5, 24)])
-def test_packed_linear_equals_plain(column_major, shape):
+def test_packed_linear_equals_plain(transposed, shape):
     torch.manual_seed(0)
     m = Linear(24, 40)
-    if column_major:
-        store_column_major(m)
+    if transposed:  # a weight whose memory is laid out (in, out): packing reads any strides
+        m.weight = torch.nn.Parameter(m.weight.detach().t().contiguous().t())
     x = torch.randn(shape)
     expected = F.linear(x.double(), m.weight.double(), m.bias.double())
     with torch.no_grad(), packed_for_inference(m):
