@@ -7,8 +7,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import attention
 import generation
+import training
 
 if __name__ == "__main__":
     attention.main([])
     print()
     generation.main([])
+    print()
+    training.main([])  # add --nanogpt DIR by running benchmarks/training.py yourself
