@@ -3,46 +3,37 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
+
+
+def _number(text: str, convert: Callable[[str], N], ok: Callable[[N], bool], what: str) -> N:
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
 
 
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def probability(text: str) -> float:
     """argparse type: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
+    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {value}")
-    return value
+    """argparse type: a number ≥ 0."""
+    return _number(text, float, lambda v: v >= 0, "a number ≥ 0")
 
 
 def positive_float(text: str) -> float:
     """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+    return _number(text, float, lambda v: v > 0, "a positive number")
