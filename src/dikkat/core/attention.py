@@ -3,8 +3,9 @@
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (G divides H; G = H is plain
 multi-head, G = 1 multi-query), ``T`` query length, ``S`` key length, ``D`` head dim.
 
-A backend is a function ``run(request) -> (out, weights | None)`` with a ``supports(request)``
-that returns None when it can serve the request and otherwise the reason it cannot. ``auto``
+A backend is a function ``run(request) -> (out, weights | None, lse | None)`` with a
+``supports(request)`` that returns None when it can serve the request and otherwise the reason it
+cannot. ``auto``
 walks the backends in order of preference and takes the first that can.
 """
 
@@ -26,6 +27,7 @@ from dikkat.core.checks import (
 from dikkat.core.masks import Mask
 from dikkat.core.reference import reference_attention
 from dikkat.core.sdpa import sdpa_attention
+from dikkat.core.tiled import tiled_attention
 
 __all__ = [
     "AttentionRequest",
@@ -51,6 +53,7 @@ class AttentionRequest:
     dropout: float
     return_weights: bool
     shape: AttentionShape
+    return_lse: bool = False  # also the log-sum-exp of each row's scores (B, H, T), fp32
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Backend:
     """A named attention implementation."""
 
     name: str
-    run: Callable[[AttentionRequest], tuple[Tensor, Tensor | None]]
+    run: Callable[[AttentionRequest], tuple[Tensor, Tensor | None, Tensor | None]]
     supports: Callable[[AttentionRequest], str | None]
     doc: str
 
@@ -103,6 +106,7 @@ def _request(
     q_offset: int,
     dropout: float,
     return_weights: bool,
+    return_lse: bool = False,
 ) -> AttentionRequest:
     shape = check_qkv(q, k, v)
     return AttentionRequest(
@@ -116,6 +120,7 @@ def _request(
         dropout=check_dropout(dropout),
         return_weights=bool(return_weights),
         shape=shape,
+        return_lse=bool(return_lse),
     )
 
 
@@ -131,7 +136,8 @@ def attention(
     dropout: float = 0.0,
     backend: str = "auto",
     return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """Scaled dot-product attention: ``softmax(Q Kᵀ · scale + bias) V`` over the allowed keys.
 
     Args:
@@ -146,15 +152,17 @@ def attention(
         dropout: dropout probability on the weights (pass 0 at evaluation).
         backend: ``"auto"`` or one of :func:`available_backends`.
         return_weights: also return the weights (B, H, T, S).
+        return_lse: also return the log-sum-exp of each row's scores (B, H, T) in fp32
+            (−inf for a row with no allowed key); the weights are exp(score − lse).
 
     Returns:
-        The output (B, H, T, Dv), or ``(output, weights)`` when ``return_weights``.
+        The output (B, H, T, Dv), followed by the weights and/or the lse when requested.
 
     >>> q = k = v = torch.randn(1, 2, 4, 8)
     >>> attention(q, k, v, dikkat.masks.causal()).shape
     torch.Size([1, 2, 4, 8])
     """
-    request = _request(q, k, v, mask, scale, bias, q_offset, dropout, return_weights)
+    request = _request(q, k, v, mask, scale, bias, q_offset, dropout, return_weights, return_lse)
     if backend == "auto":
         chosen, _ = _choose(request)
     elif backend in _BACKENDS:
@@ -166,8 +174,9 @@ def attention(
         raise ValueError(
             f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}"
         )
-    out, weights = chosen.run(request)
-    return (out, weights) if return_weights else out
+    out, weights, lse = chosen.run(request)
+    extra = ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
+    return (out, *extra) if extra else out
 
 
 def explain(
@@ -189,22 +198,48 @@ def explain(
 # --- the built-in backends ------------------------------------------------------------------------
 
 
-def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor]:
-    return reference_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset, dropout=r.dropout
+def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor, Tensor | None]:
+    result = reference_attention(
+        r.q,
+        r.k,
+        r.v,
+        r.mask,
+        scale=r.scale,
+        bias=r.bias,
+        q_offset=r.q_offset,
+        dropout=r.dropout,
+        return_lse=r.return_lse,
     )
+    return (*result, None) if len(result) == 2 else result  # type: ignore[return-value]
 
 
-def _run_sdpa(r: AttentionRequest) -> tuple[Tensor, None]:
+def _run_sdpa(r: AttentionRequest) -> tuple[Tensor, None, None]:
     out = sdpa_attention(
         r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset, dropout=r.dropout
     )
-    return out, None
+    return out, None, None
 
 
 def _sdpa_supports(r: AttentionRequest) -> str | None:
     if r.return_weights:
         return "it cannot return the weights"
+    if r.return_lse:
+        return "it cannot return the log-sum-exp"
+    return None
+
+
+def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
+    out, lse = tiled_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
+    )
+    return out, None, lse
+
+
+def _tiled_supports(r: AttentionRequest) -> str | None:
+    if r.return_weights:
+        return "it never holds the full weights (use return_lse)"
+    if r.dropout > 0:
+        return "it has no dropout"
     return None
 
 
@@ -225,4 +260,13 @@ register_backend(
         "torch.nn.functional.scaled_dot_product_attention (fused kernels; masks made dense)",
     ),
     auto_rank=0,
+)
+register_backend(
+    Backend(
+        "tiled",
+        _run_tiled,
+        _tiled_supports,
+        "exact attention over tiles with the online softmax: O(n) memory, masked tiles skipped",
+    ),
+    auto_rank=1,  # after SDPA (faster when the scores fit), before the reference
 )

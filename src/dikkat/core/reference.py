@@ -33,7 +33,8 @@ def reference_attention(
     bias: Tensor | None = None,
     q_offset: int = 0,
     dropout: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> tuple[Tensor, ...]:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) V, with its weights.
 
     Args:
@@ -43,6 +44,8 @@ def reference_attention(
         bias: additive scores, broadcastable to (B, H, T, S).
         q_offset: absolute position of the first query (for masks, when decoding with a cache).
         dropout: probability of dropping a weight before it multiplies V (training only).
+        return_lse: also return each row's log-sum-exp of the scores (B, H, T), in fp32 (fp64
+            for fp64 inputs).
 
     Returns:
         out (B, H, T, Dv) and weights (B, H, T, S); each row of weights is ≥ 0 and sums to 1,
@@ -64,4 +67,7 @@ def reference_attention(
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, T, 1)
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
+    if return_lse:  # −inf for a row with no allowed key
+        lse_dtype = torch.promote_types(scores.dtype, torch.float32)  # fp32, or fp64 for fp64
+        return dropped @ v, weights, torch.logsumexp(scores.to(lse_dtype), dim=-1)
     return dropped @ v, weights
