@@ -81,6 +81,10 @@ def test_masked_tiles_are_skipped():
     assert window == 2 * (n // b) - 1  # linear in n: the diagonal and the one below it
     docs = masks.document(torch.arange(n) // (n // 4))  # 4 packed documents
     assert count_tiles(docs, n, n, b) == 4 * (n // b // 4) * (n // b // 4 + 1) // 2
+    # and the loop does not even visit the hidden tiles: a few key blocks per query block
+    for mask in (masks.sliding_window(b), docs):
+        visits = [len(tiled._key_blocks(mask, q0, q0 + b, n, b)) for q0 in range(0, n, b)]
+        assert max(visits) <= (2 if mask is not docs else n // b // 4)
 
 
 def test_extra_memory_stays_linear():
@@ -113,3 +117,18 @@ def test_return_lse_and_refusals():
         dikkat.attention(q, k, v, backend="sdpa", return_lse=True)
     with pytest.raises(ValueError, match="block must be positive"):
         tiled.tiled_attention(q, k, v, scale=1.0, block=0)
+
+
+@given(case=attention_cases(max_len=40), data=st.data())
+def test_kv_range_bounds_every_visible_key(case, data):
+    """No mask allows a key outside the range it reports (the tiled backend relies on it)."""
+    if case.mask is None:
+        return
+    mask = as_mask(case.mask, case.q_offset)
+    a = data.draw(st.integers(0, case.T - 1))
+    b = data.draw(st.integers(a + 1, case.T))
+    q0, q1 = case.q_offset + a, case.q_offset + b
+    lo, hi = mask.kv_range(q0, q1, case.S)
+    allowed = case.allowed()[:, :, a:b]  # (B, H, b − a, S)
+    visible = allowed.any(dim=(0, 1, 2)).nonzero().flatten().tolist()
+    assert all(lo <= j < hi for j in visible), (lo, hi, visible)

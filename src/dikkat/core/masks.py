@@ -94,6 +94,11 @@ class Mask:
         """True only for :func:`full`: nothing is masked, so backends may skip the mask."""
         return False
 
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        """Keys ``lo … hi − 1`` hold every key that queries at absolute positions q0 … q1 − 1
+        may see (a conservative bound), so a tiled backend need not even look at the rest."""
+        return 0, S
+
     def __and__(self, other: Mask | Tensor) -> Mask:
         return And(self, as_mask(other))
 
@@ -118,6 +123,10 @@ class And(Mask):
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.left.predicate(b, h, q_idx, kv_idx) & self.right.predicate(b, h, q_idx, kv_idx)
 
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        (a, b), (c, d) = self.left.kv_range(q0, q1, S), self.right.kv_range(q0, q1, S)
+        return max(a, c), min(b, d)
+
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         self.left.validate(B, H, T, S, q_offset)
         self.right.validate(B, H, T, S, q_offset)
@@ -130,6 +139,10 @@ class Or(Mask):
 
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.left.predicate(b, h, q_idx, kv_idx) | self.right.predicate(b, h, q_idx, kv_idx)
+
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        (a, b), (c, d) = self.left.kv_range(q0, q1, S), self.right.kv_range(q0, q1, S)
+        return min(a, c), max(b, d)
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         self.left.validate(B, H, T, S, q_offset)
@@ -166,6 +179,9 @@ class Causal(Mask):
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return q_idx >= kv_idx
 
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        return 0, min(S, q1)
+
     @property
     def is_causal(self) -> bool:
         return True
@@ -186,6 +202,9 @@ class SlidingWindow(Mask):
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         distance = q_idx - kv_idx
         return (distance >= 0) & (distance < self.window)
+
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        return max(0, q0 - self.window + 1), min(S, q1)
 
 
 def _batch_vector(name: str, value: Tensor | int, *, dtype_kind: str = "int") -> Tensor:
@@ -223,6 +242,11 @@ class Padding(Mask):
         valid = self.valid.to(kv_idx.device)  # (B, S)
         return valid[b.clamp(max=valid.shape[0] - 1), kv_idx.clamp(max=valid.shape[1] - 1)]
 
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        if self.lengths is None:
+            return 0, S
+        return 0, max(0, min(S, int(self.lengths.max())))
+
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         if self.lengths is not None:
             _check_batch("padding lengths", self.lengths.numel(), B)
@@ -249,6 +273,15 @@ class Document(Mask):
         same = ids[rows, q_idx] == ids[rows, kv_idx]
         return same & (q_idx >= kv_idx)
 
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        hi = min(S, q1)
+        ids = self.ids
+        if q0 >= ids.shape[1] or not bool((ids[:, 1:] >= ids[:, :-1]).all()):
+            return 0, hi  # documents not in order: only the causal bound holds
+        # sorted ids: a query sees nothing before the first position of its own document
+        starts = torch.searchsorted(ids.contiguous(), ids[:, q0 : q0 + 1].contiguous())
+        return min(int(starts.min()), hi), hi
+
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         _check_batch("document ids", self.ids.shape[0], B)
         needed = max(q_offset + T, S)
@@ -268,6 +301,9 @@ class PrefixLM(Mask):
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         prefix = self.prefix_len.to(kv_idx.device)
         return (kv_idx < prefix[b.clamp(max=prefix.numel() - 1)]) | (q_idx >= kv_idx)
+
+    def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        return 0, min(S, max(q1, int(self.prefix_len.max())))
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         _check_batch("prefix_len", self.prefix_len.numel(), B)

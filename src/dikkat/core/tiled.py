@@ -53,6 +53,13 @@ def _tile_mask(
     return allowed.view(Bm, G, H // G, *allowed.shape[2:])  # head h = g·group + i
 
 
+def _key_blocks(mask: Mask | None, q0: int, q1: int, S: int, block: int) -> range:
+    """Starts of the key blocks that may hold visible keys for queries q0 … q1 − 1: the mask's
+    ``kv_range`` bounds them, so a sliding window or causal mask never visits the rest."""
+    lo, hi = (0, S) if mask is None else mask.kv_range(q0, q1, S)
+    return range((lo // block) * block, hi, block)
+
+
 def _bias_tile(bias: Tensor | None, G: int, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
     """The bias entries of one tile, viewable against (B, G, g, bq, bk)."""
     if bias is None:
@@ -105,7 +112,7 @@ def _forward(
         m = torch.full((B, G, H // G, q1 - q0), float("-inf"), dtype=acc_dtype, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741 — the running sum, as in the papers
         acc = torch.zeros(B, G, H // G, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
-        for k0 in range(0, S, block):
+        for k0 in _key_blocks(mask, q0 + q_offset, q1 + q_offset, S, block):
             k1 = min(k0 + block, S)
             allowed = _tile_mask(mask, B, H, G, q0 + q_offset, q1 + q_offset, k0, k1, q.device)
             if allowed is False:
@@ -158,7 +165,7 @@ def _backward(
     for q0 in range(0, T, block):
         q1 = min(q0 + block, T)
         qb, dob = qg[:, :, :, q0:q1], dog[:, :, :, q0:q1]
-        for k0 in range(0, S, block):
+        for k0 in _key_blocks(mask, q0 + q_offset, q1 + q_offset, S, block):
             k1 = min(k0 + block, S)
             allowed = _tile_mask(mask, B, H, G, q0 + q_offset, q1 + q_offset, k0, k1, q.device)
             if allowed is False:
