@@ -2,8 +2,10 @@
 
     python benchmarks/attention.py [--max-n 4096]
 
-B=1, H=8, D=64. The reference materialises the (T, S) scores; SDPA is PyTorch's fused kernel;
-auto is what ``dikkat.attention`` picks. Figures for BENCHMARKS.md come from one run of this.
+B=1, H=8, D=64. The reference materialises the (T, S) scores; SDPA is PyTorch's fused kernel
+(with a structured mask it gets the equivalent dense bool mask); tiled is dikkat's exact
+tiled attention; auto is what ``dikkat.attention`` picks. Figures for BENCHMARKS.md come from
+one run of this.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from common import save_json, timeit
 from dikkat import masks
 
 
-def flops(n: int, H: int = 8, D: int = 64, causal: bool = False) -> float:
-    full = 4.0 * H * n * n * D  # QKᵀ and weights·V, 2 flops per multiply-add
-    return full / 2 if causal else full
+def flops(n: int, H: int = 8, D: int = 64, visible: float = 1.0) -> float:
+    """Useful FLOPs: QKᵀ and weights·V over the visible fraction of the score cells."""
+    return 4.0 * H * n * n * D * visible
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -31,12 +33,15 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     print(f"{'dtype':<9}{'mask':<8}{'n':>6}  {'backend':<10}{'ms':>9}{'GFLOP/s':>9}{'vs sdpa':>9}")
     for dtype in (torch.float32, torch.bfloat16):
-        for mask_name in ("none", "causal"):
-            mask = masks.causal() if mask_name == "causal" else None
+        for mask_name in ("none", "causal", "window256"):
+            mask = {"none": None, "causal": masks.causal(), "window256": masks.sliding_window(256)}[
+                mask_name
+            ]
             for n in sizes:
                 q, k, v = (torch.randn(1, 8, n, 64, dtype=dtype) for _ in range(3))
                 times = {}
-                for backend in ("sdpa", "auto", "reference"):
+                backends = ("sdpa", "auto", "tiled") + (("reference",) if n <= 4096 else ())
+                for backend in backends:
                     with torch.no_grad():
                         times[backend] = timeit(
                             lambda b=backend, q=q, k=k, v=v, m=mask: dikkat.attention(
@@ -44,7 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
                             )
                         )
                 for backend, t in times.items():
-                    gflops = flops(n, causal=mask is not None) / t / 1e9
+                    visible = {"none": 1.0, "causal": 0.5, "window256": min(1.0, 256 / n)}[
+                        mask_name
+                    ]
+                    gflops = flops(n, visible=visible) / t / 1e9
                     rows.append(
                         {
                             "dtype": str(dtype),
