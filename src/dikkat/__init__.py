@@ -5,6 +5,8 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
+__version__ = "0.1.0"
+
 from dikkat import masks
 from dikkat.core import (
     attention,
@@ -13,6 +15,7 @@ from dikkat.core import (
     reference_attention,
     register_backend,
 )
+from dikkat.generation import KVCache, generate, iter_generate
 from dikkat.layers import (
     MLP,
     ALiBi,
@@ -24,24 +27,38 @@ from dikkat.layers import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-
-__version__ = "0.1.0"
+from dikkat.models import BERT, GPT, BERTConfig, GPTConfig, Seq2Seq, Seq2SeqConfig
+from dikkat.training.tasks import TaskSpec
+from dikkat.training.trainer import TrainConfig, Trainer, train
 
 __all__ = [
+    "BERT",
+    "GPT",
     "MLP",
     "ALiBi",
+    "BERTConfig",
     "Block",
     "BlockConfig",
+    "GPTConfig",
+    "KVCache",
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "RotaryEmbedding",
+    "Seq2Seq",
+    "Seq2SeqConfig",
     "SinusoidalPositionalEncoding",
+    "TaskSpec",
+    "TrainConfig",
+    "Trainer",
     "__version__",
     "attention",
     "available_backends",
     "explain",
+    "generate",
+    "iter_generate",
     "masks",
     "reference_attention",
     "register_backend",
+    "train",
 ]
