@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from dikkat import masks
 from dikkat.core import (
     attention,
+    attention_weights,
     available_backends,
     explain,
     reference_attention,
@@ -53,6 +54,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "attention",
+    "attention_weights",
     "available_backends",
     "explain",
     "generate",

@@ -132,3 +132,31 @@ def test_kv_range_bounds_every_visible_key(case, data):
     allowed = case.allowed()[:, :, a:b]  # (B, H, b − a, S)
     visible = allowed.any(dim=(0, 1, 2)).nonzero().flatten().tolist()
     assert all(lo <= j < hi for j in visible), (lo, hi, visible)
+
+
+@given(case=attention_cases(max_len=30), data=st.data())
+def test_attention_weights_from_the_lse_equal_the_reference(case, data):
+    """Chosen rows and heads, recomputed from the tiled backend's lse, = the reference weights."""
+    inputs = case.inputs()
+    q, k, v, bias = inputs["q"], inputs["k"], inputs["v"], inputs["bias"]
+    kwargs = {"bias": bias, "q_offset": case.q_offset}
+    _, lse = dikkat.attention(q, k, v, case.mask, backend="tiled", return_lse=True, **kwargs)
+    _, ref = dikkat.attention(
+        q, k, v, case.mask, backend="reference", return_weights=True, **kwargs
+    )
+    rows = data.draw(st.lists(st.integers(0, case.T - 1), min_size=1, max_size=4))
+    heads = data.draw(st.lists(st.integers(0, case.H - 1), min_size=1, max_size=3))
+    w = dikkat.attention_weights(q, k, lse, rows=rows, heads=heads, mask=case.mask, **kwargs)
+    assert w.shape == (case.B, len(heads), len(rows), case.S)
+    torch.testing.assert_close(w, ref[:, heads][:, :, rows], atol=1e-12, rtol=1e-10)
+
+
+def test_attention_weights_bad_input():
+    q = k = torch.randn(1, 2, 4, 8)
+    lse = torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        dikkat.attention_weights(q, k, lse[..., :3])
+    with pytest.raises(ValueError, match="rows must index 0 … 3"):
+        dikkat.attention_weights(q, k, lse, rows=[4])
+    with pytest.raises(ValueError, match="heads must index 0 … 1"):
+        dikkat.attention_weights(q, k, lse, heads=[-1])

@@ -10,11 +10,13 @@ from dikkat.core.attention import (
     register_backend,
 )
 from dikkat.core.reference import reference_attention, repeat_kv
+from dikkat.core.weights import attention_weights
 
 __all__ = [
     "AttentionRequest",
     "Backend",
     "attention",
+    "attention_weights",
     "available_backends",
     "explain",
     "masks",

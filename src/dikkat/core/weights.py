@@ -1,0 +1,77 @@
+"""Attention maps at fast-path cost: weights of chosen rows and heads from the saved log-sum-exp.
+
+A fused or tiled backend never holds the (B, H, T, S) weights. With each row's log-sum-exp
+``lse`` (``dikkat.attention(..., return_lse=True)``) the weights of any rows are one product
+away: ``α_ij = exp(q_i · k_j · scale + bias_ij − lse_i)`` over the allowed keys — exactly the
+reference's softmax, for only the rows asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dikkat.core.checks import check_bias, check_mask, check_qkv, check_scale
+from dikkat.core.masks import Mask
+
+
+def _indices(name: str, value: Sequence[int] | Tensor | None, n: int, device) -> Tensor:
+    if value is None:
+        return torch.arange(n, device=device)
+    idx = torch.as_tensor(value, device=device).long().flatten()
+    if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise ValueError(f"{name} must index 0 … {n - 1}, got {idx.tolist()}")
+    return idx
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    rows: Sequence[int] | Tensor | None = None,
+    heads: Sequence[int] | Tensor | None = None,
+    mask: Mask | Tensor | None = None,
+    scale: float | None = None,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+) -> Tensor:
+    """Weights (B, len(heads), len(rows), S) of the chosen query rows and heads.
+
+    Args:
+        q: (B, H, T, D), k: (B, G, S, D) — the attention call's inputs.
+        lse: (B, H, T), from ``dikkat.attention(..., return_lse=True)``.
+        rows, heads: query positions (0 … T − 1) and heads to compute; None = all.
+        mask, scale, bias, q_offset: as in the attention call.
+    """
+    shape = check_qkv(q, k, k)
+    if not isinstance(lse, Tensor) or tuple(lse.shape) != (shape.B, shape.H, shape.T):
+        raise ValueError(
+            f"lse must have shape (B, H, T) = {(shape.B, shape.H, shape.T)}, "
+            f"got {tuple(getattr(lse, 'shape', ()))}"
+        )
+    m = check_mask(mask, shape, q_offset)
+    b4 = check_bias(bias, q, shape)
+    scale = check_scale(scale, shape.D)
+    r = _indices("rows", rows, shape.T, q.device)
+    h = _indices("heads", heads, shape.H, q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qs = q[:, h][:, :, r].to(acc)  # (B, h, r, D)
+    ks = k[:, h // shape.group].to(acc)  # the key/value head of each chosen query head
+    scores = (qs @ ks.transpose(-2, -1)) * scale  # (B, h, r, S)
+    if b4 is not None:
+        bb = b4.expand(shape.B, shape.H, shape.T, shape.S)[:, h][:, :, r]
+        scores = scores + bb.to(acc)
+    if m is not None:  # the predicate on the chosen rows and heads only, never T × S
+        allowed = m.predicate(
+            torch.arange(shape.B, device=q.device).view(-1, 1, 1, 1),
+            h.view(1, -1, 1, 1),
+            (r + q_offset).view(1, 1, -1, 1),
+            torch.arange(shape.S, device=q.device).view(1, 1, 1, -1),
+        )
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    row_lse = lse[:, h][:, :, r].to(acc).unsqueeze(-1)
+    # a row with no allowed key has lse = −inf: its weights are all 0
+    return torch.exp(scores - row_lse.masked_fill(torch.isneginf(row_lse), float("inf")))
