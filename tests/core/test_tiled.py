@@ -160,3 +160,16 @@ def test_attention_weights_bad_input():
         dikkat.attention_weights(q, k, lse, rows=[4])
     with pytest.raises(ValueError, match="heads must index 0 … 1"):
         dikkat.attention_weights(q, k, lse, heads=[-1])
+
+
+def test_auto_sends_mostly_hidden_masks_to_tiled():
+    q, k, v = (torch.randn(1, 1, 1024, 16) for _ in range(3))
+    window = masks.sliding_window(64)
+    assert dikkat.explain(q, k, v, window).startswith("tiled (not sdpa: the mask leaves at most")
+    assert dikkat.explain(q, k, v, masks.causal()).startswith("sdpa")  # SDPA's causal kernel
+    assert dikkat.explain(q, k, v).startswith("sdpa")
+    small = q[:, :, :64], k[:, :, :64], v[:, :, :64]
+    assert dikkat.explain(*small, window).startswith("sdpa")  # too small to matter
+    torch.testing.assert_close(
+        dikkat.attention(q, k, v, window), dikkat.attention(q, k, v, window, backend="tiled")
+    )

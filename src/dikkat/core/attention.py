@@ -64,6 +64,8 @@ class Backend:
     run: Callable[[AttentionRequest], tuple[Tensor, Tensor | None, Tensor | None]]
     supports: Callable[[AttentionRequest], str | None]
     doc: str
+    # auto passes this backend by (though it could serve) when this returns a reason
+    avoid: Callable[[AttentionRequest], str | None] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -88,7 +90,10 @@ def available_backends() -> list[str]:
 def _choose(request: AttentionRequest) -> tuple[Backend, str]:
     refused = []
     for name in _AUTO_ORDER:
-        reason = _BACKENDS[name].supports(request)
+        backend = _BACKENDS[name]
+        reason = backend.supports(request)
+        if reason is None and backend.avoid is not None:
+            reason = backend.avoid(request)
         if reason is None:
             why = "; ".join(refused) if refused else "the first choice"
             return _BACKENDS[name], why
@@ -228,6 +233,30 @@ def _sdpa_supports(r: AttentionRequest) -> str | None:
     return None
 
 
+def visible_fraction(mask: Mask, T: int, S: int, q_offset: int = 0, block: int = 128) -> float:
+    """The fraction of the T × S score cells inside the key ranges the mask reports per block of
+    queries (an upper bound on what it lets through)."""
+    seen = 0
+    for q0 in range(0, T, block):
+        q1 = min(q0 + block, T)
+        lo, hi = mask.kv_range(q0 + q_offset, q1 + q_offset, S)
+        seen += (q1 - q0) * max(0, hi - lo)
+    return seen / (T * S)
+
+
+def _sdpa_avoid(r: AttentionRequest) -> str | None:
+    """With a mask that hides most score cells, SDPA computes them all (through a dense mask)
+    while the tiled backend never visits them: on large calls auto prefers the tiled one."""
+    if r.mask is None or r.mask.is_causal or r.shape.T * r.shape.S < 1 << 20:
+        return None
+    if _tiled_supports(r) is not None:
+        return None
+    fraction = visible_fraction(r.mask, r.shape.T, r.shape.S, r.q_offset)
+    if fraction > 0.25:
+        return None
+    return f"the mask leaves at most {fraction:.0%} of the score cells, which tiled alone skips"
+
+
 def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
     out, lse = tiled_attention(
         r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
@@ -258,6 +287,7 @@ register_backend(
         _run_sdpa,
         _sdpa_supports,
         "torch.nn.functional.scaled_dot_product_attention (fused kernels; masks made dense)",
+        avoid=_sdpa_avoid,
     ),
     auto_rank=0,
 )
