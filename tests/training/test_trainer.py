@@ -134,3 +134,31 @@ def test_bad_configs():
         TaskSpec(task="chat")
     with pytest.raises(ValueError, match="tokenizer must be"):
         TaskSpec(tokenizer="words")
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_ctrl_c_finishes_the_step_then_saves(lm_task, tmp_path):
+    """SIGINT during a step: the step completes, the run is saved, and resume continues exactly."""
+    import os
+    import signal
+
+    t = Trainer(fresh(lm_task), CONFIG, tmp_path)
+    original = t.optimizer.step
+
+    def step_then_interrupt(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if t.step == 4:  # mid-step: after the weight update, before the step count moves
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    t.optimizer.step = step_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        t.train(progress=False)
+    assert t.step == 5  # the interrupted step was finished, not torn
+    resumed = resume_trainer(tmp_path)
+    assert resumed.step == 5
+    resumed.train(progress=False)
+    straight = Trainer(fresh(lm_task), CONFIG, tmp_path / "straight")
+    straight.train(progress=False)
+    losses = lambda tr: [r["loss"] for r in tr.history if "loss" in r]  # noqa: E731
+    assert losses(resumed) == losses(straight)

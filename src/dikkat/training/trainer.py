@@ -9,7 +9,8 @@ A run lives in one folder::
     log.jsonl                        one JSON line per logged step and per evaluation
     loss.png                         the loss curves
 
-Every file is written to a temporary name and renamed into place. ``trainer_state.pt`` holds the
+Every file is written to a temporary name and renamed into place; Ctrl-C lets the step in
+flight finish, then saves. ``trainer_state.pt`` holds the
 SHA-256 of the weights it belongs to, so a crash between two files gives a clear error on resume,
 never a silent mix of old and new state. The batch of step s is drawn from a generator seeded by
 (seed, s), so resuming draws exactly the batches an uninterrupted run would have.
@@ -17,10 +18,14 @@ never a silent mix of old and new state. The batch of step s is drawn from a gen
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +132,7 @@ class Trainer:
         )
         self.step = 0
         self.history: list[dict[str, Any]] = []
+        self._interrupted = False  # set by Ctrl-C; the loop stops after the current step
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -208,16 +214,16 @@ class Trainer:
         bar = tqdm(
             total=c.steps, initial=self.step, disable=not progress, unit="step", dynamic_ncols=True
         )
-        try:
+        self._interrupted = False
+        with _finish_step_on_ctrl_c(self):
             tokens = self._loop(bar, end)
-        except KeyboardInterrupt:
-            bar.close()
+        bar.close()
+        if self._interrupted:  # Ctrl-C: the step in flight finished, so the state is whole
             self.save()
             print(
                 f"\ninterrupted at step {self.step}; saved in {self.out_dir} (--resume continues)"
             )
-            raise
-        bar.close()
+            raise KeyboardInterrupt
         seconds = time.perf_counter() - t0
         rate = tokens / seconds if self.step > first_step else 0.0
         if self.step < c.steps:  # stopped early on request
@@ -250,7 +256,7 @@ class Trainer:
         self.model.train()
         t0, tokens, window = time.perf_counter(), 0, []
         shown: dict[str, str] = {}  # the progress bar's loss, tokens/s and last validation loss
-        while self.step < end:
+        while self.step < end and not self._interrupted:
             batch = task.batch("train", step_generator(c.seed, self.step), c.batch_size)
             with self._autocast():
                 loss, _ = task.loss(self.model, batch)
@@ -305,6 +311,24 @@ class Trainer:
             path, lambda tmp: plot_losses(self.history, tmp, title=title, unit=self.task.unit)
         )
         return path
+
+
+@contextlib.contextmanager
+def _finish_step_on_ctrl_c(trainer: Trainer) -> Iterator[None]:
+    """While training, Ctrl-C only raises a flag; the loop stops after the step in flight, so a
+    checkpoint is never taken between an optimizer update and its step count."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def flag(signum: int, frame: object) -> None:
+        trainer._interrupted = True
+
+    previous = signal.signal(signal.SIGINT, flag)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def resume_trainer(out_dir: str | Path, *, steps: int | None = None) -> Trainer:
