@@ -28,7 +28,7 @@ from helpers import (
     term_sizes,
 )
 
-BACKENDS = available_backends()
+BACKENDS = available_backends(exact_only=True)
 DTYPES = [torch.float32, torch.bfloat16]
 # The floor is a few roundings of the terms each entry sums (``term_sizes``): the error of a sum
 # scales with Σ|terms|, not with the result, which can cancel (with one allowed key the

@@ -24,6 +24,7 @@ from dikkat.core.checks import (
     check_qkv,
     check_scale,
 )
+from dikkat.core.linear import linear_attention
 from dikkat.core.masks import Mask
 from dikkat.core.reference import reference_attention
 from dikkat.core.sdpa import sdpa_attention
@@ -66,6 +67,7 @@ class Backend:
     doc: str
     # auto passes this backend by (though it could serve) when this returns a reason
     avoid: Callable[[AttentionRequest], str | None] | None = None
+    exact: bool = True  # computes softmax attention (checked against the reference)
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -82,9 +84,10 @@ def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
         _AUTO_ORDER.insert(auto_rank, backend.name)
 
 
-def available_backends() -> list[str]:
-    """Names accepted by ``backend=`` (besides ``"auto"``)."""
-    return sorted(_BACKENDS)
+def available_backends(*, exact_only: bool = False) -> list[str]:
+    """Names accepted by ``backend=`` (besides ``"auto"``); ``exact_only``: only those computing
+    softmax attention (not ``"linear"``, which is another model)."""
+    return sorted(name for name, b in _BACKENDS.items() if b.exact or not exact_only)
 
 
 def _choose(request: AttentionRequest) -> tuple[Backend, str]:
@@ -290,6 +293,40 @@ register_backend(
         avoid=_sdpa_avoid,
     ),
     auto_rank=0,
+)
+
+
+def _run_linear(r: AttentionRequest) -> tuple[Tensor, None, None]:
+    return linear_attention(r.q, r.k, r.v, causal=r.mask is not None), None, None
+
+
+def _linear_supports(r: AttentionRequest) -> str | None:
+    if r.mask is not None and not r.mask.is_causal:
+        return "linear attention takes no mask or causal() (other masks do not factorise)"
+    if r.mask is not None and r.q_offset + r.shape.T != r.shape.S:
+        return (
+            f"causal linear attention needs the queries to be the last keys: q_offset + T = "
+            f"{r.q_offset + r.shape.T}, S = {r.shape.S}"
+        )
+    for flag, what in (
+        (r.bias is not None, "bias"),
+        (r.dropout > 0, "dropout"),
+        (r.return_weights, "weights"),
+        (r.return_lse, "log-sum-exp"),
+    ):
+        if flag:
+            return f"linear attention has no {what}"
+    return None
+
+
+register_backend(
+    Backend(
+        "linear",
+        _run_linear,
+        _linear_supports,
+        "linear attention, φ(x) = elu(x) + 1: another model, O(n); never chosen by auto",
+        exact=False,
+    ),
 )
 register_backend(
     Backend(

@@ -1,0 +1,117 @@
+"""Linear attention: a kernel feature map instead of the softmax, O(n) time and memory (S18).
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T``/``S`` query/key length,
+``D``/``Dv`` head dims, ``C`` chunk length.
+
+With φ(x) = elu(x) + 1 (positive features), the weight of key j for query i is
+φ(q_i)·φ(k_j) / Σ_j' φ(q_i)·φ(k_j'). Because the numerator factorises, the sums over keys can be
+taken first: out_i = φ(q_i)ᵀ (Σ_j φ(k_j) v_jᵀ) / φ(q_i)ᵀ (Σ_j φ(k_j)) — a (D × Dv) state instead
+of a T × S matrix. Causally the sums run over j ≤ i: chunks of C queries use the small quadratic
+form inside the chunk and the running state for everything before it. Generation keeps just that
+state (:class:`LinearState`), a constant size instead of a growing KV cache.
+
+This is a different model from softmax attention, not an approximation of it; it is tested
+against its own quadratic formula (:func:`linear_attention_quadratic`). ``scale`` is not used:
+the feature map replaces the softmax's temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHUNK = 64
+
+
+def feature_map(x: Tensor) -> Tensor:
+    """φ(x) = elu(x) + 1 > 0."""
+    return F.elu(x) + 1.0
+
+
+def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, H, T, D) → (B, G, g, T, D); k, v (B, G, S, ·) → (B, G, 1, S, ·)."""
+    B, H, T, D = q.shape
+    G = k.shape[1]
+    return q.reshape(B, G, H // G, T, D), k.unsqueeze(2), v.unsqueeze(2)
+
+
+def linear_attention_quadratic(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> Tensor:
+    """The same model written the slow way, with its T × S weights: the oracle for the tests."""
+    B, H, T, _ = q.shape
+    qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
+    w = qg @ kg.transpose(-2, -1)  # (B, G, g, T, S): φ(q_i)·φ(k_j)
+    if causal:
+        S = k.shape[2]
+        w = w * torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    w = w / w.sum(-1, keepdim=True)
+    return (w @ vg).reshape(B, H, T, -1)
+
+
+def linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, chunk: int = CHUNK
+) -> Tensor:
+    """Linear attention, (B, H, T, Dv). Causal needs the queries to be the last T of the S keys."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
+    if not causal:
+        state = kg.transpose(-2, -1) @ vg  # (B, G, 1, D, Dv): Σ_j φ(k_j) v_jᵀ
+        norm = kg.sum(-2)  # (B, G, 1, D): Σ_j φ(k_j)
+        out = (qg @ state) / (qg @ norm.unsqueeze(-1))
+        return out.reshape(B, H, T, -1)
+    # keys before the first query are visible to every query: they start the running state
+    first = S - T
+    state = kg[..., :first, :].transpose(-2, -1) @ vg[..., :first, :]
+    norm = kg[..., :first, :].sum(-2)
+    outs = []
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        qc = qg[..., c0:c1, :]  # (B, G, g, C, D)
+        kc, vc = kg[..., first + c0 : first + c1, :], vg[..., first + c0 : first + c1, :]
+        inside = (qc @ kc.transpose(-2, -1)).tril()  # causal within the chunk, (B, G, g, C, C)
+        num = qc @ state + inside @ vc
+        den = (qc @ norm.unsqueeze(-1)).squeeze(-1) + inside.sum(-1)
+        outs.append(num / den.unsqueeze(-1))
+        state = state + kc.transpose(-2, -1) @ vc
+        norm = norm + kc.sum(-2)
+    return torch.cat(outs, dim=-2).reshape(B, H, T, -1)
+
+
+@dataclass
+class LinearState:
+    """The recurrent form's memory: Σ φ(k) vᵀ (B, G, 1, D, Dv) and Σ φ(k) (B, G, 1, D)."""
+
+    kv: Tensor
+    k: Tensor
+
+    @classmethod
+    def empty(
+        cls, B: int, G: int, D: int, Dv: int, *, dtype=torch.float32, device=None
+    ) -> LinearState:
+        return cls(
+            torch.zeros(B, G, 1, D, Dv, dtype=dtype, device=device),
+            torch.zeros(B, G, 1, D, dtype=dtype, device=device),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Constant in the sequence length, unlike a KV cache."""
+        return self.kv.numel() * self.kv.element_size() + self.k.numel() * self.k.element_size()
+
+
+def linear_attention_step(state: LinearState, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One token: q (B, H, 1, D), k (B, G, 1, D), v (B, G, 1, Dv) → out (B, H, 1, Dv).
+
+    Adds the token's key and value to ``state`` (in place), then reads the state: the causal
+    result for this position, at a cost that does not grow with the sequence.
+    """
+    qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
+    state.kv += kg.transpose(-2, -1) @ vg
+    state.k += kg.sum(-2)
+    out = (qg @ state.kv) / (qg @ state.k.unsqueeze(-1))
+    return out.reshape(q.shape[0], q.shape[1], 1, -1)
