@@ -1,6 +1,6 @@
 """The seed documents' examples, computed on real tensors (S2, S3, S4, S13).
 
-Each function returns the numbers; ``dikkat demo`` prints them beside what the seed states, and
+Each function returns the numbers; ``dikkat seeds`` prints them beside what the seed states, and
 the tests assert them. Nothing here types a seed number in as a result: the seed's values appear
 only in :data:`SEED_CLAIMS`, as the text to compare against.
 """
