@@ -75,14 +75,23 @@ class Mask:
         Dimensions the predicate does not depend on stay of size 1 (a causal mask is (1, 1, T, S)).
         """
         self.validate(B, H, T, S, q_offset)
-        b = torch.arange(B, device=device).view(B, 1, 1, 1)
-        h = torch.arange(H, device=device).view(1, H, 1, 1)
-        q = torch.arange(q_offset, q_offset + T, device=device).view(1, 1, T, 1)
-        kv = torch.arange(S, device=device).view(1, 1, 1, S)
-        out = self.predicate(b, h, q, kv)
-        if out.dim() < 4:
-            out = out.view((1,) * (4 - out.dim()) + tuple(out.shape))
-        return out
+        return self.evaluate(
+            torch.arange(B, device=device),
+            torch.arange(H, device=device),
+            torch.arange(q_offset, q_offset + T, device=device),
+            torch.arange(S, device=device),
+        )
+
+    def evaluate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The predicate on the grid of 1-D index vectors (batches, heads, absolute query
+        positions, key positions), as a 4-D bool tensor broadcastable to their lengths."""
+        out = self.predicate(
+            b.view(-1, 1, 1, 1),
+            h.view(1, -1, 1, 1),
+            q_idx.view(1, 1, -1, 1),
+            kv_idx.view(1, 1, 1, -1),
+        )
+        return out.view((1,) * (4 - out.dim()) + tuple(out.shape)) if out.dim() < 4 else out
 
     @property
     def is_causal(self) -> bool:

@@ -37,12 +37,12 @@ def _tile_mask(
     when every pair is allowed, ``False`` when none is (skip the tile), None without a mask."""
     if mask is None:
         return None
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    q = torch.arange(q0, q1, device=device).view(1, 1, -1, 1)
-    kv = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
-    allowed = mask.predicate(b, h, q, kv)
-    allowed = allowed.view((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    allowed = mask.evaluate(
+        torch.arange(B, device=device),
+        torch.arange(H, device=device),
+        torch.arange(q0, q1, device=device),
+        torch.arange(k0, k1, device=device),
+    )
     if not bool(allowed.any()):
         return False
     if bool(allowed.all()):

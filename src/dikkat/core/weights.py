@@ -65,11 +65,11 @@ def attention_weights(
         bb = b4.expand(shape.B, shape.H, shape.T, shape.S)[:, h][:, :, r]
         scores = scores + bb.to(acc)
     if m is not None:  # the predicate on the chosen rows and heads only, never T × S
-        allowed = m.predicate(
-            torch.arange(shape.B, device=q.device).view(-1, 1, 1, 1),
-            h.view(1, -1, 1, 1),
-            (r + q_offset).view(1, 1, -1, 1),
-            torch.arange(shape.S, device=q.device).view(1, 1, 1, -1),
+        allowed = m.evaluate(
+            torch.arange(shape.B, device=q.device),
+            h,
+            r + q_offset,
+            torch.arange(shape.S, device=q.device),
         )
         scores = scores.masked_fill(~allowed, float("-inf"))
     row_lse = lse[:, h][:, :, r].to(acc).unsqueeze(-1)
