@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dikkat import __version__
 from dikkat.argtypes import non_negative_float, positive_int, probability
 from dikkat.training.cli import add_training_commands
+from dikkat.vision.cli import add_vision_commands
 
 EXAMPLES = """examples:
   dikkat demo                                   train a GPT, watch it learn, sample from it
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     seeds.set_defaults(func=cmd_seeds)
     add_training_commands(sub)
+    add_vision_commands(sub)
 
     gen = sub.add_parser(
         "generate",

@@ -1,0 +1,1 @@
+"""Attention on images: ViT, the YOLO-style PSA blocks, and DETR-style object queries."""
