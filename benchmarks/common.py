@@ -47,6 +47,33 @@ def timeit(fn: Callable[[], object], *, min_time: float = 0.3, warmup: int = 1) 
     return statistics.median(times)
 
 
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Bytes by which one call of ``fn`` raises this process's peak resident memory.
+
+    Linux only: writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current
+    resident size, so the peak after the call minus the resident size before it is what the call
+    needed on top of everything already allocated (its inputs, the weights), its result included.
+    CPU tensors live in
+    ordinary process memory, so this counts them, temporaries too.
+    """
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    out = fn()
+    peak = _status_bytes("VmHWM")
+    del out
+    return max(0, peak - before)
+
+
 def save_json(name: str, payload: dict) -> Path:
     """Write results atomically to benchmarks/results/NAME.json."""
     RESULTS.mkdir(parents=True, exist_ok=True)
