@@ -60,8 +60,7 @@ def peak_memory(fn: Callable[[], object]) -> int:
     Linux only: writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current
     resident size, so the peak after the call minus the resident size before it is what the call
     needed on top of everything already allocated (its inputs, the weights), its result included.
-    CPU tensors live in
-    ordinary process memory, so this counts them, temporaries too.
+    CPU tensors live in ordinary process memory, so this counts them, temporaries too.
     """
     import gc
 
