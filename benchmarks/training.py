@@ -4,9 +4,12 @@
 
 GPT-2-small shape (12 layers, 12 heads, width 768, vocabulary 50257), batch 4 × 256 tokens,
 AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on matrices), gradient clipping at 1.0, fp32
-and bf16 autocast. Every model runs the same loop: forward, cross-entropy over all positions,
-backward, clip, step. nanoGPT is not a package: pass ``--nanogpt DIR``, a folder holding its
-``model.py`` (a checkout of karpathy/nanoGPT); without it that row is skipped.
+and bf16 autocast. Every model runs the same loop: its own training loss over all positions,
+backward, clip, step — each through its own code path: dikkat's ``GPT.loss`` with
+``dikkat.training``'s optimizer, nanoGPT's ``model(x, targets)`` with its
+``configure_optimizers``, and Hugging Face's logits with a plain cross-entropy (and dikkat's
+optimizer: HF has none of its own). nanoGPT is not a package: pass ``--nanogpt DIR``, a folder
+holding its ``model.py`` (a checkout of karpathy/nanoGPT); without it that row is skipped.
 Also the demo's own figures: ``--demo`` runs ``dikkat demo`` and reports its loss and time.
 """
 
@@ -32,7 +35,7 @@ B, T, V = 4, 256, 50257
 def build_dikkat() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     model = GPT(GPTConfig.preset("gpt2-small"))
     opt = make_optimizer(model, TrainConfig(lr=6e-4, beta2=0.95, weight_decay=0.1))
-    return model, opt, lambda x: model(x)
+    return model, opt, model.loss
 
 
 def build_hf() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
@@ -42,7 +45,11 @@ def build_hf() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     cfg = transformers.GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(cfg)
     opt = make_optimizer(model, TrainConfig(lr=6e-4, beta2=0.95, weight_decay=0.1))
-    return model, opt, lambda x: model(x).logits
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x).logits.flatten(0, 1).float(), y.flatten())
+
+    return model, opt, loss
 
 
 def build_nanogpt(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
@@ -55,20 +62,17 @@ def build_nanogpt(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, o
     model = mod.GPT(mod.GPTConfig(block_size=1024, vocab_size=V, dropout=0.0, bias=True))
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
 
-    def logits(x: torch.Tensor) -> torch.Tensor:
-        # nanoGPT returns all positions' logits only when given targets
-        out, _ = model(x, torch.zeros_like(x))
-        return out
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x, y)[1]  # (logits, loss) when given targets
 
-    return model, opt, logits
+    return model, opt, loss
 
 
-def one_step(model, opt, logits_of, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> float:
+def one_step(model, opt, loss_of, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> float:
     """Seconds for forward, loss, backward, clipping and the optimizer step."""
     t0 = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = logits_of(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss = loss_of(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -89,8 +93,8 @@ def interleaved(builders: dict, steps: int, bf16: bool) -> dict[str, float]:
     for i in range(steps + 1):
         x = torch.randint(0, V, (B, T), generator=g)
         y = torch.randint(0, V, (B, T), generator=g)
-        for name, (model, opt, logits_of) in built.items():
-            t = one_step(model, opt, logits_of, x, y, bf16)
+        for name, (model, opt, loss_of) in built.items():
+            t = one_step(model, opt, loss_of, x, y, bf16)
             if i > 0:  # the first step of each is a warm-up
                 times[name].append(t)
     return {name: statistics.median(ts) for name, ts in times.items()}

@@ -174,3 +174,24 @@ def test_last_only_gives_the_last_positions_logits(variant):
         last = model(ids, last_only=True)
     assert last.shape == (2, 1, V)
     torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loss_equals_cross_entropy_of_the_logits_with_the_same_gradients(tied):
+    """GPT.loss never holds the logits, yet gives the plain loss and gradients (fp64)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=29, max_len=16, tie_embeddings=tied)).double()
+    ids = torch.randint(0, 29, (2, 9))
+    targets = torch.randint(0, 29, (2, 9))
+    targets[0, :3] = -100  # skipped positions
+    loss = model.loss(ids, targets)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    with pytest.raises(ValueError, match=r"shape of ids \(2, 9\)"):
+        model.loss(ids, targets[:, :4])

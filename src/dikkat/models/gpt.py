@@ -21,6 +21,7 @@ from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.linear import Linear
+from dikkat.layers.loss import linear_cross_entropy
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
@@ -194,6 +195,19 @@ class GPT(SaveLoad, nn.Module):
             x = x[:, -1:]
         x = self.norm_f(x)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
+
+    def loss(self, ids: Tensor, targets: Tensor, mask: Mask | Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy of ``targets`` (B, T) given ``ids`` (B, T), in nats.
+
+        Equal to ``cross_entropy(self(ids, mask), targets)`` (targets of −100 are skipped), but
+        the (B, T, V) logits are never held: see :func:`dikkat.layers.linear_cross_entropy`.
+        """
+        if targets.shape != ids.shape:
+            raise ValueError(
+                f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}"
+            )
+        hidden = self(ids, mask, return_hidden=True)  # (B, T, C)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets)
 
     @classmethod
     def from_hf(cls, model_or_state_dict: object, config: object = None) -> GPT:

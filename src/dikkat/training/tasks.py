@@ -136,8 +136,8 @@ class LMTask(CorpusTask):
     def loss(
         self, model: nn.Module, batch: dict[str, Tensor], mask: Mask | None = None
     ) -> tuple[Tensor, int]:
-        logits = model(batch["x"], self.mask if mask is None else mask)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
+        # GPT.loss = cross_entropy(model(x), y) without holding the (B, T, V) logits
+        loss = model.loss(batch["x"], batch["y"], self.mask if mask is None else mask)
         return loss, batch["y"].numel()
 
     def tokens_in(self, batch: dict[str, Tensor]) -> int:
