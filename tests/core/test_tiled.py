@@ -1,8 +1,8 @@
 """The tiled backend with many tiles: exact in fp64, masked tiles skipped, lse, O(n) memory.
 
 ``test_backends.py`` runs every backend (this one included) under the 2× error rule on short
-sequences, which fit in one 128 × 128 tile; here small tiles force the online-softmax rescaling,
-tile skipping and per-tile masks through every mask kind.
+sequences, which fit in one tile; here small tiles force the online-softmax rescaling, tile
+skipping, gathered windows and per-tile masks through every mask kind.
 """
 
 import math
@@ -19,7 +19,14 @@ from dikkat.core.masks import as_mask
 from helpers import Case, attention_cases, oracle
 
 
-def run_tiled(case: Case, inputs, block: int):
+def run_tiled(
+    case: Case,
+    inputs,
+    block: int,
+    key_tile: int = 4096,
+    cells: int = 1 << 22,
+    windows: bool | None = None,
+):
     q, k, v = (inputs[n].clone().requires_grad_() for n in "qkv")
     mask = None if case.mask is None else as_mask(case.mask, case.q_offset)
     if mask is not None and mask.is_full:
@@ -33,16 +40,33 @@ def run_tiled(case: Case, inputs, block: int):
         bias=inputs["bias"],
         q_offset=case.q_offset,
         block=block,
+        key_tile=key_tile,
+        cells=cells,
+        windows=windows,
     )
     grads = torch.autograd.grad(out, (q, k, v), inputs["dout"])
     return out.detach(), lse, grads
 
 
-@given(case=attention_cases(max_len=40), block=st.sampled_from([1, 3, 8, 16]))
-def test_many_tiles_equal_the_fp64_reference(case, block):
+@given(
+    case=attention_cases(max_len=40),
+    block=st.sampled_from([1, 3, 8, 16]),
+    key_tile=st.sampled_from([1, 5, 16, 4096]),
+    cells=st.sampled_from([1, 50, 400, 1 << 22]),
+    windows=st.sampled_from([None, False, True]),
+    fused=st.booleans(),
+)
+def test_many_tiles_equal_the_fp64_reference(case, block, key_tile, cells, windows, fused):
+    """Every way of cutting the work — rows or gathered windows, one or many key tiles, one
+    or many blocks per tile, each tile in the fused kernel or in plain tensor ops — gives the
+    reference's output, gradients and lse."""
     inputs = case.inputs()
     exact = oracle(case, inputs, torch.float64)
-    out, lse, (dq, dk, dv) = run_tiled(case, inputs, block)
+    saved, tiled.FUSED_TILES = tiled.FUSED_TILES, fused
+    try:
+        out, lse, (dq, dk, dv) = run_tiled(case, inputs, block, key_tile, cells, windows)
+    finally:
+        tiled.FUSED_TILES = saved
     for got, want in ((out, exact.out), (dq, exact.dq), (dk, exact.dk), (dv, exact.dv)):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     # the log-sum-exp of each row, -inf where no key is allowed
@@ -62,29 +86,46 @@ def test_many_tiles_equal_the_fp64_reference(case, block):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-10, rtol=1e-10)
 
 
-def count_tiles(mask, T: int, S: int, block: int) -> int:
-    """How many tiles the forward pass computes (the others are skipped)."""
-    return sum(
-        tiled._tile_mask(mask, 1, 1, 1, q0, min(q0 + block, T), k0, min(k0 + block, S), "cpu")
-        is not False
-        for q0 in range(0, T, block)
-        for k0 in range(0, S, block)
-    )
+def computed_cells(mask, T: int, S: int, block: int, key_tile: int, windows=None) -> int:
+    """Score cells the forward pass computes under the plan (skipped key tiles excluded), with
+    tiles of block × key_tile cells."""
+    total = 0
+    for item in tiled._plan(mask, (1, 1, T, S), 0, block, block * key_tile, key_tile, windows):
+        if isinstance(item, tiled._Windows):
+            total += item.starts.numel() * block * item.width
+            continue
+        for k0 in tiled._key_tiles(item, key_tile):
+            k1 = min(k0 + key_tile, item.k1)
+            if tiled._tile_mask(mask, 1, 1, 1, item.r0, item.r1, k0, k1, "cpu") is not False:
+                total += (item.r1 - item.r0) * (k1 - k0)
+    return total
 
 
-def test_masked_tiles_are_skipped():
-    n, b = 1024, 64
-    tiles = (n // b) ** 2
-    assert count_tiles(None, n, n, b) == tiles
-    assert count_tiles(masks.causal(), n, n, b) == (n // b) * (n // b + 1) // 2  # about half
-    window = count_tiles(masks.sliding_window(b), n, n, b)
-    assert window == 2 * (n // b) - 1  # linear in n: the diagonal and the one below it
-    docs = masks.document(torch.arange(n) // (n // 4))  # 4 packed documents
-    assert count_tiles(docs, n, n, b) == 4 * (n // b // 4) * (n // b // 4 + 1) // 2
-    # and the loop does not even visit the hidden tiles: a few key blocks per query block
-    for mask in (masks.sliding_window(b), docs):
-        visits = [len(tiled._key_blocks(mask, q0, q0 + b, n, b)) for q0 in range(0, n, b)]
-        assert max(visits) <= (2 if mask is not docs else n // b // 4)
+def test_hidden_work_is_skipped():
+    n, b = 2048, 64
+    assert computed_cells(None, n, n, b, 256) == n * n
+    causal = computed_cells(masks.causal(), n, n, b, 256) / (n * n)
+    assert 0.5 <= causal <= 0.6  # about half
+    # a sliding window or packed documents: gathered windows, work linear in n
+    for w in (64, 256):
+        window = computed_cells(masks.sliding_window(w), n, n, b, 4096)
+        assert window <= n * (w + b)  # each block: its w − 1 keys back plus its own
+        assert computed_cells(masks.sliding_window(w), 2 * n, 2 * n, b, 4096) == 2 * window
+    docs = masks.document(torch.arange(n) // (n // 8))  # 8 packed documents
+    assert computed_cells(docs, n, n, b, 4096) <= n * (n // 8 + b)
+    # forbidding windows falls back to rows, which still skip what kv_range excludes
+    assert computed_cells(masks.sliding_window(64), n, n, b, 256, windows=False) < n * n / 4
+
+
+def test_plans_choose_windows_only_for_sliding_ranges():
+    def kinds(mask, n=1024):
+        plan = tiled._plan(mask, (1, 8, n, n), 0, 128, 1 << 22, 4096, None)
+        return {type(item).__name__ for item in plan}
+
+    assert kinds(None) == kinds(masks.causal()) == {"_Rows"}
+    assert kinds(masks.sliding_window(256)) == {"_Windows"}
+    assert kinds(masks.document(torch.arange(1024) // 128)) == {"_Windows"}
+    assert kinds(masks.sliding_window(1000)) == {"_Rows"}  # windows would not save half
 
 
 def test_extra_memory_stays_linear():
@@ -115,8 +156,9 @@ def test_return_lse_and_refusals():
         dikkat.attention(q, k, v, backend="tiled", dropout=0.1)
     with pytest.raises(ValueError, match="cannot return the log-sum-exp"):
         dikkat.attention(q, k, v, backend="sdpa", return_lse=True)
-    with pytest.raises(ValueError, match="block must be positive"):
-        tiled.tiled_attention(q, k, v, scale=1.0, block=0)
+    for name in ("block", "key_tile", "cells"):
+        with pytest.raises(ValueError, match=f"{name} must be positive"):
+            tiled.tiled_attention(q, k, v, scale=1.0, **{name: 0})
 
 
 @given(case=attention_cases(max_len=40), data=st.data())

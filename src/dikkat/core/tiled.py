@@ -1,40 +1,142 @@
 """Exact attention over tiles with the online softmax: the T×S score matrix never exists (S16).
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (``g = H / G`` query heads per
-key/value head), ``T``/``S`` query/key length, ``D``/``Dv`` head dims, ``bq``/``bk`` tile sizes.
+key/value head), ``T``/``S`` query/key length, ``D``/``Dv`` head dims, ``W`` window width.
 
-For each block of queries the keys are visited a block at a time, keeping per row the running
-maximum ``m``, the running sum ``l`` of exp(score − m) and the running weighted sum of values;
-when a larger maximum appears the old sums are rescaled by exp(m_old − m_new). At the end
-``out = acc / l`` and the log-sum-exp ``lse = m + log l`` is kept per row. Extra memory is
-O((T + S)·D + bq·bk) instead of O(T·S).
+The queries are cut into blocks of ``block`` rows, and the mask's ``kv_range`` bounds the keys
+each block can see. A *plan* then groups the work into tiles of at most ``cells`` score cells
+(summed over batch and heads), in one of two shapes:
 
-The mask is evaluated tile by tile from its predicate: a tile with no allowed pair is skipped,
-not computed (a causal mask does about half the work); a tile with every pair allowed needs no
-masking. The backward pass is a custom autograd function that recomputes each tile's weights
-from the saved log-sum-exp, so training memory is O(n) too.
+- **rows** — a run of query rows against a shared key range, cut into key tiles of at most
+  ``key_tile`` keys. Across key tiles the online softmax carries per row the running maximum
+  ``m``, the running sum ``l`` of exp(score − m) and the weighted sum of values, rescaling them
+  by exp(m_old − m_new) when the maximum grows; ``out = acc / l`` and ``lse = m + log l``.
+  A key tile the mask hides entirely is skipped; one it shows entirely needs no masking. No
+  mask, causal, prefix-LM and padding run this way (causal skips about half the work).
+- **windows** — when the blocks' key ranges slide (a sliding window, packed documents), each
+  block gets its own window of ``W`` keys starting where its range starts; the windows of many
+  blocks are gathered into one tensor and computed by a single batched product, so a band of
+  width w costs O(T·w) in a handful of calls instead of a Python loop over tiles.
+
+Each tile — softmax(q kᵀ·scale + mask) v over its rows and keys, with the tile's log-sum-exp —
+runs on CPU in PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``,
+given the tile's mask as an additive 0/−inf tensor), elsewhere in plain tensor ops; dikkat does
+the planning, the skipping, the gathering and the merging across key tiles.
+
+Extra memory is O((T + S)·D + cells), never O(T·S). The backward pass is a custom autograd
+function that recomputes each tile's weights from the saved log-sum-exp, following the same
+plan, so training memory is O(n) too.
 
 What differs from the reference: the sum runs in a different order (so results differ by
-rounding), matmuls run in the input dtype but the softmax statistics and accumulators in fp32,
-and there is no dropout. Rows with every key masked give output 0 and ``lse = −inf``.
-Python loops over the tiles: correct and O(n) in memory, not yet as fast as SDPA.
+rounding), matmuls run in the input dtype but the softmax statistics and accumulators in fp32
+(fp64 for fp64 inputs), and there is no dropout. Rows with every key masked give output 0 and
+``lse = −inf``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dikkat.core.masks import Mask
 
-BLOCK = 128  # tile edge: 128 × 128 fp32 scores = 64 KiB, comfortably inside L2
+BLOCK = 128  # query rows per block: the unit of key-range bounds and of windows
+KEY_TILE = 4096  # keys per tile in a run of rows; beyond it the online softmax carries over
+CELLS = 1 << 22  # score cells per tile, over batch and heads: 16 MiB of fp32 scores
+FUSED_TILES = True  # run each tile in PyTorch's fused CPU flash kernel where there is one
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Query rows r0:r1 against keys k0:k1, in key tiles of ``key_tile``."""
+
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """Query rows r0:r1 in blocks of ``block``; block i sees keys starts[i] … starts[i] + W − 1."""
+
+    r0: int
+    r1: int
+    starts: Tensor  # (n_blocks,)
+    width: int
+
+
+def _plan(
+    mask: Mask | None,
+    shape: tuple[int, int, int, int],
+    q_offset: int,
+    block: int,
+    cells: int,
+    key_tile: int,
+    windows: bool | None,
+) -> list[_Rows | _Windows]:
+    """Cut the work into tiles; ``windows`` forces (True) or forbids (False) the window shape,
+    None lets the key ranges decide."""
+    B, H, T, S = shape
+    if T == 0 or S == 0:
+        return []
+    starts = list(range(0, T, block))
+    ranges = [
+        (0, S) if mask is None else mask.kv_range(q0 + q_offset, min(q0 + block, T) + q_offset, S)
+        for q0 in starts
+    ]
+    width = max(hi - lo for lo, hi in ranges)
+    sliding = len({lo for lo, _ in ranges}) > 1 and width <= key_tile
+    if windows is None:  # worth it when the windows cover at most half the score matrix
+        windows = mask is not None and sliding and len(starts) * block * width * 2 <= T * S
+    if windows and mask is not None and width > 0:
+        per = max(1, cells // (B * H * block * width))  # blocks per tile
+        return [
+            _Windows(
+                starts[i],
+                min(T, starts[i] + per * block),
+                torch.tensor([max(0, lo) for lo, _ in ranges[i : i + per]]),
+                width,
+            )
+            for i in range(0, len(starts), per)
+        ]
+    rows = cells // (B * H * min(S, key_tile))
+    rows = max(1, (rows // block) * block if rows >= block else rows)
+    plan: list[_Rows | _Windows] = []
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        lo, hi = (0, S) if mask is None else mask.kv_range(r0 + q_offset, r1 + q_offset, S)
+        plan.append(_Rows(r0, r1, lo, max(lo, hi)))
+    return plan
+
+
+def _key_tiles(item: _Rows, key_tile: int) -> range:
+    return range(item.k0, item.k1, key_tile)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and accumulators: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _heads(allowed: Tensor, G: int, g: int, dims: int) -> Tensor:
+    """A predicate result (…, rows, keys) of ``dims`` trailing dims, viewed against
+    (B, G, g, …): head h = G-group · g + i."""
+    allowed = allowed.view((1,) * (2 + dims - allowed.dim()) + tuple(allowed.shape))
+    Bm, Hm = allowed.shape[0], allowed.shape[1]
+    if Hm == 1:
+        return allowed.view(Bm, 1, 1, *allowed.shape[2:])
+    return allowed.view(Bm, G, g, *allowed.shape[2:])
 
 
 def _tile_mask(
     mask: Mask | None, B: int, H: int, G: int, q0: int, q1: int, k0: int, k1: int, device
 ) -> Tensor | bool | None:
-    """The tile's allowed pairs as a bool tensor viewable as (B|1, G|1, g|1, bq, bk); ``True``
-    when every pair is allowed, ``False`` when none is (skip the tile), None without a mask."""
+    """The tile's allowed pairs as a bool tensor viewable as (B|1, G|1, g|1, rows, keys);
+    ``True`` when every pair is allowed, ``False`` when none is (skip it), None without a mask."""
     if mask is None:
         return None
     allowed = mask.evaluate(
@@ -47,21 +149,11 @@ def _tile_mask(
         return False
     if bool(allowed.all()):
         return True
-    Bm, Hm = allowed.shape[0], allowed.shape[1]
-    if Hm == 1:
-        return allowed.view(Bm, 1, 1, *allowed.shape[2:])
-    return allowed.view(Bm, G, H // G, *allowed.shape[2:])  # head h = g·group + i
-
-
-def _key_blocks(mask: Mask | None, q0: int, q1: int, S: int, block: int) -> range:
-    """Starts of the key blocks that may hold visible keys for queries q0 … q1 − 1: the mask's
-    ``kv_range`` bounds them, so a sliding window or causal mask never visits the rest."""
-    lo, hi = (0, S) if mask is None else mask.kv_range(q0, q1, S)
-    return range((lo // block) * block, hi, block)
+    return _heads(allowed, G, H // G, 2)
 
 
 def _bias_tile(bias: Tensor | None, G: int, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
-    """The bias entries of one tile, viewable against (B, G, g, bq, bk)."""
+    """The bias entries of one tile, viewable against (B, G, g, rows, keys)."""
     if bias is None:
         return None
     rows = slice(q0, q1) if bias.shape[2] > 1 else slice(None)
@@ -71,136 +163,303 @@ def _bias_tile(bias: Tensor | None, G: int, q0: int, q1: int, k0: int, k1: int) 
     return t.view(Bb, 1, 1, *t.shape[2:]) if Hb == 1 else t.reshape(Bb, G, Hb // G, *t.shape[2:])
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics and accumulators: fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+@dataclass
+class _Gathered:
+    """One windows tile, gathered: queries (B, G, g, n, block, D), keys and values
+    (B, G, 1, n, W, ·), the allowed pairs, and the key index of every window slot."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    allowed: Tensor
+    index: Tensor  # (n, W), clamped into 0 … S − 1 (slots past S are masked)
+    rows: int  # real query rows (the last block may be padded)
 
 
-def _scores(
-    qb: Tensor, kb: Tensor, scale: float, bias: Tensor | None, allowed: Tensor | bool | None
-) -> Tensor:
-    """Scores of one tile in the accumulator dtype, (B, G, g, bq, bk), masked entries −inf."""
-    acc = _acc_dtype(qb.dtype)
-    s = (qb @ kb.transpose(-2, -1)).to(acc) * scale
-    if bias is not None:
-        s = s + bias.to(acc)
-    if isinstance(allowed, Tensor):
-        s = s.masked_fill(~allowed, float("-inf"))
-    return s
+def _gather(
+    item: _Windows, q: Tensor, k: Tensor, v: Tensor, mask: Mask, q_offset: int, block: int
+) -> _Gathered:
+    B, G, g, T, D = q.shape
+    S = k.shape[2]
+    n, W = item.starts.numel(), item.width
+    rows = item.r1 - item.r0
+    qb = q[:, :, :, item.r0 : item.r1]
+    if rows < n * block:  # pad the last block; its extra rows are computed and dropped
+        qb = F.pad(qb, (0, 0, 0, n * block - rows))
+    index = item.starts.to(q.device)[:, None] + torch.arange(W, device=q.device)  # (n, W)
+    inside = index < S
+    index = index.clamp(max=S - 1)
+    qpos = q_offset + item.r0 + torch.arange(n * block, device=q.device)
+    qpos = qpos.clamp(max=q_offset + T - 1).view(n, block, 1)
+    allowed = mask.predicate(
+        torch.arange(B, device=q.device).view(B, 1, 1, 1, 1),
+        torch.arange(G * g, device=q.device).view(1, -1, 1, 1, 1),
+        qpos,
+        index.view(n, 1, W),
+    )
+    allowed = _heads(allowed & inside.view(n, 1, W), G, g, 3)
+    return _Gathered(
+        qb.view(B, G, g, n, block, D),
+        k[:, :, index].unsqueeze(2),  # (B, G, 1, n, W, D)
+        v[:, :, index].unsqueeze(2),
+        allowed,
+        index,
+        rows,
+    )
 
 
-def _forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask | None,
-    scale: float,
-    bias: Tensor | None,
-    q_offset: int,
-    block: int,
+# --- one tile: softmax(q kᵀ·scale + additive) v, and its gradients -----------------------------
+#
+# q (B, X, R, D), k (B, X, K, D), v (B, X, K, Dv), additive (B|1, X|1, R, K) or None, where X
+# counts heads (or heads × blocks). On CPU the tile runs in PyTorch's fused flash kernel, which
+# also returns the log-sum-exp; elsewhere (or if that kernel is missing) in plain tensor ops.
+
+
+def _fused_kernel(q: Tensor, v: Tensor) -> object | None:
+    if q.device.type != "cpu" or not FUSED_TILES or v.shape[-1] != q.shape[-1]:
+        return None  # the kernel wants one head dim for queries, keys and values
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _tile_forward(
+    q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
-    B, H, T, _ = q.shape
-    G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    qg = q.reshape(B, G, H // G, T, -1)  # (B, G, g, T, D): query heads grouped by kv head
-    kg, vg = k.unsqueeze(2), v.unsqueeze(2)  # (B, G, 1, S, D)
-    out = q.new_empty(B, G, H // G, T, Dv)
-    acc_dtype = _acc_dtype(q.dtype)
-    lse = torch.empty(B, G, H // G, T, dtype=acc_dtype, device=q.device)
-    for q0 in range(0, T, block):
-        q1 = min(q0 + block, T)
-        qb = qg[:, :, :, q0:q1]
-        m = torch.full((B, G, H // G, q1 - q0), float("-inf"), dtype=acc_dtype, device=q.device)
-        l = torch.zeros_like(m)  # noqa: E741 — the running sum, as in the papers
-        acc = torch.zeros(B, G, H // G, q1 - q0, Dv, dtype=acc_dtype, device=q.device)
-        for k0 in _key_blocks(mask, q0 + q_offset, q1 + q_offset, S, block):
-            k1 = min(k0 + block, S)
-            allowed = _tile_mask(mask, B, H, G, q0 + q_offset, q1 + q_offset, k0, k1, q.device)
-            if allowed is False:
-                continue  # nothing visible here: skip the tile entirely
-            s = _scores(qb, kg[:, :, :, k0:k1], scale, _bias_tile(bias, G, q0, q1, k0, k1), allowed)
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # rows with nothing seen yet
-            p = torch.exp(s - m_safe.unsqueeze(-1))
-            correction = torch.exp(m - m_safe)
-            l = l * correction + p.sum(-1)  # noqa: E741
-            acc = acc * correction.unsqueeze(-1) + (p.to(v.dtype) @ vg[:, :, :, k0:k1]).to(
-                acc_dtype
-            )
-            m = m_new
-        empty = l == 0
-        out[:, :, :, q0:q1] = (acc / l.masked_fill(empty, 1.0).unsqueeze(-1)).to(out.dtype)
-        lse[:, :, :, q0:q1] = torch.where(
-            empty, float("-inf"), m + torch.log(l.masked_fill(empty, 1.0))
-        )
-    return out.view(B, H, T, Dv), lse.view(B, H, T)
+    """(out (B, X, R, Dv) in the accumulator dtype, lse (B, X, R)); rows whose every key is
+    masked get out 0 and an arbitrary lse (the caller sets −inf there)."""
+    acc = _acc_dtype(q.dtype)
+    kernel = _fused_kernel(q, v)
+    if kernel is not None:
+        out, lse = kernel(q, k, v, attn_mask=additive, scale=scale)
+        return out.to(acc), lse.to(acc)
+    s = (q @ k.transpose(-2, -1)).to(acc).mul_(scale)
+    if additive is not None:
+        s = s.add_(additive.to(acc))
+    m = s.amax(-1)
+    m = m.masked_fill(torch.isneginf(m), 0.0)
+    p = s.sub_(m.unsqueeze(-1)).exp_()
+    l = p.sum(-1)  # noqa: E741 — the softmax denominator, as in the papers
+    out = (p.to(v.dtype) @ v).to(acc) / l.clamp(min=torch.finfo(acc).tiny).unsqueeze(-1)
+    return out, m + torch.log(l)
 
 
-def _backward(
+def _tile_backward(
+    dout: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    dout: Tensor,
-    mask: Mask | None,
+    additive: Tensor | None,
     scale: float,
-    bias: Tensor | None,
-    q_offset: int,
-    block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    B, H, T, D = q.shape
-    G, S = k.shape[1], k.shape[2]
-    g = H // G
-    qg = q.reshape(B, G, g, T, D)
-    kg, vg = k.unsqueeze(2), v.unsqueeze(2)
-    dog = dout.reshape(B, G, g, T, -1)
-    # rows with no visible key: lse = −inf; make their recomputed weights exactly 0
-    lse_g = lse.view(B, G, g, T)
-    lse_g = lse_g.masked_fill(torch.isneginf(lse_g), float("inf"))
+    """The tile's share of (dq, dk, dv) given the *whole* attention's out and lse (rows with no
+    visible key must carry a finite lse; their weights are 0 through the mask)."""
+    kernel = _fused_kernel(q, v)
+    if kernel is not None:
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.to(_acc_dtype(q.dtype)),
+            0.0,
+            False,
+            attn_mask=additive,
+            scale=scale,
+        )
     acc = _acc_dtype(q.dtype)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).reshape(B, G, g, T)  # rowsum(dO ∘ O)
+    s = (q @ k.transpose(-2, -1)).to(acc).mul_(scale)
+    if additive is not None:
+        s = s.add_(additive.to(acc))
+    p = s.sub_(lse.to(acc).unsqueeze(-1)).exp_()  # the weights, recomputed from the lse
+    delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    dv = p.to(dout.dtype).transpose(-2, -1) @ dout
+    ds = p.mul_((dout @ v.transpose(-2, -1)).to(acc).sub_(delta)).mul_(scale).to(q.dtype)
+    return ds @ k, ds.transpose(-2, -1) @ q, dv
+
+
+def _additive(allowed: Tensor | bool | None, bias: Tensor | None, dtype: torch.dtype):
+    """The mask (and bias) as one additive float tensor: 0 where allowed, −inf where not."""
+    if not isinstance(allowed, Tensor):
+        return None if bias is None else bias.to(dtype)
+    add = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    add = add.masked_fill_(~allowed, float("-inf"))
+    return add if bias is None else add + bias.to(dtype)
+
+
+# --- layouts -----------------------------------------------------------------------------------
+#
+# A kv head serves g query heads; stacking those g heads' rows, (B, G, g, R, ·) → (B, G, g·R, ·),
+# lets one call share each key tile among them without repeating k and v.
+
+
+def _stack(x: Tensor) -> Tensor:
+    """(B, G, g, R, ·) → (B, G, g·R, ·)."""
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+
+def _unstack(x: Tensor, g: int) -> Tensor:
+    """(B, G, g·R, ·) → (B, G, g, R, ·)."""
+    return x.reshape(x.shape[0], x.shape[1], g, x.shape[2] // g, *x.shape[3:])
+
+
+def _rows_allowed(mask, B, H, G, g, r0, r1, k0, k1, device) -> Tensor | bool | None:
+    """A rows tile's allowed pairs stacked like the queries: (B|1, G|1, g·R, K)."""
+    allowed = _tile_mask(mask, B, H, G, r0, r1, k0, k1, device)
+    if not isinstance(allowed, Tensor):
+        return allowed
+    return _stack(allowed.expand(*allowed.shape[:2], g, r1 - r0, k1 - k0))
+
+
+def _rows_bias(bias: Tensor | None, G: int, g: int, r0: int, r1: int, k0: int, k1: int):
+    t = _bias_tile(bias, G, r0, r1, k0, k1)
+    if t is None:
+        return None
+    return _stack(t.expand(t.shape[0], t.shape[1], g, r1 - r0, k1 - k0))
+
+
+def _windows_layout(t: _Gathered, j: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """kv group j of a windows tile as one call: (B, n, g·block, ·) queries, (B, n, W, ·) keys
+    and values, additive mask (B|1, n, g·block, W)."""
+    B, _, g, n, block, D = t.q.shape
+    q = t.q[:, j].transpose(1, 2).reshape(B, n, g * block, D)  # (B, n, g, block, D) stacked
+    allowed = t.allowed[:, min(j, t.allowed.shape[1] - 1)]  # (B|1, g|1, n, block, W)
+    W = t.k.shape[-2]
+    allowed = allowed.expand(allowed.shape[0], g, n, block, W).transpose(1, 2)
+    allowed = allowed.reshape(allowed.shape[0], n, g * block, -1)
+    return q, t.k[:, j, 0], t.v[:, j, 0], _additive(allowed, None, q.dtype)
+
+
+def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, out, lse):
+    B, G, g, _, _ = q.shape
+    r0, r1 = item.r0, item.r1
+    qb = _stack(q[:, :, :, r0:r1])  # (B, G, g·R, D)
+    total_out = total_lse = None
+    for k0 in _key_tiles(item, key_tile):
+        k1 = min(k0 + key_tile, item.k1)
+        allowed = _rows_allowed(
+            mask, B, G * g, G, g, r0 + q_offset, r1 + q_offset, k0, k1, q.device
+        )
+        if allowed is False:
+            continue  # nothing visible here: skip the tile entirely
+        additive = _additive(allowed, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
+        o, l = _tile_forward(qb, k[:, :, k0:k1], v[:, :, k0:k1], additive, scale)  # noqa: E741
+        if isinstance(allowed, Tensor):  # rows with no visible key in this tile
+            l = l.masked_fill(~allowed.any(-1), float("-inf"))  # noqa: E741
+        if total_out is None:
+            total_out, total_lse = o, l
+            continue
+        # the online softmax across key tiles, in log space: weights exp(lse_tile − lse_new)
+        new = torch.logaddexp(total_lse, l)
+        safe = new.masked_fill(torch.isneginf(new), 0.0)
+        total_out = total_out * torch.exp(total_lse - safe).unsqueeze(-1) + o * torch.exp(
+            l - safe
+        ).unsqueeze(-1)
+        total_lse = new
+    if total_out is not None:
+        out[:, :, :, r0:r1] = _unstack(total_out, g)
+        lse[:, :, :, r0:r1] = _unstack(total_lse.expand(B, G, -1), g)
+
+
+def _windows_forward(item: _Windows, q, k, v, mask, scale, q_offset, block, out, lse) -> None:
+    t = _gather(item, q, k, v, mask, q_offset, block)
+    B, G, g, n = t.q.shape[:4]
+    for j in range(G):
+        qj, kj, vj, additive = _windows_layout(t, j)
+        o, l = _tile_forward(qj, kj, vj, additive, scale)  # noqa: E741 — (B, n, g·block, ·)
+        l = l.masked_fill(torch.isneginf(additive).all(-1), float("-inf"))  # noqa: E741
+        o = o.view(B, n, g, block, -1).transpose(1, 2).reshape(B, g, n * block, -1)
+        l = l.expand(B, -1, -1).reshape(B, n, g, block).transpose(1, 2).reshape(B, g, -1)  # noqa: E741
+        out[:, j, :, item.r0 : item.r1] = o[:, :, : t.rows]
+        lse[:, j, :, item.r0 : item.r1] = l[:, :, : t.rows]
+
+
+def _forward(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile):
+    B, H, T, _ = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    qg = q.reshape(B, G, H // G, T, -1)  # (B, G, g, T, D): query heads grouped by kv head
+    acc_dtype = _acc_dtype(q.dtype)
+    out = torch.zeros(B, G, H // G, T, Dv, dtype=acc_dtype, device=q.device)
+    lse = torch.full((B, G, H // G, T), float("-inf"), dtype=acc_dtype, device=q.device)
+    for item in plan:
+        if isinstance(item, _Windows):
+            _windows_forward(item, qg, k, v, mask, scale, q_offset, block, out, lse)
+        else:
+            _rows_forward(item, qg, k, v, mask, scale, bias, q_offset, key_tile, out, lse)
+    return out.view(B, H, T, Dv).to(q.dtype), lse.view(B, H, T)
+
+
+def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block, key_tile):
+    B, H, T, D = q.shape
+    G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    g = H // G
+    acc = _acc_dtype(q.dtype)
+    qg, og, dog = (x.reshape(B, G, g, T, -1) for x in (q, out, dout))
+    # rows with no visible key (lse = −inf) get weight 0 through the mask; any finite lse does
+    lse_g = lse.view(B, G, g, T).masked_fill(torch.isneginf(lse.view(B, G, g, T)), 0.0)
     dq = torch.zeros(B, G, g, T, D, dtype=acc, device=q.device)
-    dk = torch.zeros(B, G, g, S, D, dtype=acc, device=q.device)
-    dv = torch.zeros(B, G, g, S, v.shape[3], dtype=acc, device=q.device)
-    for q0 in range(0, T, block):
-        q1 = min(q0 + block, T)
-        qb, dob = qg[:, :, :, q0:q1], dog[:, :, :, q0:q1]
-        for k0 in _key_blocks(mask, q0 + q_offset, q1 + q_offset, S, block):
-            k1 = min(k0 + block, S)
-            allowed = _tile_mask(mask, B, H, G, q0 + q_offset, q1 + q_offset, k0, k1, q.device)
+    dk = torch.zeros(B, G, S, D, dtype=acc, device=q.device)
+    dv = torch.zeros(B, G, S, Dv, dtype=acc, device=q.device)
+    for item in plan:
+        r0, r1 = item.r0, item.r1
+        if isinstance(item, _Windows):
+            t = _gather(item, qg, k, v, mask, q_offset, block)
+            n, pad = t.q.shape[3], t.q.shape[3] * block - t.rows
+
+            def windows(x: Tensor, t=t, n=n, pad=pad) -> Tensor:
+                """(B, G, g, rows, ·) of this tile → per kv group (B, G, n, g·block, ·)."""
+                x = x[:, :, :, r0:r1]  # noqa: B023 — this iteration's rows
+                x = F.pad(x, (0, 0, 0, pad)) if pad else x
+                x = x.reshape(B, G, g, n, block, -1).transpose(2, 3)
+                return x.reshape(B, G, n, g * block, -1)
+
+            dob, ob, lb = windows(dog), windows(og), windows(lse_g.unsqueeze(-1)).squeeze(-1)
+            for j in range(G):
+                qj, kj, vj, additive = _windows_layout(t, j)
+                dqj, dkj, dvj = _tile_backward(
+                    dob[:, j], qj, kj, vj, ob[:, j], lb[:, j], additive, scale
+                )
+                dqj = dqj.reshape(B, n, g, block, D).transpose(1, 2).reshape(B, g, -1, D)
+                dq[:, j, :, r0:r1] = dqj[:, :, : t.rows].to(acc)
+                index = t.index.flatten()
+                dk[:, j].index_add_(1, index, dkj.reshape(B, -1, D).to(acc))
+                dv[:, j].index_add_(1, index, dvj.reshape(B, -1, Dv).to(acc))
+            continue
+        qb, ob, dob = (_stack(x[:, :, :, r0:r1]) for x in (qg, og, dog))
+        lb = _stack(lse_g[:, :, :, r0:r1].unsqueeze(-1)).squeeze(-1)
+        for k0 in _key_tiles(item, key_tile):
+            k1 = min(k0 + key_tile, item.k1)
+            allowed = _rows_allowed(
+                mask, B, H, G, g, r0 + q_offset, r1 + q_offset, k0, k1, q.device
+            )
             if allowed is False:
                 continue
-            kb, vb = kg[:, :, :, k0:k1], vg[:, :, :, k0:k1]
-            s = _scores(qb, kb, scale, _bias_tile(bias, G, q0, q1, k0, k1), allowed)
-            p = torch.exp(s - lse_g[:, :, :, q0:q1].unsqueeze(-1))  # the weights, recomputed
-            dv[:, :, :, k0:k1] += (p.to(dout.dtype).transpose(-2, -1) @ dob).to(acc)
-            dp = (dob @ vb.transpose(-2, -1)).to(acc)
-            ds = p * (dp - delta[:, :, :, q0:q1].unsqueeze(-1)) * scale
-            dq[:, :, :, q0:q1] += (ds.to(q.dtype) @ kb).to(acc)
-            dk[:, :, :, k0:k1] += (ds.to(q.dtype).transpose(-2, -1) @ qb).to(acc)
-    # each key/value head served g query heads: their gradients add up
-    return (
-        dq.view(B, H, T, D).to(q.dtype),
-        dk.sum(2).to(k.dtype),
-        dv.sum(2).to(v.dtype),
-    )
+            additive = _additive(allowed, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
+            dqb, dkb, dvb = _tile_backward(
+                dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lb, additive, scale
+            )
+            dq[:, :, :, r0:r1] += _unstack(dqb.to(acc), g)
+            dk[:, :, k0:k1] += dkb.to(acc)
+            dv[:, :, k0:k1] += dvb.to(acc)
+    return dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, bias, q_offset, block):
-        out, lse = _forward(q, k, v, mask, scale, bias, q_offset, block)
+    def forward(ctx, q, k, v, mask, scale, bias, q_offset, plan, block, key_tile):
+        out, lse = _forward(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (mask, scale, bias, q_offset, block)
+        ctx.args = (mask, scale, bias, q_offset, plan, block, key_tile)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        mask, scale, bias, q_offset, block = ctx.args
-        dq, dk, dv = _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, block)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def tiled_attention(
@@ -213,15 +472,24 @@ def tiled_attention(
     bias: Tensor | None = None,
     q_offset: int = 0,
     block: int = BLOCK,
+    key_tile: int = KEY_TILE,
+    cells: int = CELLS,
+    windows: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention in tiles: ``(out (B, H, T, Dv), lse (B, H, T))``, lse in fp32 (fp64 for
     fp64 inputs).
 
-    Differentiable in q, k and v (the bias is treated as a constant).
+    Differentiable in q, k and v (the bias is treated as a constant). ``block``, ``key_tile``
+    and ``cells`` size the tiles (see the module docstring); ``windows`` forces (True) or
+    forbids (False) gathered key windows, which need a mask and no bias.
     """
-    if block <= 0:
-        raise ValueError(f"block must be positive, got {block}")
+    for name, value in (("block", block), ("key_tile", key_tile), ("cells", cells)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
     if bias is not None:  # a constant, viewed as (B|1, H|1, T|1, S|1)
         bias = bias.detach()
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
-    return _TiledAttention.apply(q, k, v, mask, scale, bias, q_offset, block)
+        windows = False
+    B, H, T, _ = q.shape
+    plan = _plan(mask, (B, H, T, k.shape[2]), q_offset, block, cells, key_tile, windows)
+    return _TiledAttention.apply(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile)
