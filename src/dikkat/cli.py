@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from dikkat import __version__
 from dikkat.argtypes import non_negative_float, positive_int, probability
+from dikkat.bench.cli import add_bench_commands
 from dikkat.training.cli import add_training_commands
 from dikkat.vision.cli import add_vision_commands
 
@@ -26,6 +27,8 @@ EXAMPLES = """examples:
   dikkat generate --hf-gpt2 ./gpt2 "Hello" -n 40 --temperature 0.8 --top-p 0.9
   dikkat embed "a cat" "a dog"                  MiniLM sentence embeddings
   dikkat similar "a feline" "a cat" "a car"     rank sentences by similarity
+  dikkat bench attention --quick                attention backends side by side, time and memory
+  dikkat bench cost                             what the n × n score matrix weighs
   dikkat --version
 """
 
@@ -199,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     seeds.set_defaults(func=cmd_seeds)
     add_training_commands(sub)
     add_vision_commands(sub)
+    add_bench_commands(sub)
 
     gen = sub.add_parser(
         "generate",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from dikkat.core import flex
 from dikkat.core.checks import (
     AttentionShape,
     check_bias,
@@ -336,4 +337,30 @@ register_backend(
         "exact attention over tiles with the online softmax: O(n) memory, masked tiles skipped",
     ),
     auto_rank=1,  # after SDPA (faster when the scores fit), before the reference
+)
+
+
+def _run_flex(r: AttentionRequest) -> tuple[Tensor, None, Tensor | None]:
+    out, lse = flex.flex_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset,
+        return_lse=r.return_lse,
+    )  # fmt: skip
+    return out, None, lse
+
+
+def _flex_avoid(r: AttentionRequest) -> str | None:
+    return flex.auto_avoid(r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset)
+
+
+register_backend(
+    Backend(
+        "flex",
+        _run_flex,
+        lambda r: flex.flex_supports(
+            r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse
+        ),
+        "torch's FlexAttention with a cached block mask (compiled; auto: only once compiled)",
+        avoid=_flex_avoid,
+    ),
+    auto_rank=1,  # after SDPA, before tiled; its `avoid` keeps auto from paying a compile
 )

@@ -1,0 +1,186 @@
+"""The ``dikkat bench`` commands: ``bench attention`` (backends side by side) and
+``bench cost`` (the seed's cost claim as a table)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from dikkat.argtypes import positive_float, positive_int
+
+RAW = argparse.RawDescriptionHelpFormatter
+
+_ATTENTION_EXAMPLES = (
+    ("--quick", "a smoke run in seconds (n = 128, 256)"),
+    ("", "everything: n = 1k … 32k, fp32 and bf16"),
+    ("--sizes 4096,8192 --dtypes fp32 --masks window256,documents16", ""),
+    ("--backends sdpa,tiled,flex --masks causal --out runs/bench", ""),
+)
+
+
+def attention_examples(prog: str) -> str:
+    """The examples of ``--help``, for the command spelled ``prog``."""
+    lines = ["examples:"]
+    for flags, what in _ATTENTION_EXAMPLES:
+        command = f"{prog} {flags}".strip()
+        lines.append(f"  {command:<{len(prog) + 12}}  {what}".rstrip())
+    return "\n".join(lines) + (
+        "\n\nWrites attention.json, attention_time.png and attention_memory.png into --out. A "
+        "combination whose\nestimated memory exceeds --max-gib (or 60 % of free memory) is "
+        "skipped with a note.\n"
+    )
+
+
+COST_EXAMPLES = """examples:
+  dikkat bench cost                          n = 1k, 4k, 32k, 128k; B=1, H=8, D=64
+  dikkat bench cost --n 2048 65536 --heads 12 --head-dim 128
+"""
+
+
+def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple[Any, ...]]:
+    """argparse type: ``a,b,c`` → a tuple, each item checked by ``convert``."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}")
+        try:
+            return tuple(convert(item) for item in items)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def _choice(options: tuple[str, ...], what: str) -> Callable[[str], str]:
+    def check(item: str) -> str:
+        if item not in options:
+            raise ValueError(f"unknown {what} {item!r}; choose from {', '.join(options)}")
+        return item
+
+    return check
+
+
+def add_attention_arguments(parser: argparse.ArgumentParser, default_out: str | Path) -> None:
+    """The flags of ``dikkat bench attention`` (and of ``benchmarks/attention.py``)."""
+    from dikkat.bench.attention import BACKENDS, DTYPES, parse_mask
+
+    def mask_name(item: str) -> str:
+        parse_mask(item)
+        return item
+
+    add = parser.add_argument
+    add("--sizes", type=_comma_list(positive_int, "sizes"), help="n values (default 1024,…,32768)")
+    add("--dtypes", type=_comma_list(_choice(tuple(DTYPES), "dtype"), "dtypes"), help="fp32,bf16")
+    add(
+        "--masks",
+        type=_comma_list(mask_name, "masks"),
+        help="none, causal, window<W>, documents<K> (default none,causal,window256,documents16)",
+    )
+    add(
+        "--backends",
+        type=_comma_list(_choice(BACKENDS, "backend"), "backends"),
+        help=f"default all: {','.join(BACKENDS)} (flex only if registered)",
+    )
+    add("--quick", action="store_true", help="a tiny smoke run: n = 128,256, fp32, no flex")
+    add("--min-time", type=positive_float, help="seconds of timed calls per row (default 0.3)")
+    add("--max-gib", type=positive_float, default=8.0, help="memory budget per call (default 8)")
+    add("--reference-max-n", type=positive_int, help="largest n for the reference (default 4096)")
+    add("--heads", type=positive_int, help="H (default 8)")
+    add("--head-dim", type=positive_int, help="D (default 64)")
+    add("--threads", type=positive_int, help="torch threads (default: torch's)")
+    add("--no-plots", action="store_true", help="write the JSON only")
+    add("--out", type=Path, default=Path(default_out), help=f"folder (default {default_out})")
+
+
+def attention_config(args: argparse.Namespace) -> Any:
+    """The :class:`AttentionBenchConfig` the parsed flags ask for."""
+    from dikkat.bench.attention import QUICK, AttentionBenchConfig
+
+    base = QUICK if args.quick else AttentionBenchConfig()
+    given = {
+        "sizes": args.sizes,
+        "dtypes": args.dtypes,
+        "masks": args.masks,
+        "backends": args.backends,
+        "min_time": args.min_time,
+        "reference_max_n": args.reference_max_n,
+        "H": args.heads,
+        "D": args.head_dim,
+        "max_bytes": int(args.max_gib * 2**30),
+    }
+    values = {f.name: getattr(base, f.name) for f in fields(base)}
+    values.update({name: value for name, value in given.items() if value is not None})
+    return AttentionBenchConfig(**values)
+
+
+def run_attention(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark the flags describe, print it, write its files; returns the results."""
+    import torch
+
+    from dikkat.bench.attention import run_attention_benchmark, save_results
+
+    config = attention_config(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = run_attention_benchmark(config)
+    for path in save_results(result, args.out, plots=not args.no_plots):
+        print(f"wrote {path}")
+    return result
+
+
+def _cmd_attention(args: argparse.Namespace) -> int:
+    run_attention(args)
+    return 0
+
+
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from dikkat.bench.cost import format_cost_table
+
+    print(format_cost_table(tuple(args.n), args.heads, args.head_dim, args.batch, args.block))
+    return 0
+
+
+def add_bench_commands(sub: Any) -> None:
+    """Register ``bench attention`` and ``bench cost`` on the top-level subparsers."""
+    from dikkat.bench.cost import DEFAULT_NS
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure attention backends; the cost of the score matrix",
+        description="Benchmarks of attention: `bench attention` times every backend side by "
+        "side, `bench cost` tabulates what the n × n score matrix weighs.",
+        epilog="examples:\n  dikkat bench attention --quick\n  dikkat bench cost",
+        formatter_class=RAW,
+    )
+    bench.set_defaults(func=lambda args: bench.print_help() or 0)
+    commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    attention = commands.add_parser(
+        "attention",
+        help="forward time and peak memory of every backend against n",
+        description="Attention backends side by side (reference, SDPA, tiled, auto, linear, "
+        "flex) over masks none / causal / sliding window / packed documents, fp32 and bf16, "
+        "B=1, H=8, D=64: a table, JSON, and plots of time and peak memory against n.",
+        epilog=attention_examples("dikkat bench attention"),
+        formatter_class=RAW,
+    )
+    add_attention_arguments(attention, default_out=".")
+    attention.set_defaults(func=_cmd_attention)
+
+    cost = commands.add_parser(
+        "cost",
+        help="score cells and bytes of attention against n (the seed's cost claim)",
+        description="For each n: the n² score cells per head, their bytes in fp32 and bf16 per "
+        "head and for all heads, the bytes of q, k, v, and what tiled attention holds instead.",
+        epilog=COST_EXAMPLES,
+        formatter_class=RAW,
+    )
+    cost.add_argument("--n", type=positive_int, nargs="+", default=list(DEFAULT_NS))
+    cost.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
+    cost.add_argument("--head-dim", type=positive_int, default=64, help="D (default 64)")
+    cost.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    cost.add_argument("--block", type=positive_int, default=128, help="tiled's tile side")
+    cost.set_defaults(func=_cmd_cost)
