@@ -46,15 +46,19 @@ def by_hand(q, k, v, causal):
     D=st.sampled_from([4, 8]),
     Dv=st.sampled_from([4, 6]),
     chunk=st.integers(1, 8),
+    segment=st.integers(1, 24),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_chunked_and_parallel_forms_equal_the_definition(B, G, group, T, extra, D, Dv, chunk, seed):
+def test_chunked_and_parallel_forms_equal_the_definition(
+    B, G, group, T, extra, D, Dv, chunk, segment, seed
+):
+    """Chunks within segments within the sequence: every cut gives the definition."""
     H, S = G * group, T + extra
     q, k, v = qkv(B, H, G, T, S, D, Dv, seed)
     for causal in (False, True):
         expected = by_hand(q, k, v, causal)
         torch.testing.assert_close(linear_attention_quadratic(q, k, v, causal=causal), expected)
-        got = linear_attention(q, k, v, causal=causal, chunk=chunk)
+        got = linear_attention(q, k, v, causal=causal, chunk=chunk, segment=segment)
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
 
 
@@ -100,3 +104,10 @@ def test_linear_is_never_picked_by_auto():
     assert "linear" not in dikkat.explain(q, k, v).split(" ")[0]
     assert "linear" not in dikkat.available_backends(exact_only=True)
     assert "linear" in dikkat.available_backends()
+
+
+def test_bad_chunk_or_segment():
+    q, k, v = qkv(1, 2, 2, 4, 4, 4, 4, 0)
+    for bad in ({"chunk": 0}, {"segment": -1}):
+        with pytest.raises(ValueError, match="chunk and segment must be positive"):
+            linear_attention(q, k, v, causal=True, **bad)

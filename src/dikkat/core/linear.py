@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CHUNK = 64
+CHUNK = 64  # causal: keys of a chunk are summed among themselves, C × C
+SEGMENT = 4096  # causal: rows per pass, small enough to stay in cache
 
 
 def feature_map(x: Tensor) -> Tensor:
@@ -51,13 +52,13 @@ def linear_attention_quadratic(q: Tensor, k: Tensor, v: Tensor, *, causal: bool)
 
 
 def linear_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, chunk: int = CHUNK
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, chunk: int = CHUNK, segment: int = SEGMENT
 ) -> Tensor:
     """Linear attention, (B, H, T, Dv). Causal needs the queries to be the last T of the S keys."""
     B, H, T, _ = q.shape
     S = k.shape[2]
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
+    if chunk <= 0 or segment <= 0:
+        raise ValueError(f"chunk and segment must be positive, got {chunk} and {segment}")
     qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
     if not causal:
         state = kg.transpose(-2, -1) @ vg  # (B, G, 1, D, Dv): Σ_j φ(k_j) v_jᵀ
@@ -66,20 +67,52 @@ def linear_attention(
         return out.reshape(B, H, T, -1)
     # keys before the first query are visible to every query: they start the running state
     first = S - T
-    state = kg[..., :first, :].transpose(-2, -1) @ vg[..., :first, :]
-    norm = kg[..., :first, :].sum(-2)
+    state = kg[..., :first, :].transpose(-2, -1) @ vg[..., :first, :]  # (B, G, 1, D, Dv)
+    norm = kg[..., :first, :].sum(-2)  # (B, G, 1, D)
+    # segments of SEGMENT rows keep the working set in cache, so the cost per token stays flat
     outs = []
-    for c0 in range(0, T, chunk):
-        c1 = min(c0 + chunk, T)
-        qc = qg[..., c0:c1, :]  # (B, G, g, C, D)
-        kc, vc = kg[..., first + c0 : first + c1, :], vg[..., first + c0 : first + c1, :]
-        inside = (qc @ kc.transpose(-2, -1)).tril()  # causal within the chunk, (B, G, g, C, C)
-        num = qc @ state + inside @ vc
-        den = (qc @ norm.unsqueeze(-1)).squeeze(-1) + inside.sum(-1)
-        outs.append(num / den.unsqueeze(-1))
-        state = state + kc.transpose(-2, -1) @ vc
-        norm = norm + kc.sum(-2)
+    for s0 in range(0, T, segment):
+        s1 = min(s0 + segment, T)
+        out, state, norm = _causal_segment(
+            qg[..., s0:s1, :],
+            kg[..., first + s0 : first + s1, :],
+            vg[..., first + s0 : first + s1, :],
+            state,
+            norm,
+            chunk,
+        )
+        outs.append(out)
     return torch.cat(outs, dim=-2).reshape(B, H, T, -1)
+
+
+def _causal_segment(
+    qg: Tensor, kg: Tensor, vg: Tensor, state0: Tensor, norm0: Tensor, chunk: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Causal linear attention of a segment whose query i is key i, given the state of the keys
+    before it; returns (out (B, G, g, T, Dv), the state and norm after the segment). All chunks
+    at once: T is zero-padded to n·C (padded keys come after every real query, so the causal
+    order keeps them out; padded rows are dropped)."""
+    T = qg.shape[-2]
+    n = -(-T // chunk)
+    pad = n * chunk - T
+
+    def chunks(x: Tensor) -> Tensor:  # (…, T, ·) → (…, n, C, ·)
+        x = F.pad(x, (0, 0, 0, pad)) if pad else x
+        return x.reshape(*x.shape[:-2], n, chunk, x.shape[-1])
+
+    qc, kc, vc = chunks(qg), chunks(kg), chunks(vg)
+    # the state each chunk starts from: the keys before it, an exclusive prefix sum over chunks
+    kv = kc.transpose(-2, -1) @ vc  # (B, G, 1, n, D, Dv): each chunk's Σ φ(k) vᵀ
+    kv_before = kv.cumsum(3)
+    state = state0.unsqueeze(3) + kv_before - kv
+    ksum = kc.sum(-2)  # (B, G, 1, n, D)
+    k_before = ksum.cumsum(3)
+    norm = norm0.unsqueeze(3) + k_before - ksum
+    inside = (qc @ kc.transpose(-2, -1)).tril()  # causal within each chunk, (B, G, g, n, C, C)
+    num = qc @ state + inside @ vc  # (B, G, g, n, C, Dv)
+    den = (qc @ norm.unsqueeze(-1)).squeeze(-1) + inside.sum(-1)
+    out = (num / den.unsqueeze(-1)).flatten(-3, -2)[..., :T, :]  # (B, G, g, T, Dv)
+    return out, state0 + kv_before[:, :, :, -1], norm0 + k_before[:, :, :, -1]
 
 
 @dataclass
