@@ -112,7 +112,9 @@ def test_what_does_not_fit_is_skipped_not_run(tmp_path):
     assert estimate_extra_bytes("tiled", "none", 32768, 4, 1, 8, 64) < 2**30
 
 
-@pytest.mark.parametrize("name", ["none", "causal", "window5", "documents3", "documents7"])
+@pytest.mark.parametrize(
+    "name", ["none", "causal", "window5", "documents3", "documents7", "doclen6"]
+)
 @pytest.mark.parametrize("n", [4, 20, 33])
 def test_visible_cells_count_the_mask(name, n):
     mask = build_mask(name, n)

@@ -15,8 +15,10 @@ Backends, each in every (dtype, mask, n) group of one run:
   (no mask or causal only), listed for its cost.
 
 Masks: ``none``, ``causal``, ``window<W>`` (causal sliding window of W keys), ``documents<K>``
-(K equal packed documents, causal within each). A row whose estimated extra memory exceeds the
-budget is skipped with a note instead of risking the machine.
+(K equal packed documents, causal within each), ``doclen<L>`` (packed documents of L tokens each,
+causal within each: ``doclen1024`` is 16 documents in 16384 tokens, and its cost grows linearly
+in n, where a fixed number of documents grows quadratically). A row whose estimated extra
+memory exceeds the budget is skipped with a note instead of risking the machine.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ __all__ = [
 
 BACKENDS = ("sdpa", "reference", "tiled", "auto", "linear", "flex")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_MASK = re.compile(r"none|causal|window([1-9]\d*)|documents([1-9]\d*)")
+_MASK = re.compile(r"none|causal|window([1-9]\d*)|documents([1-9]\d*)|doclen([1-9]\d*)")
 _GiB = 2**30
 
 
@@ -71,7 +73,7 @@ class AttentionBenchConfig:
 
     sizes: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)  # n
     dtypes: tuple[str, ...] = ("fp32", "bf16")
-    masks: tuple[str, ...] = ("none", "causal", "window256", "documents16")
+    masks: tuple[str, ...] = ("none", "causal", "window256", "doclen1024")
     backends: tuple[str, ...] = BACKENDS
     B: int = 1
     H: int = 8
@@ -102,13 +104,15 @@ def parse_mask(name: str) -> tuple[str, int]:
     match = _MASK.fullmatch(name)
     if match is None:
         raise ValueError(
-            f"unknown mask {name!r}; use none, causal, window<W> (e.g. window256) or "
-            "documents<K> (e.g. documents16)"
+            f"unknown mask {name!r}; use none, causal, window<W> (e.g. window256), "
+            "documents<K> (e.g. documents16) or doclen<L> (e.g. doclen1024)"
         )
     if match.group(1):
         return "window", int(match.group(1))
     if match.group(2):
         return "documents", int(match.group(2))
+    if match.group(3):
+        return "doclen", int(match.group(3))
     return name, 0
 
 
@@ -123,6 +127,11 @@ def document_ids(n: int, documents: int) -> Tensor:
     return torch.arange(n) * documents // n
 
 
+def _ids(kind: str, size: int, n: int) -> Tensor:
+    """Document ids of a ``documents<K>`` or ``doclen<L>`` mask over n tokens."""
+    return document_ids(n, size) if kind == "documents" else torch.arange(n) // size
+
+
 def build_mask(name: str, n: int) -> Mask | None:
     """The dikkat mask called ``name`` over n tokens (None for ``"none"``)."""
     kind, size = parse_mask(name)
@@ -132,7 +141,7 @@ def build_mask(name: str, n: int) -> Mask | None:
         return masks.causal()
     if kind == "window":
         return masks.sliding_window(size)
-    return masks.document(document_ids(n, size))
+    return masks.document(_ids(kind, size, n))
 
 
 def visible_cells(name: str, n: int) -> int:
@@ -145,7 +154,7 @@ def visible_cells(name: str, n: int) -> int:
     if kind == "window":  # row i sees min(i + 1, W) keys
         w = min(size, n)
         return w * (w + 1) // 2 + (n - w) * w
-    lengths = torch.bincount(document_ids(n, size)).tolist()
+    lengths = torch.bincount(_ids(kind, size, n)).tolist()
     return sum(length * (length + 1) // 2 for length in lengths)
 
 

@@ -78,7 +78,8 @@ def add_attention_arguments(parser: argparse.ArgumentParser, default_out: str | 
     add(
         "--masks",
         type=_comma_list(mask_name, "masks"),
-        help="none, causal, window<W>, documents<K> (default none,causal,window256,documents16)",
+        help="none, causal, window<W>, documents<K>, doclen<L> "
+        "(default none,causal,window256,doclen1024)",
     )
     add(
         "--backends",
