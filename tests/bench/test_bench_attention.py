@@ -61,7 +61,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert result["machine"]["torch"] == torch.__version__
     rows = result["rows"]
     assert {(r["mask"], r["n"]) for r in rows} == {
-        (m, n) for m in ("none", "causal", "window256", "documents16") for n in (64, 128)
+        (m, n) for m in ("none", "causal", "window256", "doclen1024") for n in (64, 128)
     }
     for row in rows:
         assert set(row) == ROW_FIELDS
@@ -70,7 +70,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert all(r["vs_sdpa"] == 1 for r in rows if r["backend"] == "sdpa")
     assert {(s["mask"], s["backend"]) for s in result["skipped"]} == {
         ("window256", "linear"),
-        ("documents16", "linear"),
+        ("doclen1024", "linear"),
     }
     assert {(g["n_from"], g["n_to"]) for g in result["growth"]} == {(64, 128)}
     for name in ("attention_time.png", "attention_memory.png"):
