@@ -16,7 +16,9 @@ each block can see. A *plan* then groups the work into tiles of at most ``cells`
 - **windows** — when the blocks' key ranges slide (a sliding window, packed documents), each
   block gets its own window of ``W`` keys starting where its range starts; the windows of many
   blocks are gathered into one tensor and computed by a single batched product, so a band of
-  width w costs O(T·w) in a handful of calls instead of a Python loop over tiles.
+  width w costs O(T·w) in a handful of calls instead of a Python loop over tiles. Blocks are
+  grouped by width, so that the short windows at the start of each packed document are not
+  padded to the longest.
 
 Each tile — softmax(q kᵀ·scale + mask) v over its rows and keys, with the tile's log-sum-exp —
 runs on CPU in PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``,
@@ -38,7 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dikkat.core.masks import Mask
@@ -61,11 +62,11 @@ class _Rows:
 
 @dataclass(frozen=True)
 class _Windows:
-    """Query rows r0:r1 in blocks of ``block``; block i sees keys starts[i] … starts[i] + W − 1."""
+    """Query blocks ``blocks`` (of ``block`` rows each); block i sees keys starts[i] … starts[i]
+    + W − 1. The blocks need not be adjacent: the plan groups blocks of about the same width."""
 
-    r0: int
-    r1: int
-    starts: Tensor  # (n_blocks,)
+    blocks: Tensor  # (n,) block numbers: rows blocks[i]·block … (blocks[i] + 1)·block − 1
+    starts: Tensor  # (n,)
     width: int
 
 
@@ -88,21 +89,12 @@ def _plan(
         (0, S) if mask is None else mask.kv_range(q0 + q_offset, min(q0 + block, T) + q_offset, S)
         for q0 in starts
     ]
-    width = max(hi - lo for lo, hi in ranges)
-    sliding = len({lo for lo, _ in ranges}) > 1 and width <= key_tile
+    widths = [max(0, hi - lo) for lo, hi in ranges]
+    sliding = len({lo for lo, _ in ranges}) > 1 and max(widths) <= key_tile
     if windows is None:  # worth it when the windows cover at most half the score matrix
-        windows = mask is not None and sliding and len(starts) * block * width * 2 <= T * S
-    if windows and mask is not None and width > 0:
-        per = max(1, cells // (B * H * block * width))  # blocks per tile
-        return [
-            _Windows(
-                starts[i],
-                min(T, starts[i] + per * block),
-                torch.tensor([max(0, lo) for lo, _ in ranges[i : i + per]]),
-                width,
-            )
-            for i in range(0, len(starts), per)
-        ]
+        windows = mask is not None and sliding and sum(widths) * block * 2 <= T * S
+    if windows and mask is not None and max(widths) > 0:
+        return _windows_plan(ranges, widths, B * H, block, cells)
     rows = cells // (B * H * min(S, key_tile))
     rows = max(1, (rows // block) * block if rows >= block else rows)
     plan: list[_Rows | _Windows] = []
@@ -110,6 +102,27 @@ def _plan(
         r1 = min(T, r0 + rows)
         lo, hi = (0, S) if mask is None else mask.kv_range(r0 + q_offset, r1 + q_offset, S)
         plan.append(_Rows(r0, r1, lo, max(lo, hi)))
+    return plan
+
+
+def _windows_plan(
+    ranges: list[tuple[int, int]], widths: list[int], heads: int, block: int, cells: int
+) -> list[_Rows | _Windows]:
+    """Blocks grouped by their window width rounded up to a multiple of ``block`` (inside the
+    documents of a packed batch the widths grow from one block to a whole document: one width
+    for all would compute about twice the cells), then cut to fit ``cells``."""
+    by_width: dict[int, list[int]] = {}
+    for i, w in enumerate(widths):
+        if w > 0:  # a block that sees no key keeps output 0 and lse −inf
+            by_width.setdefault(-(-w // block) * block, []).append(i)
+    plan: list[_Rows | _Windows] = []
+    for width, blocks in sorted(by_width.items()):
+        per = max(1, cells // (heads * block * width))  # blocks per tile
+        for i in range(0, len(blocks), per):
+            chosen = blocks[i : i + per]
+            plan.append(
+                _Windows(torch.tensor(chosen), torch.tensor([ranges[b][0] for b in chosen]), width)
+            )
     return plan
 
 
@@ -173,7 +186,12 @@ class _Gathered:
     v: Tensor
     allowed: Tensor
     index: Tensor  # (n, W), clamped into 0 … S − 1 (slots past S are masked)
-    rows: int  # real query rows (the last block may be padded)
+    rows: Tensor  # (n·block,) query row of each gathered row, clamped into 0 … T − 1
+    real: Tensor  # (n·block,) False for the rows past T that pad the last block
+
+    def scatter(self, dst: Tensor, src: Tensor) -> None:
+        """dst[..., rows, ·] = src[..., rows, ·] for the real rows (dim 2 of (B, g, rows, ·))."""
+        dst.index_copy_(2, self.rows[self.real], src[:, :, self.real])
 
 
 def _gather(
@@ -182,15 +200,15 @@ def _gather(
     B, G, g, T, D = q.shape
     S = k.shape[2]
     n, W = item.starts.numel(), item.width
-    rows = item.r1 - item.r0
-    qb = q[:, :, :, item.r0 : item.r1]
-    if rows < n * block:  # pad the last block; its extra rows are computed and dropped
-        qb = F.pad(qb, (0, 0, 0, n * block - rows))
+    rows = item.blocks.to(q.device)[:, None] * block + torch.arange(block, device=q.device)
+    rows = rows.flatten()
+    real = rows < T  # the last block may run past T: its extra rows are computed and dropped
+    rows = rows.clamp(max=T - 1)
+    qb = q[:, :, :, rows]  # (B, G, g, n·block, D)
     index = item.starts.to(q.device)[:, None] + torch.arange(W, device=q.device)  # (n, W)
     inside = index < S
     index = index.clamp(max=S - 1)
-    qpos = q_offset + item.r0 + torch.arange(n * block, device=q.device)
-    qpos = qpos.clamp(max=q_offset + T - 1).view(n, block, 1)
+    qpos = (q_offset + rows).view(n, block, 1)
     allowed = mask.predicate(
         torch.arange(B, device=q.device).view(B, 1, 1, 1, 1),
         torch.arange(G * g, device=q.device).view(1, -1, 1, 1, 1),
@@ -205,6 +223,7 @@ def _gather(
         allowed,
         index,
         rows,
+        real,
     )
 
 
@@ -372,8 +391,8 @@ def _windows_forward(item: _Windows, q, k, v, mask, scale, q_offset, block, out,
         l = l.masked_fill(torch.isneginf(additive).all(-1), float("-inf"))  # noqa: E741
         o = o.view(B, n, g, block, -1).transpose(1, 2).reshape(B, g, n * block, -1)
         l = l.expand(B, -1, -1).reshape(B, n, g, block).transpose(1, 2).reshape(B, g, -1)  # noqa: E741
-        out[:, j, :, item.r0 : item.r1] = o[:, :, : t.rows]
-        lse[:, j, :, item.r0 : item.r1] = l[:, :, : t.rows]
+        t.scatter(out[:, j], o)
+        t.scatter(lse[:, j].unsqueeze(-1), l.unsqueeze(-1))
 
 
 def _forward(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile):
@@ -403,15 +422,13 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
     dk = torch.zeros(B, G, S, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, G, S, Dv, dtype=acc, device=q.device)
     for item in plan:
-        r0, r1 = item.r0, item.r1
         if isinstance(item, _Windows):
             t = _gather(item, qg, k, v, mask, q_offset, block)
-            n, pad = t.q.shape[3], t.q.shape[3] * block - t.rows
+            n = t.q.shape[3]
 
-            def windows(x: Tensor, t=t, n=n, pad=pad) -> Tensor:
-                """(B, G, g, rows, ·) of this tile → per kv group (B, G, n, g·block, ·)."""
-                x = x[:, :, :, r0:r1]  # noqa: B023 — this iteration's rows
-                x = F.pad(x, (0, 0, 0, pad)) if pad else x
+            def windows(x: Tensor, t=t, n=n) -> Tensor:
+                """(B, G, g, T, ·) → this tile's rows per kv group, (B, G, n, g·block, ·)."""
+                x = x[:, :, :, t.rows] * t.real.view(-1, 1)  # padding rows: no gradient
                 x = x.reshape(B, G, g, n, block, -1).transpose(2, 3)
                 return x.reshape(B, G, n, g * block, -1)
 
@@ -422,11 +439,12 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
                     dob[:, j], qj, kj, vj, ob[:, j], lb[:, j], additive, scale
                 )
                 dqj = dqj.reshape(B, n, g, block, D).transpose(1, 2).reshape(B, g, -1, D)
-                dq[:, j, :, r0:r1] = dqj[:, :, : t.rows].to(acc)
+                t.scatter(dq[:, j], dqj.to(acc))
                 index = t.index.flatten()
                 dk[:, j].index_add_(1, index, dkj.reshape(B, -1, D).to(acc))
                 dv[:, j].index_add_(1, index, dvj.reshape(B, -1, Dv).to(acc))
             continue
+        r0, r1 = item.r0, item.r1
         qb, ob, dob = (_stack(x[:, :, :, r0:r1]) for x in (qg, og, dog))
         lb = _stack(lse_g[:, :, :, r0:r1].unsqueeze(-1)).squeeze(-1)
         for k0 in _key_tiles(item, key_tile):
