@@ -26,12 +26,12 @@ def test_score_figures_match_a_reference_call(dtype, B, H, n, D):
 
 
 def test_tiled_bytes_are_its_named_buffers():
-    B, H, n, D, block = 2, 3, 40, 8, 16
-    accumulator = torch.zeros(B, H, n, D)  # fp32 running weighted sum of values
-    running = torch.zeros(2, B, H, n)  # row max and row sum
-    tile = torch.zeros(B, H, block, block)  # one tile of scores per head
-    held = sum(t.numel() * t.element_size() for t in (accumulator, running, tile))
-    assert attention_cost(n, H, D, 2, B=B, block=block).tiled_bytes == held
+    B, H, n, D, cells = 2, 3, 40, 8, 16 * 16
+    accumulator = torch.zeros(B, H, n, D)  # fp32 weighted sum of values
+    lse = torch.zeros(B, H, n)  # log-sum-exp per row
+    tile = torch.zeros(cells)  # one tile of scores (or its mask), all heads
+    held = sum(t.numel() * t.element_size() for t in (accumulator, lse, tile))
+    assert attention_cost(n, H, D, 2, B=B, tile_cells=cells).tiled_bytes == held
 
 
 def test_the_seeds_32k_claim():

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dikkat.argtypes import positive_float, positive_int
+from dikkat.core.tiled import CELLS
 
 RAW = argparse.RawDescriptionHelpFormatter
 
@@ -141,7 +142,7 @@ def _cmd_attention(args: argparse.Namespace) -> int:
 def _cmd_cost(args: argparse.Namespace) -> int:
     from dikkat.bench.cost import format_cost_table
 
-    print(format_cost_table(tuple(args.n), args.heads, args.head_dim, args.batch, args.block))
+    print(format_cost_table(tuple(args.n), args.heads, args.head_dim, args.batch, args.tile_cells))
     return 0
 
 
@@ -183,5 +184,7 @@ def add_bench_commands(sub: Any) -> None:
     cost.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
     cost.add_argument("--head-dim", type=positive_int, default=64, help="D (default 64)")
     cost.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
-    cost.add_argument("--block", type=positive_int, default=128, help="tiled's tile side")
+    cost.add_argument(
+        "--tile-cells", type=positive_int, default=CELLS, help="score cells of a tiled tile"
+    )
     cost.set_defaults(func=_cmd_cost)

@@ -3,8 +3,9 @@
 Each head scores every query against every key, so one head holds n² score cells, and softmax
 attention written out (the reference) keeps them all: at n = 32768 that is 4 GiB per head in
 fp32, 32 GiB for 8 heads, beside q, k and v of 3·n·D values per head (24 MiB). Tiled attention
-(S16) never holds the matrix; per head it keeps an fp32 accumulator of n·D values, the running
-maximum and sum of each row (2·n values) and one block × block tile of scores: O(n·D + block²).
+(S16) never holds the matrix; per head it keeps an fp32 output accumulator of n·D values and the
+log-sum-exp of each row (n values), and at any time one tile of at most ``tile_cells`` scores
+(its mask, in fp32 at most) for all heads together: O(n·D + tile).
 
 Shapes: ``B`` batch, ``H`` heads, ``n`` tokens (queries = keys), ``D`` head dim.
 """
@@ -12,6 +13,8 @@ Shapes: ``B`` batch, ``H`` heads, ``n`` tokens (queries = keys), ``D`` head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dikkat.core.tiled import CELLS
 
 __all__ = ["DEFAULT_NS", "AttentionCost", "attention_cost", "format_bytes", "format_cost_table"]
 
@@ -28,7 +31,7 @@ class AttentionCost:
     D: int  # head dim
     dtype_bytes: int  # 4 = fp32, 2 = bf16
     B: int = 1  # batch
-    block: int = 128  # side of a tiled score tile
+    tile_cells: int = CELLS  # score cells of one tiled tile, all heads
 
     @property
     def score_cells_per_head(self) -> int:
@@ -56,22 +59,28 @@ class AttentionCost:
 
     @property
     def tiled_bytes(self) -> int:
-        """What tiled attention holds instead of the scores, every head at once: an fp32
-        accumulator (n·D), running max and sum (2·n) and one block² score tile, per head."""
-        per_head = self.n * self.D + 2 * self.n + self.block * self.block
-        return self.B * self.H * per_head * _FP32
+        """What tiled attention holds instead of the scores: per head an fp32 accumulator (n·D)
+        and log-sum-exp (n), and one tile of scores for all heads."""
+        per_head = self.n * self.D + self.n
+        return (self.B * self.H * per_head + self.tile_cells) * _FP32
 
 
 def attention_cost(
-    n: int, H: int = 8, D: int = 64, dtype_bytes: int = 4, *, B: int = 1, block: int = 128
+    n: int,
+    H: int = 8,
+    D: int = 64,
+    dtype_bytes: int = 4,
+    *,
+    B: int = 1,
+    tile_cells: int = CELLS,
 ) -> AttentionCost:
     """The sizes of self-attention over ``n`` tokens with ``H`` heads of dim ``D``."""
     for name, value in (("n", n), ("H", H), ("D", D), ("dtype_bytes", dtype_bytes), ("B", B)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if block < 1:
-        raise ValueError(f"block must be a positive integer, got {block!r}")
-    return AttentionCost(n=n, H=H, D=D, dtype_bytes=dtype_bytes, B=B, block=block)
+    if tile_cells < 1:
+        raise ValueError(f"tile_cells must be a positive integer, got {tile_cells!r}")
+    return AttentionCost(n=n, H=H, D=D, dtype_bytes=dtype_bytes, B=B, tile_cells=tile_cells)
 
 
 def format_bytes(n: int) -> str:
@@ -93,7 +102,11 @@ def _count(n: int) -> str:
 
 
 def format_cost_table(
-    ns: tuple[int, ...] = DEFAULT_NS, H: int = 8, D: int = 64, B: int = 1, block: int = 128
+    ns: tuple[int, ...] = DEFAULT_NS,
+    H: int = 8,
+    D: int = 64,
+    B: int = 1,
+    tile_cells: int = CELLS,
 ) -> str:
     """The cost table for each n: score cells and bytes (fp32, bf16), q/k/v bytes, tiled's."""
     heads = f"{H} heads" if B == 1 else f"{B}×{H} heads"
@@ -103,12 +116,12 @@ def format_cost_table(
     )
     lines = [
         f"attention cost, B={B}, H={H}, D={D}: the score matrix against what tiled attention "
-        f"holds (block {block})",
+        f"holds (tiles of {tile_cells:,} cells)",
         header,
     ]
     for n in ns:
-        fp32 = attention_cost(n, H, D, 4, B=B, block=block)
-        bf16 = attention_cost(n, H, D, 2, B=B, block=block)
+        fp32 = attention_cost(n, H, D, 4, B=B, tile_cells=tile_cells)
+        bf16 = attention_cost(n, H, D, 2, B=B, tile_cells=tile_cells)
         lines.append(
             f"{n:>7,}  {_count(fp32.score_cells_per_head):>10}  "
             f"{format_bytes(fp32.score_bytes_per_head):>10}  {format_bytes(fp32.score_bytes):>13}  "
@@ -117,6 +130,6 @@ def format_cost_table(
         )
     lines += [
         "cells/head: n² scores.  fp32/bf16: the (B, H, n, n) score matrix the plain formula holds.",
-        "tiled: an fp32 accumulator n·D, the row max and sum 2·n and one block² tile, per head.",
+        "tiled: per head an fp32 accumulator n·D and log-sum-exp n; one tile for all heads.",
     ]
     return "\n".join(lines)
