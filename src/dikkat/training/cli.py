@@ -28,7 +28,51 @@ _SIZE_FIELDS = {
         "dropout": "dropout",
         "layers": ("n_encoder_layers", "n_decoder_layers"),
     },
+    "digits": {
+        "d_model": "d_model",
+        "layers": "n_layers",
+        "heads": "n_heads",
+        "dropout": "dropout",
+    },
+    "shapes": {
+        "d_model": "d_model",
+        "layers": "n_layers",
+        "heads": "n_heads",
+        "dropout": "dropout",
+    },
 }
+
+# `dikkat train` flags left out take these values; a task with its own recipe overrides some
+_TRAIN_DEFAULTS: dict[str, Any] = {
+    "preset": "tiny",
+    "steps": 1000,
+    "batch_size": 32,
+    "lr": 1e-3,
+    "warmup": 100,
+    "eval_every": 100,
+}
+
+
+def _train_defaults(task: str) -> dict[str, Any]:
+    """The defaults of ``dikkat train --task TASK`` (digits: the ViT recipe)."""
+    if task == "digits":
+        from dikkat.vision.digits import DIGITS_TRAINING
+
+        return {**_TRAIN_DEFAULTS, **DIGITS_TRAINING}
+    if task == "shapes":
+        from dikkat.vision.shapes_task import SHAPES_TRAINING
+
+        return {**_TRAIN_DEFAULTS, **SHAPES_TRAINING}
+    return _TRAIN_DEFAULTS
+
+
+def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every flag left out (None) set to the task's default."""
+    filled = vars(args).copy()
+    for name, value in _train_defaults(args.task).items():
+        if filled.get(name) is None:
+            filled[name] = value
+    return argparse.Namespace(**filled)
 
 
 def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,6 +98,15 @@ def _summary(result: Any, trainer: Any) -> None:
     for name, value in result.metrics.items():
         print(f"{name}: {value:.4f}")
     print(f"{result.seconds:.0f} s, {result.tokens_per_second:,.0f} tokens/s")
+    m = result.metrics
+    if "test_accuracy" in m and "nearest_neighbour_accuracy" in m:  # digits: side by side
+        averaged = m.get("test_accuracy_shift_averaged")
+        tta = "" if averaged is None else f" ({averaged:.1%} averaged over 1-pixel shifts)"
+        print(
+            f"held-out accuracy {m['test_accuracy']:.1%}{tta} after {result.seconds:.0f} s of "
+            f"training; 1-nearest-neighbour on the same split: "
+            f"{m['nearest_neighbour_accuracy']:.1%}"
+        )
     if result.out_dir is not None:
         print(f"checkpoint, log.jsonl and loss.png in {result.out_dir}")
 
@@ -69,6 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         if (out / TASK_FILE).exists():
             raise ValueError(f"{out} already holds a run: pass --resume, or another --out")
+        args = _with_defaults(args)
         spec = TaskSpec(
             task=args.task,
             preset=args.preset,
@@ -81,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         config = TrainConfig(
-            steps=args.steps or 1000,
+            steps=args.steps,
             batch_size=args.batch_size,
             lr=args.lr,
             warmup=args.warmup,
@@ -233,11 +287,14 @@ def add_training_commands(sub: Any) -> None:
         "  dikkat train --task lm --tokenizer bpe --vocab-size 2048 --d-model 192 --layers 6\n"
         "  dikkat train --task mlm --steps 1000\n"
         "  dikkat train --task translate --steps 3000 --batch-size 128\n"
+        "  dikkat train --task digits --out runs/digits   (ViT; then: dikkat vit-attention "
+        "runs/digits)\n"
+        "  dikkat train --task shapes --out runs/shapes   (then: dikkat detect runs/shapes)\n"
         "  dikkat train --out runs/gpt --resume --steps 4000",
         formatter_class=RAW,
     )
     train.add_argument("--task", choices=TASKS, default="lm")
-    train.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    train.add_argument("--preset", help="model preset (default: tiny; digits: digits)")
     size = train.add_argument_group("model size (override the preset)")
     size.add_argument("--d-model", type=positive_int)
     size.add_argument(
@@ -255,13 +312,17 @@ def add_training_commands(sub: Any) -> None:
     data.add_argument("--max-bytes", type=positive_int, help="cap on the training text")
     opt = train.add_argument_group("optimization")
     opt.add_argument(
-        "--steps", type=positive_int, help="total steps (default 1000; with --resume: extend to)"
+        "--steps",
+        type=positive_int,
+        help="total steps (default 1000; digits: 2250; shapes: 2000; with --resume: extend to)",
     )
-    opt.add_argument("--batch-size", type=positive_int, default=32)
-    opt.add_argument("--lr", type=positive_float, default=1e-3)
-    opt.add_argument("--warmup", type=int, default=100)
+    opt.add_argument("--batch-size", type=positive_int, help="default 32; digits: 128")
+    opt.add_argument(
+        "--lr", type=positive_float, help="peak learning rate (default 1e-3; shapes: 2e-3)"
+    )
+    opt.add_argument("--warmup", type=int, help="warmup steps (default 100)")
     opt.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    opt.add_argument("--eval-every", type=int, default=100)
+    opt.add_argument("--eval-every", type=int, help="default 100; digits: 250; shapes: 500")
     opt.add_argument(
         "--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)"
     )

@@ -7,6 +7,10 @@ Three families, one per model (S11):
   a mask token, 10 % by a random token, 10 % left as they are; the loss is on the chosen ones;
 - ``translate`` — Seq2Seq, numbers in digits → the same numbers in English words.
 
+Vision tasks live beside their models: ``digits`` (:mod:`dikkat.vision.digits`) trains a ViT
+on scikit-learn's 8×8 handwritten digits; ``shapes`` (:mod:`dikkat.vision.shapes_task`) trains a
+DETR to find generated coloured shapes.
+
 A task owns its tokenizer and data and builds its model from a config; it is described by a
 JSON-able :class:`TaskSpec`, which a checkpoint stores so that ``--resume`` can rebuild it.
 """
@@ -25,14 +29,14 @@ from dikkat.core.masks import Mask
 from dikkat.text import ByteTokenizer, HFTokenizer
 from dikkat.training.data import encode_corpus, load_corpus, random_windows
 
-TASKS = ("lm", "mlm", "translate")
+TASKS = ("lm", "mlm", "translate", "digits", "shapes")
 
 
 @dataclass(frozen=True)
 class TaskSpec:
     """Everything needed to rebuild a task: JSON-able, stored with each checkpoint."""
 
-    task: str = "lm"  # lm | mlm | translate
+    task: str = "lm"  # one of TASKS
     preset: str = "tiny"  # the model preset
     model_overrides: dict[str, Any] = field(default_factory=dict)  # config fields to change
     data: str | None = None  # text file or folder; None = the Python standard library
@@ -259,6 +263,14 @@ def build_task(spec: TaskSpec, tokenizer: Any | None = None) -> Task:
         return LMTask(spec, tokenizer)
     if spec.task == "mlm":
         return MLMTask(spec, tokenizer)
+    if spec.task == "digits":  # a ViT on images: the vision package owns it
+        from dikkat.vision.digits import DigitsTask
+
+        return DigitsTask(spec, tokenizer)
+    if spec.task == "shapes":  # a DETR on generated images
+        from dikkat.vision.shapes_task import ShapesTask
+
+        return ShapesTask(spec, tokenizer)
     return TranslateTask(spec, tokenizer)
 
 

@@ -7,3 +7,167 @@ from typing import Any
 
 def add_vision_commands(sub: Any) -> None:
     """Register the vision subcommands on the top-level ``dikkat`` parser's subparsers."""
+    _add_vit_attention(sub)
+    _add_vision_cost(sub)
+    _add_detect(sub)
+
+
+def cmd_vit_attention(args: Any) -> int:
+    """Draw a trained digits ViT's class-token attention for a few held-out digits."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from dikkat.training.trainer import TASK_FILE
+    from dikkat.vision.digits import SIDE, load_digits_split
+    from dikkat.vision.vit import ViT
+    from dikkat.vision.vit_plot import plot_attention_maps
+
+    model = ViT.load(args.run).eval()
+    seed = args.seed
+    if seed is None:  # the run's own split, so the digits shown were never trained on
+        task_file = Path(args.run) / TASK_FILE
+        seed = json.loads(task_file.read_text())["task"]["seed"] if task_file.is_file() else 0
+    c = model.config
+    if (c.image_size, c.channels, c.n_classes) != (SIDE, 1, 10):
+        raise ValueError(
+            f"{args.run} holds a ViT for {c.image_size}×{c.image_size}×{c.channels} images in "
+            f"{c.n_classes} classes, not the 8×8 digits (dikkat train --task digits)"
+        )
+    data = load_digits_split(seed=seed)
+    if args.count > len(data.test_y):
+        raise ValueError(f"--count {args.count}: there are {len(data.test_y)} held-out digits")
+    if args.layer is not None and not 0 <= args.layer < c.n_layers:
+        raise ValueError(f"--layer {args.layer}: the model has layers 0 … {c.n_layers - 1}")
+    images, labels = data.test_x[: args.count], data.test_y[: args.count]
+    with torch.no_grad():
+        predicted = model(images).argmax(dim=-1)
+    maps = model.attention_maps(images)
+    path = plot_attention_maps(
+        images, maps, args.out, labels=labels, predicted=predicted, layer=args.layer
+    )
+    shown = "every layer" if args.layer is None else f"the heads of layer {args.layer}"
+    query = "class-token" if c.pool == "cls" else "mean-query"
+    print(f"{path}: {args.count} held-out digits, {query} attention of {shown}")
+    return 0
+
+
+def _add_vit_attention(sub: Any) -> None:
+    import argparse
+
+    from dikkat.argtypes import positive_int
+
+    p = sub.add_parser(
+        "vit-attention",
+        help="picture a digits ViT's class-token attention over the patches (PNG)",
+        description="Load a ViT trained with `dikkat train --task digits`, run it on the first "
+        "held-out digits of the run's own split, and draw each image beside its class token's "
+        "attention over the 2×2 patches: one map per layer (mean over heads), or with --layer, "
+        "one per head of that layer.",
+        epilog="examples:\n  dikkat train --task digits --out runs/digits\n"
+        "  dikkat vit-attention runs/digits --out maps.png\n"
+        "  dikkat vit-attention runs/digits --out heads.png --layer 3 --count 4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", help="run folder of `dikkat train --task digits`")
+    p.add_argument("--out", default="vit_attention.png", help="PNG to write")
+    p.add_argument("--count", type=positive_int, default=6, help="held-out digits to show")
+    p.add_argument("--layer", type=int, help="show every head of this layer (0-based)")
+    p.add_argument("--seed", type=int, help="the split's seed (default: the run's)")
+    p.set_defaults(func=cmd_vit_attention)
+
+
+def cmd_vision_cost(args: Any) -> int:
+    """Print attention's cost per detector stride beside a 3×3 convolution's."""
+    from dikkat.vision.cost import format_cost_table, vision_cost
+
+    rows = vision_cost(args.imgsz, args.width, args.heads)
+    print(format_cost_table(rows, args.imgsz))
+    return 0
+
+
+def _add_vision_cost(sub: Any) -> None:
+    import argparse
+
+    from dikkat.argtypes import positive_int
+
+    p = sub.add_parser(
+        "vision-cost",
+        help="what attention costs at each detector stride, beside a 3×3 conv",
+        description="For the stride-8, 16 and 32 feature maps of an IMGSZ image, print the "
+        "tokens, score cells, FLOPs and score-matrix memory of PSA-style self-attention beside a "
+        "3×3 convolution at the same width: why YOLO26 attends only at stride 32.",
+        epilog="examples:\n  dikkat vision-cost --imgsz 640\n"
+        "  dikkat vision-cost --imgsz 1280 --width 256 --heads 4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--imgsz", type=positive_int, default=640, help="image side (multiple of 32)")
+    p.add_argument(
+        "--width", type=positive_int, default=128, help="channels C the attention runs at"
+    )
+    p.add_argument("--heads", type=positive_int, help="heads (default max(C // 64, 1))")
+    p.set_defaults(func=cmd_vision_cost)
+
+
+def cmd_detect(args: Any) -> int:
+    """Draw a shapes DETR's boxes and each object query's cross-attention on validation images."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from dikkat.training.trainer import TASK_FILE
+    from dikkat.vision.detr import DETR
+    from dikkat.vision.detr_plot import plot_detections
+    from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
+
+    model = DETR.load(args.run).eval()
+    c, data = model.config, ShapesConfig()
+    if (c.image_size, c.n_classes) != (data.image_size, len(SHAPE_NAMES)):
+        raise ValueError(
+            f"{args.run} holds a DETR for {c.image_size}×{c.image_size} images in "
+            f"{c.n_classes} classes, not the shapes (dikkat train --task shapes)"
+        )
+    if args.count > 12:
+        raise ValueError(f"--count {args.count}: at most 12 images fit one picture")
+    if args.start < 0:
+        raise ValueError(f"--start must be ≥ 0, got {args.start}")
+    seed = args.seed
+    if seed is None:  # the run's own validation stream: images it never trained on
+        task_file = Path(args.run) / TASK_FILE
+        seed = json.loads(task_file.read_text())["task"]["seed"] if task_file.is_file() else 0
+    indices = range(args.start, args.start + args.count)
+    images, labels, boxes = make_batch(indices, split="val", seed=seed, config=data)
+    with torch.no_grad():
+        out = model(images, return_attention=True)
+    path = plot_detections(
+        images, out, args.out, class_names=SHAPE_NAMES, labels=labels, boxes=boxes
+    )
+    print(f"{path}: boxes and cross-attention of {args.count} validation images")
+    return 0
+
+
+def _add_detect(sub: Any) -> None:
+    import argparse
+
+    from dikkat.argtypes import positive_int
+
+    p = sub.add_parser(
+        "detect",
+        help="picture a shapes DETR's boxes and each object query's cross-attention (PNG)",
+        description="Load a DETR trained with `dikkat train --task shapes`, run it on validation "
+        "images of the run's own seed (never trained on), and draw one row per image: the image "
+        "with predicted boxes, class and probability (ground truth dashed), then, for each query "
+        "that predicts an object, its last-layer cross-attention over the feature grid.",
+        epilog="examples:\n  dikkat train --task shapes --out runs/shapes\n"
+        "  dikkat detect runs/shapes --out shapes.png\n"
+        "  dikkat detect runs/shapes --out more.png --count 8 --start 100",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", help="run folder of `dikkat train --task shapes`")
+    p.add_argument("--out", default="detections.png", help="PNG to write")
+    p.add_argument("--count", type=positive_int, default=4, help="images to show (at most 12)")
+    p.add_argument("--start", type=int, default=0, help="first validation image index")
+    p.add_argument("--seed", type=int, help="the validation stream's seed (default: the run's)")
+    p.set_defaults(func=cmd_detect)

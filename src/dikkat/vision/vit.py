@@ -1,0 +1,229 @@
+"""ViT: an image as a sequence of patches, read by a stack of pre-norm Transformer blocks.
+
+Notation: ``B`` batch, ``Ch`` image channels, ``P`` patch side, ``N`` patches, ``T`` tokens (N,
+plus one class token with ``pool="cls"``), ``C`` model width, ``H`` heads, ``L`` layers.
+
+images (B, Ch, side, side) → non-overlapping P×P patches (B, N, Ch·P·P) → one linear map to C
+→ [class token] + patches, plus a learned vector per position → L blocks, every token attending
+to every token (no mask) → final LayerNorm → the class token's state (or the mean of all tokens)
+→ a linear head to class logits (B, K).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.linear import Linear
+from dikkat.layers.mlp import Activation
+from dikkat.layers.norm import LayerNorm
+from dikkat.layers.positional import LearnedPositionalEmbedding
+from dikkat.models.init import init_normal_
+from dikkat.models.io import SaveLoad
+from dikkat.presets import pick_preset
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Sizes and choices of a Vision Transformer for square images."""
+
+    image_size: int = 8  # side of the square input image, in pixels
+    channels: int = 1  # image channels Ch (1 = grey)
+    patch_size: int = 2  # side P of a square patch; must divide image_size
+    n_classes: int = 10  # K: the classifier's outputs
+    d_model: int = 128  # width C
+    n_layers: int = 4  # number of blocks L
+    n_heads: int = 4  # heads H; head dim D = C / H
+    d_ff: int | None = None  # MLP hidden width; None = 4·d_model
+    pool: Literal["cls", "mean"] = "cls"  # read the class token, or average every token
+    dropout: float = 0.0  # on embeddings, residual branches and attention weights
+    norm_eps: float = 1e-6  # LayerNorm epsilon (the ViT paper's)
+    activation: Activation = "gelu"  # exact GELU, as in the ViT paper
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("cls", "mean"):
+            raise ValueError(f"pool must be 'cls' or 'mean', got {self.pool!r}")
+        for name in ("image_size", "channels", "patch_size", "n_classes", "n_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}"
+            )
+        self.block()  # validates widths, heads and dropout
+
+    @property
+    def grid(self) -> int:
+        """Patches along one side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def n_patches(self) -> int:
+        return self.grid**2
+
+    @property
+    def n_tokens(self) -> int:
+        """T: the patches, and the class token when there is one."""
+        return self.n_patches + (self.pool == "cls")
+
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+            norm="pre",
+            norm_eps=self.norm_eps,
+            activation=self.activation,
+            dropout=self.dropout,
+        )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> ViTConfig:
+        """A named configuration, optionally with some fields changed."""
+        return pick_preset(VIT_PRESETS, name, "ViT", overrides)
+
+
+VIT_PRESETS: dict[str, ViTConfig] = {
+    # scikit-learn's 8×8 handwritten digits: 2×2 patches (16 tokens + class), width 128, 4 layers.
+    "digits": ViTConfig(),
+    # For tests: 4×4 patches (4 tokens + class), one narrow block; learns the digits in seconds.
+    "tiny": ViTConfig(patch_size=4, d_model=64, n_layers=1, n_heads=2, d_ff=128),
+    # ViT-B/16 of "An Image is Worth 16x16 Words" (ImageNet, 224×224, 1000 classes).
+    "vit-base-16": ViTConfig(
+        image_size=224,
+        channels=3,
+        patch_size=16,
+        n_classes=1000,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+    ),
+}
+
+
+def patchify(images: Tensor, patch_size: int) -> Tensor:
+    """(B, Ch, side, side) → (B, N, Ch·P·P): patches in row-major order, each flattened
+    channel-first (the layout a stride-P, P×P convolution would read)."""
+    B, Ch, side, _ = images.shape
+    g, p = side // patch_size, patch_size
+    x = images.reshape(B, Ch, g, p, g, p)  # (B, Ch, row, i, col, j)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, Ch * p * p)
+
+
+@dataclass
+class AttentionMaps:
+    """Where the pooled query looks, in every layer and head.
+
+    ``weights`` (L, B, H, T): with ``pool="cls"`` the class token's attention row; with
+    ``pool="mean"`` the mean of all tokens' rows (what the average then mixes). Each row sums
+    to 1 over the T keys (the class token, then the patches in row-major order).
+    """
+
+    weights: Tensor
+    grid: int  # patches along a side
+    has_cls: bool  # key 0 is the class token
+
+    def patches(self) -> Tensor:
+        """The weights on the patches only, as images (L, B, H, grid, grid)."""
+        w = self.weights[..., 1:] if self.has_cls else self.weights
+        return w.reshape(*w.shape[:-1], self.grid, self.grid)
+
+
+class ViT(SaveLoad, nn.Module):
+    """Vision Transformer classifier.
+
+    >>> model = ViT(ViTConfig.preset("digits"))
+    >>> model(torch.rand(2, 1, 8, 8)).shape
+    torch.Size([2, 10])
+    """
+
+    config_class = ViTConfig
+
+    def __init__(self, config: ViTConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        self.config = c = config
+        self.patch_embed = Linear(c.channels * c.patch_size**2, c.d_model)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.d_model)) if c.pool == "cls" else None
+        self.pos_emb = LearnedPositionalEmbedding(c.n_tokens, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c.block(), backend=backend) for _ in range(c.n_layers))
+        self.norm_f = LayerNorm(c.d_model, eps=c.norm_eps)
+        self.head = Linear(c.d_model, c.n_classes)
+        self.apply(init_normal_)
+        # as in GPT-2: the projections writing into the residual stream start smaller with depth
+        for name, p in self.named_parameters():
+            if name.endswith(("out_proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layers))
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=0.02)
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _check_images(self, images: Tensor) -> None:
+        c = self.config
+        want = (c.channels, c.image_size, c.image_size)
+        if not isinstance(images, Tensor) or not images.dtype.is_floating_point:
+            raise TypeError(
+                f"images must be a float tensor (B, {c.channels}, {c.image_size}, "
+                f"{c.image_size}), got {type(images).__name__} "
+                f"{getattr(images, 'dtype', '')}".rstrip()
+            )
+        if images.dim() != 4 or tuple(images.shape[1:]) != want:
+            shape = tuple(images.shape)
+            if images.dim() == 4 and images.shape[1] != c.channels:
+                raise ValueError(
+                    f"images have {images.shape[1]} channels, the model {c.channels}: "
+                    f"got {shape}, expected (B, {', '.join(map(str, want))})"
+                )
+            raise ValueError(
+                f"images must have shape (B, {', '.join(map(str, want))}), got {shape}"
+            )
+
+    def embed(self, images: Tensor) -> Tensor:
+        """images (B, Ch, side, side) → the tokens entering the first block (B, T, C)."""
+        self._check_images(images)
+        x = self.patch_embed(patchify(images, self.config.patch_size))  # (B, N, C)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        return self.drop(self.pos_emb(x))  # (B, T, C)
+
+    def forward(self, images: Tensor, *, return_hidden: bool = False) -> Tensor:
+        """images (B, Ch, side, side) → logits (B, K) (or the pooled state (B, C))."""
+        x = self.embed(images)
+        for block in self.blocks:
+            x = block(x)  # no mask: every token sees every token
+        x = self.norm_f(x)
+        pooled = x[:, 0] if self.cls_token is not None else x.mean(dim=1)  # (B, C)
+        return pooled if return_hidden else self.head(pooled)
+
+    @torch.no_grad()
+    def attention_maps(self, images: Tensor) -> AttentionMaps:
+        """The pooled query's attention in every layer and head (see :class:`AttentionMaps`).
+
+        Computed through the reference backend (the plain softmax, the oracle every fast path is
+        tested against), whichever backend the model otherwise runs with: fused and tiled
+        backends never hold the weights.
+        """
+        was, backends = self.training, [b.attn.backend for b in self.blocks]
+        self.eval()  # no dropout on the weights we show
+        try:
+            x = self.embed(images)
+            rows = []
+            for block in self.blocks:
+                block.attn.backend = "reference"
+                x, w = block(x, return_weights=True)
+                full = w.self_attn  # (B, H, T, T)
+                rows.append(full[:, :, 0] if self.cls_token is not None else full.mean(dim=2))
+        finally:
+            self.train(was)
+            for block, backend in zip(self.blocks, backends, strict=True):
+                block.attn.backend = backend
+        return AttentionMaps(torch.stack(rows), self.config.grid, self.cls_token is not None)
