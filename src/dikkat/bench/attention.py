@@ -176,8 +176,8 @@ def estimate_extra_bytes(
     backend it picks). Calibrated on measured peaks; it guards the machine, nothing more."""
     structured = mask not in ("none", "causal")
     rows = B * H * n * D * 4  # one fp32 (B, H, n, D) tensor
-    if backend == "reference":  # scores, their masked copy and the weights; the mask's grid
-        return 3 * B * H * n * n * dtype_bytes + (12 * n * n if mask != "none" else 0)
+    if backend == "reference":  # scores, masked copy, weights and temporaries; the mask's grid
+        return 6 * B * H * n * n * dtype_bytes + (12 * n * n if mask != "none" else 0)
     if backend == "sdpa" and structured:  # the bool mask, SDPA's float copy, a band to build it
         return n * n * (1 + dtype_bytes) + 12 * 1024 * n
     return 8 * rows + 64 * 2**20  # O(n): a few (B, H, n, D) fp32 tensors and the tiles
@@ -200,18 +200,15 @@ def _budget(config: AttentionBenchConfig) -> int:
 
 
 def _measure(fn: Callable[[], object], min_time: float) -> tuple[float, float, int | None]:
-    """(first call s, median s of the calls after it, peak extra bytes over those calls)."""
+    """(first call s, median s of the calls after it, peak extra bytes of one more call).
+
+    Memory is measured on a call of its own: while measuring, every large block is a fresh
+    mmap (see :mod:`dikkat.bench.timing`), which would slow the timed calls."""
     t0 = time.perf_counter()
     fn()
     first = time.perf_counter() - t0
-    seconds = 0.0
-
-    def timed() -> None:
-        nonlocal seconds
-        seconds = timeit(fn, min_time=min_time, warmup=0)
-
-    peak = peak_memory(timed)  # each timed call's output is dropped before the next starts
-    return first, seconds, peak
+    seconds = timeit(fn, min_time=min_time, warmup=0)
+    return first, seconds, peak_memory(fn)
 
 
 def _caller(

@@ -8,8 +8,12 @@ tensors live in ordinary process memory, so temporaries count too.
 That only works if a call's large allocations are fresh pages. glibc serves big blocks with
 ``mmap`` and returns them on ``free``, but it raises its mmap threshold after the first large
 free, and from then on big temporaries reuse heap the process already holds: the peak reads 0.
-:func:`peak_memory` therefore pins the threshold (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``) once;
-where that is impossible (not Linux, not glibc) memory is reported as unavailable (None).
+:func:`peak_memory` therefore first hands every free page back to the system
+(``malloc_trim(0)``): whatever the call then allocates, fresh mmap or reused heap, is faulted in
+anew and counted. The mmap threshold is fixed at 32 MiB, the most glibc's own adjustment
+reaches on 64-bit, so timed calls reuse memory as any warmed-up process does (pinning it low
+instead made every temporary a fresh mmap and slowed allocation-heavy code ~2× here). Where
+glibc is unavailable (not Linux, not glibc) memory is reported as unavailable (None).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from pathlib import Path
 
 __all__ = ["memory_tracking", "peak_memory", "timeit"]
 
-_M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
-_MMAP_THRESHOLD = 128 * 1024
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+_RUN = 32 * 1024 * 1024  # glibc's largest dynamic threshold: blocks below it are reused
 _tracking: bool | None = None  # decided on first use
+_libc: ctypes.CDLL | None = None
 
 
 def timeit(
@@ -45,23 +50,31 @@ def timeit(
     return statistics.median(times)
 
 
-def _pin_mmap_threshold() -> bool:
+def _set_threshold(nbytes: int) -> bool:
+    """glibc's mmap threshold (and its trim threshold, twice that, as glibc itself keeps it)."""
+    assert _libc is not None
+    ok = _libc.mallopt(_M_MMAP_THRESHOLD, nbytes) == 1  # 1 = success
+    return ok and _libc.mallopt(_M_TRIM_THRESHOLD, 2 * nbytes) == 1
+
+
+def _start_tracking() -> bool:
+    global _libc
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        _libc = ctypes.CDLL("libc.so.6")
         Path("/proc/self/clear_refs").write_text("5")
         _status_bytes("VmHWM")
     except (OSError, AttributeError, RuntimeError):  # no glibc, or no writable /proc
         return False
-    return libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1  # 1 = success
+    return _set_threshold(_RUN)
 
 
 def memory_tracking() -> bool:
-    """Whether :func:`peak_memory` can measure here (pins glibc's mmap threshold on first call)."""
+    """Whether :func:`peak_memory` can measure here (takes over glibc's mmap threshold)."""
     global _tracking
     if _tracking is None:
-        _tracking = _pin_mmap_threshold()
+        _tracking = _start_tracking()
     return _tracking
 
 
@@ -80,6 +93,8 @@ def peak_memory(fn: Callable[[], object]) -> int | None:
     # young garbage only: a full collection walks every object torch created (≈ 0.1 s a call),
     # and older garbage left over is resident before and after, so it changes no difference
     gc.collect(1)
+    assert _libc is not None
+    _libc.malloc_trim(0)  # free memory leaves the resident set: reusing it counts again
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_bytes("VmRSS")
     out = fn()
