@@ -230,6 +230,20 @@ def _needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _retrying(fn: Callable, *args: object, **kwargs: object) -> object:
+    """``fn(*args, **kwargs)``, once more after resetting dynamo if dynamo itself fails while
+    explaining a recompile (a TypeError inside torch seen after many mask signatures in one
+    process); the reset drops every compiled kernel, so none counts as warm any more."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as e:
+        if "NoneType" not in str(e):
+            raise
+        torch._dynamo.reset()
+        _warm.clear()
+        return fn(*args, **kwargs)
+
+
 def _call(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
     q_offset: int, return_lse: bool,
@@ -251,11 +265,11 @@ def _call(
     if _cells(q, k) <= EAGER_MAX_CELLS:
         with warnings.catch_warnings():  # flex warns that eager is slow: here it is deliberate
             warnings.simplefilter("ignore", UserWarning)
-            result = _flex.flex_attention(q, k, v, **kwargs)
+            result = _retrying(_flex.flex_attention, q, k, v, **kwargs)
     else:
         signature = _signature(q, k, v, mask, bias, scale, q_offset, _needs_grad(q, k, v))
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SIGNATURES):
-            result = _compiled()(q, k, v, **kwargs)
+            result = _retrying(_compiled(), q, k, v, **kwargs)
         _warm.add(signature)
     if not return_lse:
         return result, None

@@ -191,7 +191,35 @@ class _Gathered:
 
     def scatter(self, dst: Tensor, src: Tensor) -> None:
         """dst[..., rows, ·] = src[..., rows, ·] for the real rows (dim 2 of (B, g, rows, ·))."""
-        dst.index_copy_(2, self.rows[self.real], src[:, :, self.real])
+        if self.padded:
+            dst.index_copy_(2, self.rows[self.real], src[:, :, self.real])
+        else:
+            dst.index_copy_(2, self.rows, src)
+
+    @property
+    def padded(self) -> bool:
+        return self.rows.numel() > int(self.real.sum())
+
+
+def _windows_of(x: Tensor, starts: Tensor, W: int) -> Tensor:
+    """(B, G, S, ·) → (B, G, n, W, ·): rows starts[i] … starts[i] + W − 1 (clamped to S − 1).
+
+    When the starts step evenly and every window fits (a sliding window; one position inside
+    each of a run of equal documents) the windows are a strided view of x: overlapping, never
+    copied. Otherwise they are gathered."""
+    S = x.shape[2]
+    n = starts.numel()
+    first, last = int(starts[0]), int(starts[-1])
+    step = (last - first) // (n - 1) if n > 1 else 0
+    even = n == 1 or bool((starts == first + step * torch.arange(n)).all())
+    if even and step >= 0 and last + W <= S and x.stride(3) == 1:
+        B, G, _, C = x.shape
+        sB, sG, sS, _ = x.stride()
+        return x.as_strided(
+            (B, G, n, W, C), (sB, sG, step * sS, sS, 1), x.storage_offset() + first * sS
+        )
+    index = (starts[:, None] + torch.arange(W)).clamp(max=S - 1).to(x.device)
+    return x[:, :, index]
 
 
 def _gather(
@@ -218,8 +246,8 @@ def _gather(
     allowed = _heads(allowed & inside.view(n, 1, W), G, g, 3)
     return _Gathered(
         qb.view(B, G, g, n, block, D),
-        k[:, :, index].unsqueeze(2),  # (B, G, 1, n, W, D)
-        v[:, :, index].unsqueeze(2),
+        _windows_of(k, item.starts, W).unsqueeze(2),  # (B, G, 1, n, W, D)
+        _windows_of(v, item.starts, W).unsqueeze(2),
         allowed,
         index,
         rows,
@@ -339,16 +367,26 @@ def _rows_bias(bias: Tensor | None, G: int, g: int, r0: int, r1: int, k0: int, k
     return _stack(t.expand(t.shape[0], t.shape[1], g, r1 - r0, k1 - k0))
 
 
-def _windows_layout(t: _Gathered, j: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """kv group j of a windows tile as one call: (B, n, g·block, ·) queries, (B, n, W, ·) keys
-    and values, additive mask (B|1, n, g·block, W)."""
+def _windows_layout(t: _Gathered, j: int) -> tuple[Tensor, Tensor, Tensor]:
+    """kv group j of a windows tile as one call: (B, n, g·block, D) queries, (B, n, W, ·) keys
+    and values."""
     B, _, g, n, block, D = t.q.shape
     q = t.q[:, j].transpose(1, 2).reshape(B, n, g * block, D)  # (B, n, g, block, D) stacked
-    allowed = t.allowed[:, min(j, t.allowed.shape[1] - 1)]  # (B|1, g|1, n, block, W)
+    return q, t.k[:, j, 0], t.v[:, j, 0]
+
+
+def _windows_masks(t: _Gathered, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+    """Per kv group: the additive mask (B|1, n, g·block, W) and the rows that see no key
+    (B|1, n, g·block), laid out like :func:`_windows_layout`'s queries; built once for each
+    distinct group of the mask (once in all when it ignores heads, as most masks do)."""
+    _, G, g, n, block, _ = t.q.shape
     W = t.k.shape[-2]
-    allowed = allowed.expand(allowed.shape[0], g, n, block, W).transpose(1, 2)
-    allowed = allowed.reshape(allowed.shape[0], n, g * block, -1)
-    return q, t.k[:, j, 0], t.v[:, j, 0], _additive(allowed, None, q.dtype)
+    built: dict[int, tuple[Tensor, Tensor]] = {}
+    for jm in range(t.allowed.shape[1]):
+        a = t.allowed[:, jm]  # (B|1, g|1, n, block, W)
+        a = a.expand(a.shape[0], g, n, block, W).transpose(1, 2).reshape(a.shape[0], n, -1, W)
+        built[jm] = (_additive(a, None, dtype), ~a.any(-1))
+    return [built[min(j, t.allowed.shape[1] - 1)] for j in range(G)]
 
 
 def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, out, lse):
@@ -384,11 +422,11 @@ def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, o
 
 def _windows_forward(item: _Windows, q, k, v, mask, scale, q_offset, block, out, lse) -> None:
     t = _gather(item, q, k, v, mask, q_offset, block)
-    B, G, g, n = t.q.shape[:4]
-    for j in range(G):
-        qj, kj, vj, additive = _windows_layout(t, j)
+    B, _, g, n = t.q.shape[:4]
+    for j, (additive, unseen) in enumerate(_windows_masks(t, q.dtype)):
+        qj, kj, vj = _windows_layout(t, j)
         o, l = _tile_forward(qj, kj, vj, additive, scale)  # noqa: E741 — (B, n, g·block, ·)
-        l = l.masked_fill(torch.isneginf(additive).all(-1), float("-inf"))  # noqa: E741
+        l = l.masked_fill(unseen, float("-inf"))  # noqa: E741
         o = o.view(B, n, g, block, -1).transpose(1, 2).reshape(B, g, n * block, -1)
         l = l.expand(B, -1, -1).reshape(B, n, g, block).transpose(1, 2).reshape(B, g, -1)  # noqa: E741
         t.scatter(out[:, j], o)
@@ -433,8 +471,8 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
                 return x.reshape(B, G, n, g * block, -1)
 
             dob, ob, lb = windows(dog), windows(og), windows(lse_g.unsqueeze(-1)).squeeze(-1)
-            for j in range(G):
-                qj, kj, vj, additive = _windows_layout(t, j)
+            for j, (additive, _) in enumerate(_windows_masks(t, q.dtype)):
+                qj, kj, vj = _windows_layout(t, j)
                 dqj, dkj, dvj = _tile_backward(
                     dob[:, j], qj, kj, vj, ob[:, j], lb[:, j], additive, scale
                 )
