@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-DEFAULT_CHUNK = 256  # rows per chunk: 256 × 50257 fp32 logits = 51 MB live at a time
+# rows per chunk: 1024 × 50257 fp32 logits = 206 MB live at a time. Smaller chunks hold less,
+# but the weight gradient's products get thin (1024 → 256 rows: 8 % slower here, fp32 and bf16)
+DEFAULT_CHUNK = 1024
 
 
 def linear_cross_entropy(
