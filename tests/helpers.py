@@ -297,3 +297,15 @@ def scramble(
             else:
                 p.copy_(0.1 * noise)
     return model.eval()
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``dikkat argv`` in process: (exit code, stdout, stderr); argparse's exits count too."""
+    from dikkat.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

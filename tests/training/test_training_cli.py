@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dikkat.cli import main
 from dikkat.training.trainer import LOG_FILE, PLOT_FILE, STATE_FILE
+from helpers import run_cli
 
 TINY = [
     "--d-model",
@@ -26,30 +26,23 @@ TINY = [
 ]
 
 
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_train_then_resume_extends_the_run(tmp_path, capsys):
     out = tmp_path / "gpt"
-    code, text, _ = run(["train", "--task", "lm", "--steps", "4", "--out", str(out), *TINY], capsys)
+    code, text, _ = run_cli(
+        ["train", "--task", "lm", "--steps", "4", "--out", str(out), *TINY], capsys
+    )
     assert code == 0 and "validation loss" in text
     for name in ("model.safetensors", "config.json", STATE_FILE, LOG_FILE, PLOT_FILE):
         assert (out / name).is_file()
-    code, _, err = run(["train", "--steps", "4", "--out", str(out), *TINY], capsys)
+    code, _, err = run_cli(["train", "--steps", "4", "--out", str(out), *TINY], capsys)
     assert code == 2 and "already holds a run" in err  # never overwrite a run by accident
-    code, text, _ = run(
+    code, text, _ = run_cli(
         ["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"], capsys
     )
     assert code == 0 and "resuming" in text
     steps = [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()]
     assert max(steps) == 6
-    code, text, _ = run(["generate", str(out), "def ", "-n", "5"], capsys)
+    code, text, _ = run_cli(["generate", str(out), "def ", "-n", "5"], capsys)
     assert code == 0 and text.startswith("def ")
 
 
@@ -69,7 +62,7 @@ def test_train_then_resume_extends_the_run(tmp_path, capsys):
     ],
 )
 def test_bad_arguments_give_one_line(argv, message, capsys):
-    code, _, err = run(argv, capsys)
+    code, _, err = run_cli(argv, capsys)
     assert code == 2
     assert message in err
     assert err.strip().count("\n") == 0
@@ -77,7 +70,7 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
 
 def test_translate_command(tmp_path, capsys):
     out = tmp_path / "tr"
-    code, _, _ = run(
+    code, _, _ = run_cli(
         [
             "train",
             "--task",
@@ -101,17 +94,17 @@ def test_translate_command(tmp_path, capsys):
         capsys,
     )
     assert code == 0
-    code, text, _ = run(["translate", str(out), "4721", "1,000"], capsys)
+    code, text, _ = run_cli(["translate", str(out), "4721", "1,000"], capsys)
     assert code == 0
     lines = text.strip().splitlines()
     assert lines[0].split("→")[0].strip() == "4721" and lines[1].split("→")[0].strip() == "1000"
-    code, _, err = run(["translate", str(out), "12a"], capsys)
+    code, _, err = run_cli(["translate", str(out), "12a"], capsys)
     assert code == 2 and "not a whole number" in err
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    code, text, _ = run(
+    code, text, _ = run_cli(
         [
             "demo",
             "--steps",
@@ -138,6 +131,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
 def test_demo_never_deletes_a_folder_that_is_not_a_run(tmp_path, capsys):
     keep = tmp_path / "precious.txt"
     keep.write_text("do not delete")
-    code, _, err = run(["demo", "--steps", "1", "--out", str(tmp_path), "--no-progress"], capsys)
+    code, _, err = run_cli(
+        ["demo", "--steps", "1", "--out", str(tmp_path), "--no-progress"], capsys
+    )
     assert code == 2 and "holds no dikkat run" in err
     assert keep.read_text() == "do not delete"

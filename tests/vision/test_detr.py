@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from dikkat.cli import main
 from dikkat.training.tasks import TaskSpec, build_task
 from dikkat.training.trainer import TrainConfig, Trainer
 from dikkat.vision.detr import (
@@ -22,6 +21,7 @@ from dikkat.vision.detr import (
 )
 from dikkat.vision.shapes import ShapesConfig, make_batch
 from dikkat.vision.shapes_task import ShapesTask
+from helpers import run_cli
 
 SMALL = {"width": 8, "d_model": 32, "n_layers": 2, "n_heads": 2}
 
@@ -200,34 +200,25 @@ def test_a_short_run_finds_the_shapes_far_better_than_a_blind_guess():
     assert after["mean_iou"] > 0.5
 
 
-def _run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_train_resume_and_detect_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "shapes"
     tiny = ["--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "4"]
     args = ["train", "--task", "shapes", "--steps", "3", "--out", str(out), "--no-progress"]
-    code, text, err = _run([*args, *tiny, "--eval-every", "0"], capsys)
+    code, text, err = run_cli([*args, *tiny, "--eval-every", "0"], capsys)
     assert code == 0, err
     assert "matching_accuracy" in text and "mean_iou" in text
-    code, text, err = _run(["train", "--out", str(out), "--resume", "--steps", "4"], capsys)
+    code, text, err = run_cli(["train", "--out", str(out), "--resume", "--steps", "4"], capsys)
     assert code == 0 and "resuming" in text, err
     task = build_task(TaskSpec(task="shapes", model_overrides={"d_model": 32}))
     assert type(task).__name__ == "ShapesTask"
 
     png = tmp_path / "shapes.png"
-    code, text, err = _run(["detect", str(out), "--out", str(png), "--count", "2"], capsys)
+    code, text, err = run_cli(["detect", str(out), "--out", str(png), "--count", "2"], capsys)
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    code, _, err = _run(["detect", str(out), "--count", "13"], capsys)
+    code, _, err = run_cli(["detect", str(out), "--count", "13"], capsys)
     assert code == 2 and "at most 12" in err and len(err.strip().splitlines()) == 1
-    code, _, err = _run(["detect", str(tmp_path / "nothing"), "--out", str(png)], capsys)
+    code, _, err = run_cli(["detect", str(tmp_path / "nothing"), "--out", str(png)], capsys)
     assert code == 2 and "has no config.json" in err
-    code, text, _ = _run(["detect", "--help"], capsys)
+    code, text, _ = run_cli(["detect", "--help"], capsys)
     assert code == 0 and "dikkat detect runs/shapes --out shapes.png" in text

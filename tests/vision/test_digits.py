@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dikkat.cli import build_parser, main
+from dikkat.cli import build_parser
 from dikkat.training.cli import _with_defaults
 from dikkat.training.tasks import TASKS, TaskSpec, build_task
 from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer, resume_trainer
@@ -19,6 +19,7 @@ from dikkat.vision.digits import (
     random_shift,
     stratified_split,
 )
+from helpers import run_cli
 
 TINY = TaskSpec(task="digits", preset="tiny")
 
@@ -153,41 +154,34 @@ def test_cli_defaults_are_the_recipe_for_digits_only():
     assert mine.batch_size == 8 and mine.steps == DIGITS_TRAINING["steps"]
 
 
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_train_resume_and_attention_png(tmp_path, capsys):
     out = tmp_path / "digits"
     small = ["--preset", "tiny", "--batch-size", "16", "--eval-every", "0", "--no-progress"]
-    code, text, err = run(
+    code, text, err = run_cli(
         ["train", "--task", "digits", "--steps", "3", "--out", str(out), *small], capsys
     )
     assert code == 0, err
     assert "test_accuracy" in text and "nearest_neighbour_accuracy: 0.9833" in text
     assert "1-nearest-neighbour on the same split: 98.3%" in text
     assert json.loads((out / TASK_FILE).read_text())["task"]["task"] == "digits"
-    code, text, err = run(
+    code, text, err = run_cli(
         ["train", "--out", str(out), "--resume", "--steps", "5", "--no-progress"], capsys
     )
     assert code == 0 and "resuming" in text, err
 
     png = tmp_path / "maps.png"
-    code, text, err = run(["vit-attention", str(out), "--out", str(png), "--count", "2"], capsys)
+    code, text, err = run_cli(
+        ["vit-attention", str(out), "--out", str(png), "--count", "2"], capsys
+    )
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     heads = tmp_path / "heads.png"
-    code, _, err = run(["vit-attention", str(out), "--out", str(heads), "--layer", "0"], capsys)
+    code, _, err = run_cli(["vit-attention", str(out), "--out", str(heads), "--layer", "0"], capsys)
     assert code == 0 and heads.read_bytes()[:4] == b"\x89PNG", err
 
-    code, _, err = run(["vit-attention", str(out), "--out", str(png), "--layer", "4"], capsys)
+    code, _, err = run_cli(["vit-attention", str(out), "--out", str(png), "--layer", "4"], capsys)
     assert code == 2 and err.strip() == "dikkat: error: --layer 4: the model has layers 0 … 0"
-    code, _, err = run(["vit-attention", str(tmp_path / "nowhere")], capsys)
+    code, _, err = run_cli(["vit-attention", str(tmp_path / "nowhere")], capsys)
     assert code == 2 and "has no config.json" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run(["vit-attention", str(out), "--count", "0"], capsys)
+    code, _, err = run_cli(["vit-attention", str(out), "--count", "0"], capsys)
     assert code == 2 and "expected a positive integer" in err
