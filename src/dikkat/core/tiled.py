@@ -15,8 +15,9 @@ each block can see. A *plan* then groups the work into tiles of at most ``cells`
   mask, causal, prefix-LM and padding run this way (causal skips about half the work).
 - **windows** — when the blocks' key ranges slide (a sliding window, packed documents), each
   block gets its own window of ``W`` keys starting where its range starts; the windows of many
-  blocks are gathered into one tensor and computed by a single batched product, so a band of
-  width w costs O(T·w) in a handful of calls instead of a Python loop over tiles. Blocks are
+  blocks, for every batch entry and head, go to the kernel in one call (blocks as its heads,
+  batch × kv heads as its batch), so a band of width w costs O(T·w) in a handful of calls
+  instead of a Python loop over tiles. Blocks are
   grouped by width, so that the short windows at the start of each packed document are not
   padded to the longest.
 
@@ -190,11 +191,11 @@ class _Gathered:
     real: Tensor  # (n·block,) False for the rows past T that pad the last block
 
     def scatter(self, dst: Tensor, src: Tensor) -> None:
-        """dst[..., rows, ·] = src[..., rows, ·] for the real rows (dim 2 of (B, g, rows, ·))."""
+        """dst[..., rows, ·] = src[..., rows, ·] for the real rows (dim 3 of (B, G, g, rows, ·))."""
         if self.padded:
-            dst.index_copy_(2, self.rows[self.real], src[:, :, self.real])
+            dst.index_copy_(3, self.rows[self.real], src[:, :, :, self.real])
         else:
-            dst.index_copy_(2, self.rows, src)
+            dst.index_copy_(3, self.rows, src)
 
     @property
     def padded(self) -> bool:
@@ -367,26 +368,36 @@ def _rows_bias(bias: Tensor | None, G: int, g: int, r0: int, r1: int, k0: int, k
     return _stack(t.expand(t.shape[0], t.shape[1], g, r1 - r0, k1 - k0))
 
 
-def _windows_layout(t: _Gathered, j: int) -> tuple[Tensor, Tensor, Tensor]:
-    """kv group j of a windows tile as one call: (B, n, g·block, D) queries, (B, n, W, ·) keys
-    and values."""
-    B, _, g, n, block, D = t.q.shape
-    q = t.q[:, j].transpose(1, 2).reshape(B, n, g * block, D)  # (B, n, g, block, D) stacked
-    return q, t.k[:, j, 0], t.v[:, j, 0]
+def _windows_layout(t: _Gathered) -> tuple[Tensor, Tensor, Tensor]:
+    """A windows tile as one kernel call, batch and kv heads folded into the kernel's batch and
+    the blocks into its heads: (B·G, n, g·block, D) queries (the g query heads that share a kv
+    head stacked), (B·G, n, W, ·) keys and values (views when the windows are)."""
+    B, G, g, n, block, D = t.q.shape
+    q = t.q.transpose(2, 3).reshape(B * G, n, g * block, D)
+    return q, t.k.squeeze(2).flatten(0, 1), t.v.squeeze(2).flatten(0, 1)
 
 
-def _windows_masks(t: _Gathered, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
-    """Per kv group: the additive mask (B|1, n, g·block, W) and the rows that see no key
-    (B|1, n, g·block), laid out like :func:`_windows_layout`'s queries; built once for each
-    distinct group of the mask (once in all when it ignores heads, as most masks do)."""
-    _, G, g, n, block, _ = t.q.shape
+def _windows_mask(t: _Gathered, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The tile's additive mask, (1 | B·G, n, g·block, W) like :func:`_windows_layout`'s scores,
+    and the rows that see no key, (B|1, G|1, n, g·block). A mask that depends on neither batch
+    nor head (most do not) is built once and broadcast over the kernel's batch."""
+    B, G, g, n, block, _ = t.q.shape
     W = t.k.shape[-2]
-    built: dict[int, tuple[Tensor, Tensor]] = {}
-    for jm in range(t.allowed.shape[1]):
-        a = t.allowed[:, jm]  # (B|1, g|1, n, block, W)
-        a = a.expand(a.shape[0], g, n, block, W).transpose(1, 2).reshape(a.shape[0], n, -1, W)
-        built[jm] = (_additive(a, None, dtype), ~a.any(-1))
-    return [built[min(j, t.allowed.shape[1] - 1)] for j in range(G)]
+    a = t.allowed  # (B|1, G|1, g|1, n, block, W)
+    Bm, Gm = a.shape[:2]
+    a = a.expand(Bm, Gm, g, n, block, W).transpose(2, 3).reshape(Bm, Gm, n, g * block, W)
+    unseen = ~a.any(-1)
+    if Bm * Gm > 1:
+        a = a.expand(B, G, n, g * block, W).reshape(B * G, n, g * block, W)
+    else:
+        a = a.view(1, n, g * block, W)
+    return _additive(a, None, dtype), unseen
+
+
+def _windows_unfold(x: Tensor, B: int, G: int, g: int) -> Tensor:
+    """(B·G, n, g·block, ·) → (B, G, g, n·block, ·): back to the heads' own row order."""
+    n, C = x.shape[1], x.shape[-1]
+    return x.view(B, G, n, g, -1, C).transpose(2, 3).reshape(B, G, g, -1, C)
 
 
 def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, out, lse):
@@ -422,15 +433,12 @@ def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, o
 
 def _windows_forward(item: _Windows, q, k, v, mask, scale, q_offset, block, out, lse) -> None:
     t = _gather(item, q, k, v, mask, q_offset, block)
-    B, _, g, n = t.q.shape[:4]
-    for j, (additive, unseen) in enumerate(_windows_masks(t, q.dtype)):
-        qj, kj, vj = _windows_layout(t, j)
-        o, l = _tile_forward(qj, kj, vj, additive, scale)  # noqa: E741 — (B, n, g·block, ·)
-        l = l.masked_fill(unseen, float("-inf"))  # noqa: E741
-        o = o.view(B, n, g, block, -1).transpose(1, 2).reshape(B, g, n * block, -1)
-        l = l.expand(B, -1, -1).reshape(B, n, g, block).transpose(1, 2).reshape(B, g, -1)  # noqa: E741
-        t.scatter(out[:, j], o)
-        t.scatter(lse[:, j].unsqueeze(-1), l.unsqueeze(-1))
+    B, G, g, n = t.q.shape[:4]
+    additive, unseen = _windows_mask(t, q.dtype)
+    o, l = _tile_forward(*_windows_layout(t), additive, scale)  # noqa: E741 — (B·G, n, g·block, ·)
+    l = l.view(B, G, n, -1).masked_fill(unseen, float("-inf"))  # noqa: E741
+    t.scatter(out, _windows_unfold(o, B, G, g))
+    t.scatter(lse.unsqueeze(-1), _windows_unfold(l.view(B * G, n, -1, 1), B, G, g))
 
 
 def _forward(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile):
@@ -465,22 +473,18 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
             n = t.q.shape[3]
 
             def windows(x: Tensor, t=t, n=n) -> Tensor:
-                """(B, G, g, T, ·) → this tile's rows per kv group, (B, G, n, g·block, ·)."""
+                """(B, G, g, T, ·) → this tile's rows, (B·G, n, g·block, ·) like its queries."""
                 x = x[:, :, :, t.rows] * t.real.view(-1, 1)  # padding rows: no gradient
                 x = x.reshape(B, G, g, n, block, -1).transpose(2, 3)
-                return x.reshape(B, G, n, g * block, -1)
+                return x.reshape(B * G, n, g * block, -1)
 
             dob, ob, lb = windows(dog), windows(og), windows(lse_g.unsqueeze(-1)).squeeze(-1)
-            for j, (additive, _) in enumerate(_windows_masks(t, q.dtype)):
-                qj, kj, vj = _windows_layout(t, j)
-                dqj, dkj, dvj = _tile_backward(
-                    dob[:, j], qj, kj, vj, ob[:, j], lb[:, j], additive, scale
-                )
-                dqj = dqj.reshape(B, n, g, block, D).transpose(1, 2).reshape(B, g, -1, D)
-                t.scatter(dq[:, j], dqj.to(acc))
-                index = t.index.flatten()
-                dk[:, j].index_add_(1, index, dkj.reshape(B, -1, D).to(acc))
-                dv[:, j].index_add_(1, index, dvj.reshape(B, -1, Dv).to(acc))
+            additive, _ = _windows_mask(t, q.dtype)
+            dqb, dkb, dvb = _tile_backward(dob, *_windows_layout(t), ob, lb, additive, scale)
+            t.scatter(dq, _windows_unfold(dqb, B, G, g).to(acc))
+            index = t.index.flatten()
+            dk.index_add_(2, index, dkb.reshape(B, G, -1, D).to(acc))
+            dv.index_add_(2, index, dvb.reshape(B, G, -1, Dv).to(acc))
             continue
         r0, r1 = item.r0, item.r1
         qb, ob, dob = (_stack(x[:, :, :, r0:r1]) for x in (qg, og, dog))
@@ -548,4 +552,8 @@ def tiled_attention(
         windows = False
     B, H, T, _ = q.shape
     plan = _plan(mask, (B, H, T, k.shape[2]), q_offset, block, cells, key_tile, windows)
+    if B > 1 and any(isinstance(item, _Windows) for item in plan):
+        # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
+        # those two dims are laid out contiguously (one copy of k and v here, not one per tile)
+        k, v = k.contiguous(), v.contiguous()
     return _TiledAttention.apply(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile)
