@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dikkat.layers import linear_cross_entropy
+from dikkat.layers.loss import Scratch
 
 
 def _plain(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,3 +94,31 @@ def test_bad_input_names_the_shapes() -> None:
         linear_cross_entropy(torch.randn(4, 6), w, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(torch.randn(4, 6), w, torch.zeros(4, dtype=torch.long), chunk_size=0)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_scratch_reused_across_calls_changes_nothing(bf16: bool) -> None:
+    """One Scratch across calls of different sizes, chunkings and dtypes (buffers reused,
+    resized, or replaced) gives bit for bit what fresh buffers give."""
+    scratch = Scratch()
+    g = torch.Generator().manual_seed(2)
+    for n, v, chunk, dtype in [
+        (9, 13, 4, torch.float32),
+        (9, 13, 4, torch.float32),  # the same shapes: every buffer reused
+        (5, 13, 8, torch.float32),  # fewer rows than a chunk
+        (12, 7, 5, torch.float64),
+        (9, 13, 4, torch.float32),
+    ]:
+        x = torch.randn(n, 6, generator=g, dtype=dtype)
+        w = torch.randn(v, 6, generator=g, dtype=dtype)
+        y = torch.randint(0, v, (n,), generator=g)
+        y[0] = -100
+        results = []
+        for s in (None, scratch):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = linear_cross_entropy(xs, ws, y, chunk_size=chunk, scratch=s)
+            loss.backward()
+            results.append((loss.detach(), xs.grad, ws.grad))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)

@@ -3,7 +3,7 @@
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
 from dikkat.layers.linear import Linear, packed_for_inference, release_packed
-from dikkat.layers.loss import linear_cross_entropy
+from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import (
@@ -26,6 +26,7 @@ __all__ = [
     "Linear",
     "MultiHeadAttention",
     "RotaryEmbedding",
+    "Scratch",
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "linear_cross_entropy",

@@ -21,7 +21,7 @@ from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.linear import Linear
-from dikkat.layers.loss import linear_cross_entropy
+from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
@@ -207,7 +207,11 @@ class GPT(SaveLoad, nn.Module):
                 f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}"
             )
         hidden = self(ids, mask, return_hidden=True)  # (B, T, C)
-        return linear_cross_entropy(hidden, self.lm_head.weight, targets)
+        if getattr(self, "_loss_scratch", None) is None:
+            self._loss_scratch = Scratch()  # the loss's large temporaries, kept between steps
+        return linear_cross_entropy(
+            hidden, self.lm_head.weight, targets, scratch=self._loss_scratch
+        )
 
     @classmethod
     def from_hf(cls, model_or_state_dict: object, config: object = None) -> GPT:
