@@ -216,3 +216,69 @@ def test_auto_sends_mostly_hidden_masks_to_tiled():
     torch.testing.assert_close(
         dikkat.attention(q, k, v, window), dikkat.attention(q, k, v, window, backend="tiled")
     )
+
+
+def _qkv(n: int, seed: int = 0, heads: int = 2, dim: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, heads, n, dim, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_masks_are_prepared_once_and_rebuilt_when_they_change():
+    """A repeated call with an equal mask reuses the plan and its tile masks; a mask tensor
+    changed in place, or a mask type of the caller's own, is evaluated again."""
+    tiled._prepared.clear()
+    n = 512
+    q, k, v = _qkv(n)
+    ids = torch.arange(n) // 100
+    docs = masks.document(ids)
+    first = tiled.tiled_attention(q, k, v, docs, scale=0.3, block=32)[0]
+    builds = tiled._prepared.builds
+    again = tiled.tiled_attention(q, k, v, masks.document(ids), scale=0.3, block=32)[0]
+    assert tiled._prepared.builds == builds and torch.equal(first, again)
+    ids.copy_(torch.arange(n) // 50)  # the same tensor, new documents
+    changed = tiled.tiled_attention(q, k, v, docs, scale=0.3, block=32)[0]
+    assert tiled._prepared.builds == builds + 1
+    ref = dikkat.attention(q, k, v, masks.document(ids.clone()), backend="reference", scale=0.3)
+    torch.testing.assert_close(changed, ref, rtol=1e-10, atol=1e-10)
+
+    class Lower(masks.Mask):  # a mask of the caller's own: never cached
+        def predicate(self, b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+    builds = tiled._prepared.builds
+    lower = Lower()
+    for _ in range(2):
+        tiled.tiled_attention(q, k, v, lower, scale=0.3, block=32)
+    assert tiled._prepared.builds == builds + 2
+
+
+def test_window_tiles_keep_one_block_pattern():
+    """Every block of a sliding window sees the same pattern over its own window: the kept
+    masks hold one block's worth per tile, not one per block."""
+    tiled._prepared.clear()
+    n, w = 4096, 256
+    q, k, v = _qkv(n)
+    tiled.tiled_attention(q, k, v, masks.sliding_window(w), scale=0.3)
+    ((_, prepared),) = tiled._prepared._entries.values()
+    one_block_each = sum(tiled.BLOCK * item.width * 8 for item in prepared.plan)  # fp64
+    assert sum(item.starts.numel() for item in prepared.plan) == n // tiled.BLOCK
+    assert 0 < prepared.masks.nbytes <= one_block_each < n * w * 8 / 8
+
+
+@pytest.mark.parametrize("kept", [0, 1 << 30])
+def test_unkept_masks_give_the_same_result(monkeypatch, kept: int):
+    """Tile masks rebuilt at every use (nothing kept) or all kept: bit-identical results."""
+    n = 300
+    q, k, v = (t.requires_grad_() for t in _qkv(n, seed=3))
+    dout = torch.randn(1, 2, n, 8, dtype=torch.float64)
+    runs = []
+    for limit in (kept, 16 << 20):
+        tiled._prepared.clear()
+        monkeypatch.setattr(tiled, "KEPT_MASK_BYTES", limit)
+        for mask in (masks.sliding_window(40), masks.causal(), masks.prefix_lm(70)):
+            out, _ = tiled.tiled_attention(q, k, v, mask, scale=0.3, block=16, key_tile=64)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    half = len(runs) // 2
+    for a, b in zip(runs[:half], runs[half:], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)

@@ -24,7 +24,6 @@ which recomputes its own forward (so a CPU training step pays one extra forward 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from collections import OrderedDict
@@ -33,19 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dikkat.core.masks import (
-    And,
-    Causal,
-    DenseMask,
-    Document,
-    Full,
-    Mask,
-    Not,
-    Or,
-    Padding,
-    PrefixLM,
-    SlidingWindow,
-)
+from dikkat.core.masks import Mask
+from dikkat.core.masks import describe as _describe
+from dikkat.core.masks import tensor_identity as _contents
 from dikkat.core.tiled import tiled_attention
 
 try:  # torch ≥ 2.5
@@ -73,26 +62,7 @@ AUTO_COMPILE_MIN_CELLS = 1 << 24
 # benchmark sweeping n, dtypes and masks) and would then run flex eagerly, without warning.
 MAX_COMPILED_SIGNATURES = 64
 _DEVICES = ("cuda", "cpu", "xpu", "hpu", "mps")
-# Masks whose predicate depends on nothing but their fields (and is known to trace under flex).
-_BUILTIN_MASKS = frozenset(
-    (And, Or, Not, Full, Causal, SlidingWindow, Padding, Document, PrefixLM, DenseMask)
-)
-
-
 # --- the mask as flex sees it -------------------------------------------------------------------
-
-
-def _describe(obj: object, tensor: Callable[[Tensor], tuple]) -> tuple:
-    """A hashable description of a mask (or bias): built-in masks by type and fields, with
-    ``tensor`` describing each tensor field; any other mask object by its identity."""
-    if obj is None:
-        return ()
-    if isinstance(obj, Tensor):
-        return ("tensor", *tensor(obj))
-    if type(obj) in _BUILTIN_MASKS:
-        fields = (getattr(obj, f.name) for f in dataclasses.fields(obj))
-        return (type(obj).__name__, *(_describe_field(v, tensor) for v in fields))
-    return ("unknown", type(obj).__qualname__, id(obj))
 
 
 def _flatten(description: tuple) -> list:
@@ -100,16 +70,6 @@ def _flatten(description: tuple) -> list:
     for item in description:
         flat.extend(_flatten(item) if isinstance(item, tuple) else [item])
     return flat
-
-
-def _describe_field(value: object, tensor: Callable[[Tensor], tuple]) -> object:
-    return _describe(value, tensor) if isinstance(value, (Tensor, Mask)) else value
-
-
-def _contents(t: Tensor) -> tuple:
-    # Identity and in-place version: a tensor changed in place gets a new block mask. The cache
-    # entry holds the mask, so the tensor stays alive and its id is not reused meanwhile.
-    return (id(t), t._version)
 
 
 def _layout(t: Tensor) -> tuple:

@@ -22,6 +22,8 @@ is accepted wherever a mask is, and can be wrapped explicitly with :func:`dense`
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -384,6 +386,46 @@ class DenseMask(Mask):
 
 
 # --- constructors -------------------------------------------------------------------------------
+
+
+# Masks whose predicate depends on nothing but their fields (and is known to trace under flex).
+_BUILTIN_MASKS = frozenset(
+    (And, Or, Not, Full, Causal, SlidingWindow, Padding, Document, PrefixLM, DenseMask)
+)
+
+
+def describe(obj: object, tensor: Callable[[Tensor], tuple]) -> tuple:
+    """A hashable description of a mask (or bias), for caches keyed on it: built-in masks by
+    type and fields, with ``tensor`` describing each tensor field; any other mask object by its
+    identity (a cache entry must then hold the object, so that its id is not reused)."""
+    if obj is None:
+        return ()
+    if isinstance(obj, Tensor):
+        return ("tensor", *tensor(obj))
+    if type(obj) in _BUILTIN_MASKS:
+        fields = (getattr(obj, f.name) for f in dataclasses.fields(obj))
+        return (type(obj).__name__, *(_describe_field(v, tensor) for v in fields))
+    return ("unknown", type(obj).__qualname__, id(obj))
+
+
+def _describe_field(value: object, tensor: Callable[[Tensor], tuple]) -> object:
+    return describe(value, tensor) if isinstance(value, (Tensor, Mask)) else value
+
+
+def tensor_identity(t: Tensor) -> tuple:
+    """Where the tensor's values live (storage, offset, shape, strides) and its in-place version:
+    equal for two views of the same values (``ids`` and ``ids.unsqueeze(0)``), different once
+    they change in place (views share the version counter). A cache entry keyed on it must hold
+    the tensor, so that its memory is not freed and reused by another tensor meanwhile."""
+    return (
+        str(t.device),
+        t.dtype,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t._version,
+    )
 
 
 def full() -> Mask:

@@ -21,6 +21,13 @@ each block can see. A *plan* then groups the work into tiles of at most ``cells`
   grouped by width, so that the short windows at the start of each packed document are not
   padded to the longest.
 
+The mask is evaluated once per tile into an additive 0/−inf tensor, and kept: the forward and
+backward passes share it, and a small cache keyed on the mask's parameters (built-in masks only)
+keeps the plan and its tile masks across calls, as flex keeps its block masks, so the predicate
+does not run again at every step or layer. A windows tile whose blocks all see the same pattern
+over their own windows — the blocks of a sliding window, the blocks at one place in equal packed
+documents — keeps one block's mask, which the kernel broadcasts.
+
 Each tile — softmax(q kᵀ·scale + mask) v over its rows and keys, with the tile's log-sum-exp —
 runs on CPU in PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``,
 given the tile's mask as an additive 0/−inf tensor), elsewhere in plain tensor ops; dikkat does
@@ -38,12 +45,13 @@ rounding), matmuls run in the input dtype but the softmax statistics and accumul
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from dikkat.core.masks import Mask
+from dikkat.core.masks import Mask, describe, tensor_identity
 
 BLOCK = 128  # query rows per block: the unit of key-range bounds and of windows
 KEY_TILE = 4096  # keys per tile in a run of rows; beyond it the online softmax carries over
@@ -177,29 +185,225 @@ def _bias_tile(bias: Tensor | None, G: int, q0: int, q1: int, k0: int, k1: int) 
     return t.view(Bb, 1, 1, *t.shape[2:]) if Hb == 1 else t.reshape(Bb, G, Hb // G, *t.shape[2:])
 
 
+# --- masks of the tiles, built once and kept -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TileMask:
+    """A tile's mask as the kernel takes it: ``additive`` 0 / −inf (None: every pair allowed),
+    and the rows that see no key of the tile (None: every row sees one)."""
+
+    additive: Tensor | None
+    unseen: Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.additive, self.unseen) if t is not None)
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where allowed, −inf where not."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
+
+
+def _with_bias(additive: Tensor | None, bias: Tensor | None, dtype: torch.dtype):
+    if bias is None:
+        return additive
+    return bias.to(dtype) if additive is None else additive + bias.to(dtype)
+
+
+def _stack(x: Tensor) -> Tensor:
+    """(B, G, g, R, ·) → (B, G, g·R, ·): the g query heads that share a kv head, their rows
+    stacked, so one call shares each key tile among them without repeating k and v."""
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+
+def _unstack(x: Tensor, g: int) -> Tensor:
+    """(B, G, g·R, ·) → (B, G, g, R, ·)."""
+    return x.reshape(x.shape[0], x.shape[1], g, x.shape[2] // g, *x.shape[3:])
+
+
+def _window_rows(item: _Windows, block: int, T: int) -> tuple[Tensor, Tensor, int | None]:
+    """The query rows of a windows item: (rows clamped into 0 … T − 1, which are real — the
+    last block may run past T —, the first row when the rows are one unpadded run, else None)."""
+    rows = (item.blocks[:, None] * block + torch.arange(block)).flatten()
+    real = rows < T
+    first = int(rows[0])
+    run = bool(real.all()) and int(rows[-1]) - first == rows.numel() - 1
+    return rows.clamp(max=T - 1), real, first if run else None
+
+
+class _TileMasks:
+    """The masks of one plan's tiles for one mask, grid and dtype, each built on first use and
+    kept while the kept ones total at most :data:`KEPT_MASK_BYTES` (beyond that, built at every
+    use). Forward and backward share them, and :data:`_prepared` keeps them across calls — the
+    predicate runs once, not at every call.
+
+    A windows tile usually needs little: when every block of the tile sees the same pattern
+    of its window (a sliding window's blocks past the first; in packed documents, the blocks at
+    one place of equal documents) one block's mask is kept and the kernel broadcasts it."""
+
+    def __init__(self, mask: Mask | None, shape: tuple[int, ...], q_offset: int, block: int, dtype):
+        self.mask, self.shape, self.q_offset, self.block, self.dtype = (
+            mask,
+            shape,
+            q_offset,
+            block,
+            dtype,
+        )
+        self.kept: dict[tuple[int, int], _TileMask | bool] = {}
+        self.nbytes = 0
+
+    def _keep(self, key: tuple[int, int], value: _TileMask | bool) -> _TileMask | bool:
+        size = value.nbytes if isinstance(value, _TileMask) else 0
+        if self.nbytes + size <= KEPT_MASK_BYTES:
+            self.kept[key] = value
+            self.nbytes += size
+        return value
+
+    def rows(self, i: int, item: _Rows, k0: int, k1: int, device) -> _TileMask | bool:
+        """Keys k0:k1 of rows item i: False when the mask hides the whole tile (skip it)."""
+        if (i, k0) in self.kept:
+            return self.kept[(i, k0)]
+        B, H, G = self.shape[:3]
+        g = H // G
+        r0, r1 = item.r0 + self.q_offset, item.r1 + self.q_offset
+        allowed = _tile_mask(self.mask, B, H, G, r0, r1, k0, k1, device)
+        if allowed is False:
+            return self._keep((i, k0), False)
+        if not isinstance(allowed, Tensor):
+            return self._keep((i, k0), _TileMask(None, None))
+        allowed = _stack(allowed.expand(*allowed.shape[:2], g, r1 - r0, k1 - k0))
+        seen = allowed.any(-1)
+        unseen = None if bool(seen.all()) else ~seen
+        return self._keep((i, k0), _TileMask(_additive(allowed, self.dtype), unseen))
+
+    def windows(self, i: int, item: _Windows, device) -> _TileMask:
+        """Windows item i's mask, laid out like :func:`_windows_layout`'s scores: additive
+        (1 | B·G, n | 1, g·block, W), unseen (B|1, G|1, n|1, g·block)."""
+        if (i, 0) in self.kept:
+            return self.kept[(i, 0)]  # type: ignore[return-value]
+        assert self.mask is not None
+        B, H, G, T, S = self.shape
+        g, block, n, W = H // G, self.block, item.starts.numel(), item.width
+        rows = _window_rows(item, block, T)[0].to(device)
+        index = item.starts.to(device)[:, None] + torch.arange(W, device=device)  # (n, W)
+        allowed = self.mask.predicate(
+            torch.arange(B, device=device).view(B, 1, 1, 1, 1),
+            torch.arange(H, device=device).view(1, H, 1, 1, 1),
+            (self.q_offset + rows).view(n, block, 1),
+            index.clamp(max=S - 1).view(n, 1, W),
+        )
+        allowed = _heads(allowed & (index < S).view(n, 1, W), G, g, 3)  # (B|1, G|1, g|1, n, ·, W)
+        Bm, Gm = allowed.shape[:2]
+        a = allowed.expand(Bm, Gm, g, n, block, W).transpose(2, 3).reshape(Bm, Gm, n, -1, W)
+        if n > 1 and bool((a == a[:, :, :1]).all()):
+            a = a[:, :, :1]  # one pattern for every block: kept once, broadcast by the kernel
+        seen = a.any(-1)
+        unseen = None if bool(seen.all()) else ~seen
+        if bool(a.all()):
+            return self._keep((i, 0), _TileMask(None, unseen))  # type: ignore[return-value]
+        if Bm * Gm > 1:
+            a = a.expand(B, G, *a.shape[2:]).reshape(B * G, *a.shape[2:])
+        else:
+            a = a.reshape(1, *a.shape[2:])
+        return self._keep((i, 0), _TileMask(_additive(a, self.dtype), unseen))  # type: ignore[return-value]
+
+
+KEPT_MASK_BYTES = 32 << 20  # tile masks kept per plan (beyond: rebuilt at each use)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    plan: list[_Rows | _Windows]
+    masks: _TileMasks
+
+
+class _PreparedCache:
+    """The last few plans with their tile masks, keyed on the mask (built-in masks only, by
+    their parameters and tensors: see :func:`dikkat.core.masks.describe`), the grid, the tiling
+    and the dtype. A repeated call — every step of a training run, every layer of a model —
+    plans and evaluates its mask once."""
+
+    def __init__(self, maxsize: int = 8) -> None:
+        self.maxsize = maxsize
+        self.builds = 0
+        self._entries: OrderedDict[tuple, tuple[Mask | None, _Prepared]] = OrderedDict()
+
+    def get(self, key: tuple | None, mask: Mask | None, build) -> _Prepared:
+        if key is not None and key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key][1]
+        prepared = build()
+        self.builds += 1
+        if key is not None:
+            self._entries[key] = (mask, prepared)  # the mask is held: its tensors' ids stay
+            if len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return prepared
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.builds = 0
+
+
+_prepared = _PreparedCache()
+
+
+def _prepare(mask, shape, q_offset, block, cells, key_tile, windows, dtype, device) -> _Prepared:
+    B, H, _, T, S = shape
+    description = describe(mask, tensor_identity)
+    cacheable = "unknown" not in _flatten(description)  # a custom mask may change under us
+    key = (description, shape, q_offset, block, cells, key_tile, windows, dtype, str(device))
+    return _prepared.get(
+        key if cacheable else None,
+        mask,
+        lambda: _Prepared(
+            _plan(mask, (B, H, T, S), q_offset, block, cells, key_tile, windows),
+            _TileMasks(mask, shape, q_offset, block, dtype),
+        ),
+    )
+
+
+def _flatten(description: tuple) -> list:
+    flat: list = []
+    for item in description:
+        flat.extend(_flatten(item) if isinstance(item, tuple) else [item])
+    return flat
+
+
+# --- gathering a windows tile --------------------------------------------------------------------
+
+
 @dataclass
 class _Gathered:
-    """One windows tile, gathered: queries (B, G, g, n, block, D), keys and values
-    (B, G, 1, n, W, ·), the allowed pairs, and the key index of every window slot."""
+    """One windows tile in the kernel's layout (see :func:`_windows_layout`), and where its
+    rows go back."""
 
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    allowed: Tensor
-    index: Tensor  # (n, W), clamped into 0 … S − 1 (slots past S are masked)
+    q: Tensor  # (B·G, n, g·block, D)
+    k: Tensor  # (B·G, n, W, D)
+    v: Tensor  # (B·G, n, W, Dv)
+    index: Tensor  # (n, W) key of every window slot, clamped into 0 … S − 1 (slots past S masked)
     rows: Tensor  # (n·block,) query row of each gathered row, clamped into 0 … T − 1
     real: Tensor  # (n·block,) False for the rows past T that pad the last block
+    first: int | None  # the first row, when the rows are one unpadded run
+
+    def take(self, x: Tensor) -> Tensor:
+        """(B, G, g, T, ·) → these rows, (B, G, g, n·block, ·): a view when they are a run."""
+        if self.first is not None:
+            return x[:, :, :, self.first : self.first + self.rows.numel()]
+        return x[:, :, :, self.rows]
 
     def scatter(self, dst: Tensor, src: Tensor) -> None:
-        """dst[..., rows, ·] = src[..., rows, ·] for the real rows (dim 3 of (B, G, g, rows, ·))."""
-        if self.padded:
+        """dst[..., rows, ·] = src for the real rows (dim 3 of (B, G, g, rows, ·))."""
+        if self.first is not None:
+            dst[:, :, :, self.first : self.first + self.rows.numel()] = src
+        elif not bool(self.real.all()):
             dst.index_copy_(3, self.rows[self.real], src[:, :, :, self.real])
         else:
             dst.index_copy_(3, self.rows, src)
-
-    @property
-    def padded(self) -> bool:
-        return self.rows.numel() > int(self.real.sum())
 
 
 def _windows_of(x: Tensor, starts: Tensor, W: int) -> Tensor:
@@ -223,44 +427,40 @@ def _windows_of(x: Tensor, starts: Tensor, W: int) -> Tensor:
     return x[:, :, index]
 
 
-def _gather(
-    item: _Windows, q: Tensor, k: Tensor, v: Tensor, mask: Mask, q_offset: int, block: int
-) -> _Gathered:
-    B, G, g, T, D = q.shape
-    S = k.shape[2]
+def _to_kernel(x: Tensor, n: int) -> Tensor:
+    """(B, G, g, n·block, ·) rows of a windows tile → (B·G, n, g·block, ·): batch and kv heads
+    folded into the kernel's batch, the blocks as its heads, the g query heads of a kv head
+    stacked (a view when g = 1 and the strides allow)."""
+    B, G, g, _, C = x.shape
+    return x.reshape(B, G, g, n, -1, C).transpose(2, 3).reshape(B * G, n, -1, C)
+
+
+def _from_kernel(x: Tensor, B: int, G: int, g: int) -> Tensor:
+    """(B·G, n, g·block, ·) → (B, G, g, n·block, ·): back to the heads' own row order."""
+    n, C = x.shape[1], x.shape[-1]
+    return x.view(B, G, n, g, -1, C).transpose(2, 3).reshape(B, G, g, -1, C)
+
+
+def _gather(item: _Windows, q: Tensor, k: Tensor, v: Tensor, block: int) -> _Gathered:
+    """q (B, G, g, T, D), k and v (B, G, S, ·) → the tile in the kernel's layout."""
+    T, S = q.shape[3], k.shape[2]
     n, W = item.starts.numel(), item.width
-    rows = item.blocks.to(q.device)[:, None] * block + torch.arange(block, device=q.device)
-    rows = rows.flatten()
-    real = rows < T  # the last block may run past T: its extra rows are computed and dropped
-    rows = rows.clamp(max=T - 1)
-    qb = q[:, :, :, rows]  # (B, G, g, n·block, D)
-    index = item.starts.to(q.device)[:, None] + torch.arange(W, device=q.device)  # (n, W)
-    inside = index < S
-    index = index.clamp(max=S - 1)
-    qpos = (q_offset + rows).view(n, block, 1)
-    allowed = mask.predicate(
-        torch.arange(B, device=q.device).view(B, 1, 1, 1, 1),
-        torch.arange(G * g, device=q.device).view(1, -1, 1, 1, 1),
-        qpos,
-        index.view(n, 1, W),
-    )
-    allowed = _heads(allowed & inside.view(n, 1, W), G, g, 3)
-    return _Gathered(
-        qb.view(B, G, g, n, block, D),
-        _windows_of(k, item.starts, W).unsqueeze(2),  # (B, G, 1, n, W, D)
-        _windows_of(v, item.starts, W).unsqueeze(2),
-        allowed,
-        index,
-        rows,
-        real,
-    )
+    rows, real, first = _window_rows(item, block, T)
+    index = (item.starts[:, None] + torch.arange(W)).clamp(max=S - 1).to(q.device)
+    t = _Gathered(q, k, v, index, rows.to(q.device), real.to(q.device), first)
+    t.q = _to_kernel(t.take(q), n)
+    # batch and kv heads fold into one dim: a view of (B, G, n, W, ·) when k and v are laid out
+    # (B, G, S, ·) — tiled_attention makes them so once per call when B > 1
+    t.k = _windows_of(k, item.starts, W).flatten(0, 1)
+    t.v = _windows_of(v, item.starts, W).flatten(0, 1)
+    return t
 
 
 # --- one tile: softmax(q kᵀ·scale + additive) v, and its gradients -----------------------------
 #
 # q (B, X, R, D), k (B, X, K, D), v (B, X, K, Dv), additive (B|1, X|1, R, K) or None, where X
-# counts heads (or heads × blocks). On CPU the tile runs in PyTorch's fused flash kernel, which
-# also returns the log-sum-exp; elsewhere (or if that kernel is missing) in plain tensor ops.
+# counts heads (or blocks). On CPU the tile runs in PyTorch's fused flash kernel, which also
+# returns the log-sum-exp; elsewhere (or if that kernel is missing) in plain tensor ops.
 
 
 def _fused_kernel(q: Tensor, v: Tensor) -> object | None:
@@ -328,39 +528,6 @@ def _tile_backward(
     return ds @ k, ds.transpose(-2, -1) @ q, dv
 
 
-def _additive(allowed: Tensor | bool | None, bias: Tensor | None, dtype: torch.dtype):
-    """The mask (and bias) as one additive float tensor: 0 where allowed, −inf where not."""
-    if not isinstance(allowed, Tensor):
-        return None if bias is None else bias.to(dtype)
-    add = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    add = add.masked_fill_(~allowed, float("-inf"))
-    return add if bias is None else add + bias.to(dtype)
-
-
-# --- layouts -----------------------------------------------------------------------------------
-#
-# A kv head serves g query heads; stacking those g heads' rows, (B, G, g, R, ·) → (B, G, g·R, ·),
-# lets one call share each key tile among them without repeating k and v.
-
-
-def _stack(x: Tensor) -> Tensor:
-    """(B, G, g, R, ·) → (B, G, g·R, ·)."""
-    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
-
-
-def _unstack(x: Tensor, g: int) -> Tensor:
-    """(B, G, g·R, ·) → (B, G, g, R, ·)."""
-    return x.reshape(x.shape[0], x.shape[1], g, x.shape[2] // g, *x.shape[3:])
-
-
-def _rows_allowed(mask, B, H, G, g, r0, r1, k0, k1, device) -> Tensor | bool | None:
-    """A rows tile's allowed pairs stacked like the queries: (B|1, G|1, g·R, K)."""
-    allowed = _tile_mask(mask, B, H, G, r0, r1, k0, k1, device)
-    if not isinstance(allowed, Tensor):
-        return allowed
-    return _stack(allowed.expand(*allowed.shape[:2], g, r1 - r0, k1 - k0))
-
-
 def _rows_bias(bias: Tensor | None, G: int, g: int, r0: int, r1: int, k0: int, k1: int):
     t = _bias_tile(bias, G, r0, r1, k0, k1)
     if t is None:
@@ -368,54 +535,25 @@ def _rows_bias(bias: Tensor | None, G: int, g: int, r0: int, r1: int, k0: int, k
     return _stack(t.expand(t.shape[0], t.shape[1], g, r1 - r0, k1 - k0))
 
 
-def _windows_layout(t: _Gathered) -> tuple[Tensor, Tensor, Tensor]:
-    """A windows tile as one kernel call, batch and kv heads folded into the kernel's batch and
-    the blocks into its heads: (B·G, n, g·block, D) queries (the g query heads that share a kv
-    head stacked), (B·G, n, W, ·) keys and values (views when the windows are)."""
-    B, G, g, n, block, D = t.q.shape
-    q = t.q.transpose(2, 3).reshape(B * G, n, g * block, D)
-    return q, t.k.squeeze(2).flatten(0, 1), t.v.squeeze(2).flatten(0, 1)
+def _rows_tiles(i: int, item: _Rows, prepared: _Prepared, key_tile: int, device):
+    """(k0, k1, tile mask) of each key tile of rows item i that the mask does not hide."""
+    for k0 in range(item.k0, item.k1, key_tile):
+        k1 = min(k0 + key_tile, item.k1)
+        tm = prepared.masks.rows(i, item, k0, k1, device)
+        if tm is not False:
+            yield k0, k1, tm
 
 
-def _windows_mask(t: _Gathered, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The tile's additive mask, (1 | B·G, n, g·block, W) like :func:`_windows_layout`'s scores,
-    and the rows that see no key, (B|1, G|1, n, g·block). A mask that depends on neither batch
-    nor head (most do not) is built once and broadcast over the kernel's batch."""
-    B, G, g, n, block, _ = t.q.shape
-    W = t.k.shape[-2]
-    a = t.allowed  # (B|1, G|1, g|1, n, block, W)
-    Bm, Gm = a.shape[:2]
-    a = a.expand(Bm, Gm, g, n, block, W).transpose(2, 3).reshape(Bm, Gm, n, g * block, W)
-    unseen = ~a.any(-1)
-    if Bm * Gm > 1:
-        a = a.expand(B, G, n, g * block, W).reshape(B * G, n, g * block, W)
-    else:
-        a = a.view(1, n, g * block, W)
-    return _additive(a, None, dtype), unseen
-
-
-def _windows_unfold(x: Tensor, B: int, G: int, g: int) -> Tensor:
-    """(B·G, n, g·block, ·) → (B, G, g, n·block, ·): back to the heads' own row order."""
-    n, C = x.shape[1], x.shape[-1]
-    return x.view(B, G, n, g, -1, C).transpose(2, 3).reshape(B, G, g, -1, C)
-
-
-def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, out, lse):
+def _rows_forward(i, item: _Rows, q, k, v, scale, bias, prepared, key_tile, out, lse):
     B, G, g, _, _ = q.shape
     r0, r1 = item.r0, item.r1
     qb = _stack(q[:, :, :, r0:r1])  # (B, G, g·R, D)
     total_out = total_lse = None
-    for k0 in _key_tiles(item, key_tile):
-        k1 = min(k0 + key_tile, item.k1)
-        allowed = _rows_allowed(
-            mask, B, G * g, G, g, r0 + q_offset, r1 + q_offset, k0, k1, q.device
-        )
-        if allowed is False:
-            continue  # nothing visible here: skip the tile entirely
-        additive = _additive(allowed, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
+    for k0, k1, tm in _rows_tiles(i, item, prepared, key_tile, q.device):
+        additive = _with_bias(tm.additive, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
         o, l = _tile_forward(qb, k[:, :, k0:k1], v[:, :, k0:k1], additive, scale)  # noqa: E741
-        if isinstance(allowed, Tensor):  # rows with no visible key in this tile
-            l = l.masked_fill(~allowed.any(-1), float("-inf"))  # noqa: E741
+        if tm.unseen is not None:  # rows with no visible key in this tile
+            l = l.masked_fill(tm.unseen, float("-inf"))  # noqa: E741
         if total_out is None:
             total_out, total_lse = o, l
             continue
@@ -431,32 +569,34 @@ def _rows_forward(item: _Rows, q, k, v, mask, scale, bias, q_offset, key_tile, o
         lse[:, :, :, r0:r1] = _unstack(total_lse.expand(B, G, -1), g)
 
 
-def _windows_forward(item: _Windows, q, k, v, mask, scale, q_offset, block, out, lse) -> None:
-    t = _gather(item, q, k, v, mask, q_offset, block)
-    B, G, g, n = t.q.shape[:4]
-    additive, unseen = _windows_mask(t, q.dtype)
-    o, l = _tile_forward(*_windows_layout(t), additive, scale)  # noqa: E741 — (B·G, n, g·block, ·)
-    l = l.view(B, G, n, -1).masked_fill(unseen, float("-inf"))  # noqa: E741
-    t.scatter(out, _windows_unfold(o, B, G, g))
-    t.scatter(lse.unsqueeze(-1), _windows_unfold(l.view(B * G, n, -1, 1), B, G, g))
+def _windows_forward(i, item: _Windows, q, k, v, scale, prepared, block, out, lse) -> None:
+    t = _gather(item, q, k, v, block)
+    B, G, g = q.shape[:3]
+    n = item.starts.numel()
+    tm = prepared.masks.windows(i, item, q.device)
+    o, l = _tile_forward(t.q, t.k, t.v, tm.additive, scale)  # noqa: E741 — (B·G, n, g·block, ·)
+    if tm.unseen is not None:
+        l = l.view(B, G, n, -1).masked_fill(tm.unseen, float("-inf"))  # noqa: E741
+    t.scatter(out, _from_kernel(o, B, G, g))
+    t.scatter(lse.unsqueeze(-1), _from_kernel(l.reshape(B * G, n, -1, 1), B, G, g))
 
 
-def _forward(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile):
+def _forward(q, k, v, scale, bias, prepared: _Prepared, block, key_tile):
     B, H, T, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     qg = q.reshape(B, G, H // G, T, -1)  # (B, G, g, T, D): query heads grouped by kv head
     acc_dtype = _acc_dtype(q.dtype)
     out = torch.zeros(B, G, H // G, T, Dv, dtype=acc_dtype, device=q.device)
     lse = torch.full((B, G, H // G, T), float("-inf"), dtype=acc_dtype, device=q.device)
-    for item in plan:
+    for i, item in enumerate(prepared.plan):
         if isinstance(item, _Windows):
-            _windows_forward(item, qg, k, v, mask, scale, q_offset, block, out, lse)
+            _windows_forward(i, item, qg, k, v, scale, prepared, block, out, lse)
         else:
-            _rows_forward(item, qg, k, v, mask, scale, bias, q_offset, key_tile, out, lse)
+            _rows_forward(i, item, qg, k, v, scale, bias, prepared, key_tile, out, lse)
     return out.view(B, H, T, Dv).to(q.dtype), lse.view(B, H, T)
 
 
-def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block, key_tile):
+def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, block, key_tile):
     B, H, T, D = q.shape
     G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     g = H // G
@@ -467,21 +607,22 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
     dq = torch.zeros(B, G, g, T, D, dtype=acc, device=q.device)
     dk = torch.zeros(B, G, S, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, G, S, Dv, dtype=acc, device=q.device)
-    for item in plan:
+    for i, item in enumerate(prepared.plan):
         if isinstance(item, _Windows):
-            t = _gather(item, qg, k, v, mask, q_offset, block)
-            n = t.q.shape[3]
+            t = _gather(item, qg, k, v, block)
+            n = item.starts.numel()
 
             def windows(x: Tensor, t=t, n=n) -> Tensor:
-                """(B, G, g, T, ·) → this tile's rows, (B·G, n, g·block, ·) like its queries."""
-                x = x[:, :, :, t.rows] * t.real.view(-1, 1)  # padding rows: no gradient
-                x = x.reshape(B, G, g, n, block, -1).transpose(2, 3)
-                return x.reshape(B * G, n, g * block, -1)
+                """(B, G, g, T, ·) → this tile's rows in the kernel's layout."""
+                rows = t.take(x)
+                if t.first is None and not bool(t.real.all()):
+                    rows = rows * t.real.view(-1, 1)  # padding rows: no gradient
+                return _to_kernel(rows, n)
 
+            tm = prepared.masks.windows(i, item, q.device)
             dob, ob, lb = windows(dog), windows(og), windows(lse_g.unsqueeze(-1)).squeeze(-1)
-            additive, _ = _windows_mask(t, q.dtype)
-            dqb, dkb, dvb = _tile_backward(dob, *_windows_layout(t), ob, lb, additive, scale)
-            t.scatter(dq, _windows_unfold(dqb, B, G, g).to(acc))
+            dqb, dkb, dvb = _tile_backward(dob, t.q, t.k, t.v, ob, lb, tm.additive, scale)
+            t.scatter(dq, _from_kernel(dqb, B, G, g).to(acc))
             index = t.index.flatten()
             dk.index_add_(2, index, dkb.reshape(B, G, -1, D).to(acc))
             dv.index_add_(2, index, dvb.reshape(B, G, -1, Dv).to(acc))
@@ -489,14 +630,8 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
         r0, r1 = item.r0, item.r1
         qb, ob, dob = (_stack(x[:, :, :, r0:r1]) for x in (qg, og, dog))
         lb = _stack(lse_g[:, :, :, r0:r1].unsqueeze(-1)).squeeze(-1)
-        for k0 in _key_tiles(item, key_tile):
-            k1 = min(k0 + key_tile, item.k1)
-            allowed = _rows_allowed(
-                mask, B, H, G, g, r0 + q_offset, r1 + q_offset, k0, k1, q.device
-            )
-            if allowed is False:
-                continue
-            additive = _additive(allowed, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
+        for k0, k1, tm in _rows_tiles(i, item, prepared, key_tile, q.device):
+            additive = _with_bias(tm.additive, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
             dqb, dkb, dvb = _tile_backward(
                 dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lb, additive, scale
             )
@@ -508,10 +643,10 @@ def _backward(q, k, v, out, lse, dout, mask, scale, bias, q_offset, plan, block,
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, bias, q_offset, plan, block, key_tile):
-        out, lse = _forward(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile)
+    def forward(ctx, q, k, v, scale, bias, prepared, block, key_tile):
+        out, lse = _forward(q, k, v, scale, bias, prepared, block, key_tile)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (mask, scale, bias, q_offset, plan, block, key_tile)
+        ctx.args = (scale, bias, prepared, block, key_tile)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -519,7 +654,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def tiled_attention(
@@ -551,9 +686,11 @@ def tiled_attention(
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
         windows = False
     B, H, T, _ = q.shape
-    plan = _plan(mask, (B, H, T, k.shape[2]), q_offset, block, cells, key_tile, windows)
-    if B > 1 and any(isinstance(item, _Windows) for item in plan):
+    G, S = k.shape[1], k.shape[2]
+    shape = (B, H, G, T, S)
+    prepared = _prepare(mask, shape, q_offset, block, cells, key_tile, windows, q.dtype, q.device)
+    if B > 1 and any(isinstance(item, _Windows) for item in prepared.plan):
         # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
         # those two dims are laid out contiguously (one copy of k and v here, not one per tile)
         k, v = k.contiguous(), v.contiguous()
-    return _TiledAttention.apply(q, k, v, mask, scale, bias, q_offset, plan, block, key_tile)
+    return _TiledAttention.apply(q, k, v, scale, bias, prepared, block, key_tile)

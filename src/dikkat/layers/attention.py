@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dikkat.core.attention import attention
@@ -114,13 +115,12 @@ class MultiHeadAttention(nn.Module):
             return_weights: also return the weights (B, H, T, S).
         """
         self._check_input("x", x, self.d_model)
-        q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
         bias, q_offset = None, 0
         if context is not None:
+            q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
             k, v = self._cross_kv(x, context, cache)  # (B, G, S, D) each
         else:
-            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, G, T, D)
-            v = self._heads(self.v_proj(x), self.n_kv_heads)
+            q, k, v = self._project_self(x)  # (B, H, T, D), (B, G, T, D) × 2
             if self.rope is not None:
                 pos = resolve_positions(x.shape[1], offset, positions, x.device)
                 q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
@@ -148,6 +148,24 @@ class MultiHeadAttention(nn.Module):
         B, H, T, D = out.shape
         y = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))  # concat heads, then W_O
         return (y, weights) if return_weights else y
+
+    def _project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values of x. While training, one product with the three weights
+        stacked: one wide matrix product instead of three narrow ones, and under autocast one
+        weight cast instead of three (the weights stay three parameters, as in the state dict).
+        Without autograd each projection runs alone, so that generation's packed weights apply."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if torch.is_grad_enabled():
+            weight = torch.cat([p.weight for p in projections])
+            bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projections])
+            q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projections], -1)
+        else:
+            q, k, v = (p(x) for p in projections)
+        return (
+            self._heads(q, self.n_heads),
+            self._heads(k, self.n_kv_heads),
+            self._heads(v, self.n_kv_heads),
+        )
 
     def _cross_kv(self, x: Tensor, context: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
         """Keys and values of the context: projected now, or read from a filled cross cache."""
