@@ -260,8 +260,10 @@ def test_window_tiles_keep_one_block_pattern():
     q, k, v = _qkv(n)
     tiled.tiled_attention(q, k, v, masks.sliding_window(w), scale=0.3)
     ((_, prepared),) = tiled._prepared._entries.values()
-    one_block_each = sum(tiled.BLOCK * item.width * 8 for item in prepared.plan)  # fp64
-    assert sum(item.starts.numel() for item in prepared.plan) == n // tiled.BLOCK
+    block = prepared.block
+    assert block == tiled.BLOCK // 2  # a narrow band: half-size blocks compute fewer cells
+    one_block_each = sum(block * item.width * 8 for item in prepared.plan)  # fp64
+    assert sum(item.starts.numel() for item in prepared.plan) == n // block
     assert 0 < prepared.masks.nbytes <= one_block_each < n * w * 8 / 8
 
 
@@ -282,3 +284,15 @@ def test_unkept_masks_give_the_same_result(monkeypatch, kept: int):
     for a, b in zip(runs[:half], runs[half:], strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+
+
+def test_block_size_follows_the_cells_it_saves():
+    """Windows pick the block size with the least kernel time (cells over the kernel's speed at
+    that many rows): small blocks for a narrow band, large ones for 1024-token documents."""
+    choose = tiled._choose_block
+    n = 8192
+    args = (8, n, n, 0, tiled.CELLS, tiled.KEY_TILE, None)
+    assert choose(masks.sliding_window(256), *args) == tiled.BLOCK // 2
+    assert choose(masks.document(torch.arange(n) // 1024), *args) == 2 * tiled.BLOCK
+    assert choose(masks.causal(), *args) == choose(None, *args) == tiled.BLOCK
+    assert choose(masks.sliding_window(256), *args[:-1], False) == tiled.BLOCK

@@ -225,14 +225,18 @@ def _unstack(x: Tensor, g: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], g, x.shape[2] // g, *x.shape[3:])
 
 
-def _window_rows(item: _Windows, block: int, T: int) -> tuple[Tensor, Tensor, int | None]:
+def _window_rows(item: _Windows, block: int, T: int) -> tuple[Tensor, Tensor, tuple | None]:
     """The query rows of a windows item: (rows clamped into 0 … T − 1, which are real — the
-    last block may run past T —, the first row when the rows are one unpadded run, else None)."""
+    last block may run past T —, and (first row, row step) when the blocks step evenly and none
+    is padded, so that a strided view reaches them; else None)."""
     rows = (item.blocks[:, None] * block + torch.arange(block)).flatten()
     real = rows < T
-    first = int(rows[0])
-    run = bool(real.all()) and int(rows[-1]) - first == rows.numel() - 1
-    return rows.clamp(max=T - 1), real, first if run else None
+    n = item.blocks.numel()
+    b0 = int(item.blocks[0])
+    step = int(item.blocks[1]) - b0 if n > 1 else 1
+    even = step > 0 and bool((item.blocks == b0 + step * torch.arange(n)).all())
+    view = (b0 * block, step * block) if even and bool(real.all()) else None
+    return rows.clamp(max=T - 1), real, view
 
 
 class _TileMasks:
@@ -319,6 +323,17 @@ KEPT_MASK_BYTES = 32 << 20  # tile masks kept per plan (beyond: rebuilt at each 
 class _Prepared:
     plan: list[_Rows | _Windows]
     masks: _TileMasks
+    block: int
+
+    @property
+    def covers(self) -> bool:
+        """Whether the plan's tiles write every query row: windows for every block (a plan of
+        rows may skip all key tiles of some rows)."""
+        T = self.masks.shape[3]
+        windows = [item for item in self.plan if isinstance(item, _Windows)]
+        return len(windows) == len(self.plan) and sum(item.blocks.numel() for item in windows) == -(
+            -T // self.block
+        )
 
 
 class _PreparedCache:
@@ -356,15 +371,43 @@ def _prepare(mask, shape, q_offset, block, cells, key_tile, windows, dtype, devi
     B, H, _, T, S = shape
     description = describe(mask, tensor_identity)
     cacheable = "unknown" not in _flatten(description)  # a custom mask may change under us
+
+    def build() -> _Prepared:
+        size = block or _choose_block(mask, B * H, T, S, q_offset, cells, key_tile, windows)
+        plan = _plan(mask, (B, H, T, S), q_offset, size, cells, key_tile, windows)
+        return _Prepared(plan, _TileMasks(mask, shape, q_offset, size, dtype), size)
+
     key = (description, shape, q_offset, block, cells, key_tile, windows, dtype, str(device))
-    return _prepared.get(
-        key if cacheable else None,
-        mask,
-        lambda: _Prepared(
-            _plan(mask, (B, H, T, S), q_offset, block, cells, key_tile, windows),
-            _TileMasks(mask, shape, q_offset, block, dtype),
-        ),
-    )
+    return _prepared.get(key if cacheable else None, mask, build)
+
+
+# Relative speed of a windows tile by its query rows per block, measured here for PyTorch's CPU
+# flash kernel (fp32, 1024 keys: 83, 95 and 121 GFLOP/s): it splits a call's rows into chunks of
+# 32, of 64 from 192 rows on (and of 256 from 768 on), and longer chunks run faster.
+_ROWS_SPEED = {BLOCK // 2: 0.87, BLOCK: 1.0, 2 * BLOCK: 1.27}
+
+
+def _choose_block(mask, heads, T, S, q_offset, cells, key_tile, windows) -> int:
+    """The block size for a windows plan: of 64, 128 and 256 rows, the one with the least cells
+    to compute weighted by the kernel's speed at that size (:data:`_ROWS_SPEED`). A window of w
+    keys costs each block of b rows b·(w + b) cells: a narrow band gains from small blocks
+    (w = 256: 64 rows compute 17 % fewer cells than 128, and ran 16 % faster here); packed
+    documents from large ones (1024 tokens: 256 rows compute 11 % more cells, but ran 6 %
+    faster). Plans of rows keep :data:`BLOCK`."""
+    if mask is None or windows is False:
+        return BLOCK
+
+    def cost(block: int) -> float | None:
+        plan = _plan(mask, (1, heads, T, S), q_offset, block, cells, key_tile, windows)
+        if not plan or not all(isinstance(item, _Windows) for item in plan):
+            return None
+        computed = sum(item.starts.numel() * block * item.width for item in plan)  # type: ignore[union-attr]
+        return computed / _ROWS_SPEED[block]
+
+    if cost(BLOCK) is None:
+        return BLOCK
+    costs = {block: cost(block) for block in _ROWS_SPEED}
+    return min((c, block) for block, c in costs.items() if c is not None)[1]
 
 
 def _flatten(description: tuple) -> list:
@@ -379,8 +422,8 @@ def _flatten(description: tuple) -> list:
 
 @dataclass
 class _Gathered:
-    """One windows tile in the kernel's layout (see :func:`_windows_layout`), and where its
-    rows go back."""
+    """One windows tile in the kernel's layout (see :func:`_to_kernel`), and where its rows go
+    back."""
 
     q: Tensor  # (B·G, n, g·block, D)
     k: Tensor  # (B·G, n, W, D)
@@ -388,19 +431,34 @@ class _Gathered:
     index: Tensor  # (n, W) key of every window slot, clamped into 0 … S − 1 (slots past S masked)
     rows: Tensor  # (n·block,) query row of each gathered row, clamped into 0 … T − 1
     real: Tensor  # (n·block,) False for the rows past T that pad the last block
-    first: int | None  # the first row, when the rows are one unpadded run
+    view: tuple[int, int] | None  # (first row, row step) when a strided view reaches the rows
+    block: int
+
+    def _blocks(self, x: Tensor) -> Tensor:
+        """The rows of (B, G, g, T, ·) as a strided view (B, G, g, n, block, ·)."""
+        first, step = self.view  # type: ignore[misc]
+        sB, sG, sg, sT, sC = x.stride()
+        n = self.rows.numel() // self.block
+        return x.as_strided(
+            (*x.shape[:3], n, self.block, x.shape[4]),
+            (sB, sG, sg, step * sT, sT, sC),
+            x.storage_offset() + first * sT,
+        )
 
     def take(self, x: Tensor) -> Tensor:
-        """(B, G, g, T, ·) → these rows, (B, G, g, n·block, ·): a view when they are a run."""
-        if self.first is not None:
-            return x[:, :, :, self.first : self.first + self.rows.numel()]
-        return x[:, :, :, self.rows]
+        """(B, G, g, T, ·) → these rows, (B, G, g, n, block, ·): a view when one reaches them."""
+        if self.view is not None:
+            return self._blocks(x)
+        n = self.rows.numel() // self.block
+        return x[:, :, :, self.rows].unflatten(3, (n, self.block))
 
     def scatter(self, dst: Tensor, src: Tensor) -> None:
-        """dst[..., rows, ·] = src for the real rows (dim 3 of (B, G, g, rows, ·))."""
-        if self.first is not None:
-            dst[:, :, :, self.first : self.first + self.rows.numel()] = src
-        elif not bool(self.real.all()):
+        """The real rows of src (B, G, g, n, block, ·) into their places in dst (B, G, g, T, ·)."""
+        if self.view is not None:
+            self._blocks(dst).copy_(src)
+            return
+        src = src.flatten(3, 4)
+        if not bool(self.real.all()):
             dst.index_copy_(3, self.rows[self.real], src[:, :, :, self.real])
         else:
             dst.index_copy_(3, self.rows, src)
@@ -427,28 +485,28 @@ def _windows_of(x: Tensor, starts: Tensor, W: int) -> Tensor:
     return x[:, :, index]
 
 
-def _to_kernel(x: Tensor, n: int) -> Tensor:
-    """(B, G, g, n·block, ·) rows of a windows tile → (B·G, n, g·block, ·): batch and kv heads
+def _to_kernel(x: Tensor) -> Tensor:
+    """(B, G, g, n, block, ·) rows of a windows tile → (B·G, n, g·block, ·): batch and kv heads
     folded into the kernel's batch, the blocks as its heads, the g query heads of a kv head
     stacked (a view when g = 1 and the strides allow)."""
-    B, G, g, _, C = x.shape
-    return x.reshape(B, G, g, n, -1, C).transpose(2, 3).reshape(B * G, n, -1, C)
+    B, G, g, n, block, C = x.shape
+    return x.transpose(2, 3).reshape(B * G, n, g * block, C)
 
 
 def _from_kernel(x: Tensor, B: int, G: int, g: int) -> Tensor:
-    """(B·G, n, g·block, ·) → (B, G, g, n·block, ·): back to the heads' own row order."""
+    """(B·G, n, g·block, ·) → (B, G, g, n, block, ·): back to the heads' own order."""
     n, C = x.shape[1], x.shape[-1]
-    return x.view(B, G, n, g, -1, C).transpose(2, 3).reshape(B, G, g, -1, C)
+    return x.view(B, G, n, g, -1, C).transpose(2, 3)
 
 
 def _gather(item: _Windows, q: Tensor, k: Tensor, v: Tensor, block: int) -> _Gathered:
     """q (B, G, g, T, D), k and v (B, G, S, ·) → the tile in the kernel's layout."""
     T, S = q.shape[3], k.shape[2]
-    n, W = item.starts.numel(), item.width
-    rows, real, first = _window_rows(item, block, T)
+    W = item.width
+    rows, real, view = _window_rows(item, block, T)
     index = (item.starts[:, None] + torch.arange(W)).clamp(max=S - 1).to(q.device)
-    t = _Gathered(q, k, v, index, rows.to(q.device), real.to(q.device), first)
-    t.q = _to_kernel(t.take(q), n)
+    t = _Gathered(q, k, v, index, rows.to(q.device), real.to(q.device), view, block)
+    t.q = _to_kernel(t.take(q))
     # batch and kv heads fold into one dim: a view of (B, G, n, W, ·) when k and v are laid out
     # (B, G, S, ·) — tiled_attention makes them so once per call when B > 1
     t.k = _windows_of(k, item.starts, W).flatten(0, 1)
@@ -581,13 +639,18 @@ def _windows_forward(i, item: _Windows, q, k, v, scale, prepared, block, out, ls
     t.scatter(lse.unsqueeze(-1), _from_kernel(l.reshape(B * G, n, -1, 1), B, G, g))
 
 
-def _forward(q, k, v, scale, bias, prepared: _Prepared, block, key_tile):
+def _forward(q, k, v, scale, bias, prepared: _Prepared, key_tile):
+    block = prepared.block
     B, H, T, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     qg = q.reshape(B, G, H // G, T, -1)  # (B, G, g, T, D): query heads grouped by kv head
     acc_dtype = _acc_dtype(q.dtype)
-    out = torch.zeros(B, G, H // G, T, Dv, dtype=acc_dtype, device=q.device)
-    lse = torch.full((B, G, H // G, T), float("-inf"), dtype=acc_dtype, device=q.device)
+    if prepared.covers:  # every row is written by some tile
+        out = torch.empty(B, G, H // G, T, Dv, dtype=acc_dtype, device=q.device)
+        lse = torch.empty(B, G, H // G, T, dtype=acc_dtype, device=q.device)
+    else:  # rows that no tile writes see no key: output 0, lse −inf
+        out = torch.zeros(B, G, H // G, T, Dv, dtype=acc_dtype, device=q.device)
+        lse = torch.full((B, G, H // G, T), float("-inf"), dtype=acc_dtype, device=q.device)
     for i, item in enumerate(prepared.plan):
         if isinstance(item, _Windows):
             _windows_forward(i, item, qg, k, v, scale, prepared, block, out, lse)
@@ -596,7 +659,8 @@ def _forward(q, k, v, scale, bias, prepared: _Prepared, block, key_tile):
     return out.view(B, H, T, Dv).to(q.dtype), lse.view(B, H, T)
 
 
-def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, block, key_tile):
+def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, key_tile):
+    block = prepared.block
     B, H, T, D = q.shape
     G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     g = H // G
@@ -615,9 +679,9 @@ def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, block, 
             def windows(x: Tensor, t=t, n=n) -> Tensor:
                 """(B, G, g, T, ·) → this tile's rows in the kernel's layout."""
                 rows = t.take(x)
-                if t.first is None and not bool(t.real.all()):
-                    rows = rows * t.real.view(-1, 1)  # padding rows: no gradient
-                return _to_kernel(rows, n)
+                if t.view is None and not bool(t.real.all()):
+                    rows = rows * t.real.view(n, -1, 1)  # padding rows: no gradient
+                return _to_kernel(rows)
 
             tm = prepared.masks.windows(i, item, q.device)
             dob, ob, lb = windows(dog), windows(og), windows(lse_g.unsqueeze(-1)).squeeze(-1)
@@ -643,10 +707,10 @@ def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, block, 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, bias, prepared, block, key_tile):
-        out, lse = _forward(q, k, v, scale, bias, prepared, block, key_tile)
+    def forward(ctx, q, k, v, scale, bias, prepared, key_tile):
+        out, lse = _forward(q, k, v, scale, bias, prepared, key_tile)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, bias, prepared, block, key_tile)
+        ctx.args = (scale, bias, prepared, key_tile)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -654,7 +718,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def tiled_attention(
@@ -666,7 +730,7 @@ def tiled_attention(
     scale: float,
     bias: Tensor | None = None,
     q_offset: int = 0,
-    block: int = BLOCK,
+    block: int | None = None,
     key_tile: int = KEY_TILE,
     cells: int = CELLS,
     windows: bool | None = None,
@@ -675,11 +739,12 @@ def tiled_attention(
     fp64 inputs).
 
     Differentiable in q, k and v (the bias is treated as a constant). ``block``, ``key_tile``
-    and ``cells`` size the tiles (see the module docstring); ``windows`` forces (True) or
+    and ``cells`` size the tiles (see the module docstring; ``block`` None: :data:`BLOCK`, or
+    for windows the size :func:`_choose_block` finds fastest); ``windows`` forces (True) or
     forbids (False) gathered key windows, which need a mask and no bias.
     """
     for name, value in (("block", block), ("key_tile", key_tile), ("cells", cells)):
-        if value <= 0:
+        if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if bias is not None:  # a constant, viewed as (B|1, H|1, T|1, S|1)
         bias = bias.detach()
@@ -693,4 +758,4 @@ def tiled_attention(
         # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
         # those two dims are laid out contiguously (one copy of k and v here, not one per tile)
         k, v = k.contiguous(), v.contiguous()
-    return _TiledAttention.apply(q, k, v, scale, bias, prepared, block, key_tile)
+    return _TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile)
