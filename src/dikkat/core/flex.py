@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dikkat.core.masks import Mask
+from dikkat.core.masks import Mask, is_builtin
 from dikkat.core.masks import describe as _describe
 from dikkat.core.masks import tensor_identity as _contents
 from dikkat.core.tiled import tiled_attention
@@ -62,14 +62,9 @@ AUTO_COMPILE_MIN_CELLS = 1 << 24
 # benchmark sweeping n, dtypes and masks) and would then run flex eagerly, without warning.
 MAX_COMPILED_SIGNATURES = 64
 _DEVICES = ("cuda", "cpu", "xpu", "hpu", "mps")
+
+
 # --- the mask as flex sees it -------------------------------------------------------------------
-
-
-def _flatten(description: tuple) -> list:
-    flat = []
-    for item in description:
-        flat.extend(_flatten(item) if isinstance(item, tuple) else [item])
-    return flat
 
 
 def _layout(t: Tensor) -> tuple:
@@ -180,7 +175,7 @@ def _cells(q: Tensor, k: Tensor) -> int:
 def is_warm(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None = None, *, scale: float,
             bias: Tensor | None = None, q_offset: int = 0) -> bool:  # fmt: skip
     """Whether flex has already been compiled here for a call like this one."""
-    if mask is not None and "unknown" in _flatten(_describe(mask, _layout)):
+    if mask is not None and not is_builtin(mask):
         return False  # a mask of the caller's own type: dynamo's guards on it are unknown here
     grad = _needs_grad(q, k, v) and q.device.type != "cpu"
     return _signature(q, k, v, mask, bias, scale, q_offset, grad) in _warm

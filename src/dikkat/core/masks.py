@@ -412,6 +412,19 @@ def _describe_field(value: object, tensor: Callable[[Tensor], tuple]) -> object:
     return describe(value, tensor) if isinstance(value, (Tensor, Mask)) else value
 
 
+def is_builtin(mask: Mask | None) -> bool:
+    """Whether a mask is made of dikkat's own mask types all the way down, so that its
+    parameters describe it; a mask type of the caller's own may hold any state."""
+
+    def flat(description: tuple) -> list:
+        out: list = []
+        for item in description:
+            out.extend(flat(item) if isinstance(item, tuple) else [item])
+        return out
+
+    return "unknown" not in flat(describe(mask, lambda t: ()))
+
+
 def tensor_identity(t: Tensor) -> tuple:
     """Where the tensor's values live (storage, offset, shape, strides) and its in-place version:
     equal for two views of the same values (``ids`` and ``ids.unsqueeze(0)``), different once

@@ -51,12 +51,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dikkat.core.masks import Mask, describe, tensor_identity
+from dikkat.core.masks import Mask, describe, is_builtin, tensor_identity
 
 BLOCK = 128  # query rows per block: the unit of key-range bounds and of windows
 KEY_TILE = 4096  # keys per tile in a run of rows; beyond it the online softmax carries over
 CELLS = 1 << 22  # score cells per tile, over batch and heads: 16 MiB of fp32 scores
 FUSED_TILES = True  # run each tile in PyTorch's fused CPU flash kernel where there is one
+KEPT_MASK_BYTES = 32 << 20  # tile masks kept per plan (beyond: rebuilt at each use)
 
 
 @dataclass(frozen=True)
@@ -250,13 +251,8 @@ class _TileMasks:
     one place of equal documents) one block's mask is kept and the kernel broadcasts it."""
 
     def __init__(self, mask: Mask | None, shape: tuple[int, ...], q_offset: int, block: int, dtype):
-        self.mask, self.shape, self.q_offset, self.block, self.dtype = (
-            mask,
-            shape,
-            q_offset,
-            block,
-            dtype,
-        )
+        self.mask, self.shape, self.q_offset = mask, shape, q_offset
+        self.block, self.dtype = block, dtype
         self.kept: dict[tuple[int, int], _TileMask | bool] = {}
         self.nbytes = 0
 
@@ -285,7 +281,7 @@ class _TileMasks:
         return self._keep((i, k0), _TileMask(_additive(allowed, self.dtype), unseen))
 
     def windows(self, i: int, item: _Windows, device) -> _TileMask:
-        """Windows item i's mask, laid out like :func:`_windows_layout`'s scores: additive
+        """Windows item i's mask, laid out like :func:`_to_kernel`'s scores: additive
         (1 | B·G, n | 1, g·block, W), unseen (B|1, G|1, n|1, g·block)."""
         if (i, 0) in self.kept:
             return self.kept[(i, 0)]  # type: ignore[return-value]
@@ -314,9 +310,6 @@ class _TileMasks:
         else:
             a = a.reshape(1, *a.shape[2:])
         return self._keep((i, 0), _TileMask(_additive(a, self.dtype), unseen))  # type: ignore[return-value]
-
-
-KEPT_MASK_BYTES = 32 << 20  # tile masks kept per plan (beyond: rebuilt at each use)
 
 
 @dataclass(frozen=True)
@@ -370,7 +363,7 @@ _prepared = _PreparedCache()
 def _prepare(mask, shape, q_offset, block, cells, key_tile, windows, dtype, device) -> _Prepared:
     B, H, _, T, S = shape
     description = describe(mask, tensor_identity)
-    cacheable = "unknown" not in _flatten(description)  # a custom mask may change under us
+    cacheable = is_builtin(mask)  # a mask of the caller's own may change under us
 
     def build() -> _Prepared:
         size = block or _choose_block(mask, B * H, T, S, q_offset, cells, key_tile, windows)
@@ -404,17 +397,10 @@ def _choose_block(mask, heads, T, S, q_offset, cells, key_tile, windows) -> int:
         computed = sum(item.starts.numel() * block * item.width for item in plan)  # type: ignore[union-attr]
         return computed / _ROWS_SPEED[block]
 
-    if cost(BLOCK) is None:
-        return BLOCK
     costs = {block: cost(block) for block in _ROWS_SPEED}
+    if costs[BLOCK] is None:  # not a windows plan
+        return BLOCK
     return min((c, block) for block, c in costs.items() if c is not None)[1]
-
-
-def _flatten(description: tuple) -> list:
-    flat: list = []
-    for item in description:
-        flat.extend(_flatten(item) if isinstance(item, tuple) else [item])
-    return flat
 
 
 # --- gathering a windows tile --------------------------------------------------------------------
