@@ -122,3 +122,14 @@ def test_scratch_reused_across_calls_changes_nothing(bf16: bool) -> None:
             results.append((loss.detach(), xs.grad, ws.grad))
         for a, b in zip(*results, strict=True):
             assert torch.equal(a, b)
+
+
+def test_scratch_is_not_pickled_or_copied() -> None:
+    import copy
+    import pickle
+
+    scratch = Scratch()
+    scratch.get("logits", (64, 1000), torch.float32, "cpu")
+    assert len(pickle.dumps(scratch)) < 1000  # not the 256 kB buffer
+    assert copy.deepcopy(scratch)._buffers == {}
+    assert scratch._buffers  # the original keeps its buffer

@@ -50,6 +50,10 @@ class Scratch:
     def clear(self) -> None:
         self._buffers.clear()
 
+    def __getstate__(self) -> dict:
+        # pickling or copying a model (torch.save(model), copy.deepcopy) carries no buffers
+        return {"_buffers": {}}
+
 
 def _fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
