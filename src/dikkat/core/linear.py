@@ -59,30 +59,32 @@ def linear_attention(
     S = k.shape[2]
     if chunk <= 0 or segment <= 0:
         raise ValueError(f"chunk and segment must be positive, got {chunk} and {segment}")
-    qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
     if not causal:
+        qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
         state = kg.transpose(-2, -1) @ vg  # (B, G, 1, D, Dv): Σ_j φ(k_j) v_jᵀ
         norm = kg.sum(-2)  # (B, G, 1, D): Σ_j φ(k_j)
         out = (qg @ state) / (qg @ norm.unsqueeze(-1))
         return out.reshape(B, H, T, -1)
+    qg, kg, vg = _grouped(q, k, v)  # φ is applied segment by segment, below
     # keys before the first query are visible to every query: they start the running state
     first = S - T
-    state = kg[..., :first, :].transpose(-2, -1) @ vg[..., :first, :]  # (B, G, 1, D, Dv)
-    norm = kg[..., :first, :].sum(-2)  # (B, G, 1, D)
-    # segments of SEGMENT rows keep the working set in cache, so the cost per token stays flat
-    outs = []
+    k_first = feature_map(kg[..., :first, :])
+    state = k_first.transpose(-2, -1) @ vg[..., :first, :]  # (B, G, 1, D, Dv)
+    norm = k_first.sum(-2)  # (B, G, 1, D)
+    # segments of SEGMENT rows keep the working set in cache (the feature map included, and
+    # each segment's output written in place), so the cost per token stays flat
+    out = torch.empty(*qg.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     for s0 in range(0, T, segment):
         s1 = min(s0 + segment, T)
-        out, state, norm = _causal_segment(
-            qg[..., s0:s1, :],
-            kg[..., first + s0 : first + s1, :],
+        out[..., s0:s1, :], state, norm = _causal_segment(
+            feature_map(qg[..., s0:s1, :]),
+            feature_map(kg[..., first + s0 : first + s1, :]),
             vg[..., first + s0 : first + s1, :],
             state,
             norm,
             chunk,
         )
-        outs.append(out)
-    return torch.cat(outs, dim=-2).reshape(B, H, T, -1)
+    return out.reshape(B, H, T, -1)
 
 
 def _causal_segment(

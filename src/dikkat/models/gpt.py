@@ -97,6 +97,7 @@ class GPT(SaveLoad, nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = c = config
+        self._loss_scratch = Scratch()  # the training loss's large temporaries, between steps
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = (
             LearnedPositionalEmbedding(c.max_len, c.d_model) if c.position == "learned" else None
@@ -207,8 +208,6 @@ class GPT(SaveLoad, nn.Module):
                 f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}"
             )
         hidden = self(ids, mask, return_hidden=True)  # (B, T, C)
-        if getattr(self, "_loss_scratch", None) is None:
-            self._loss_scratch = Scratch()  # the loss's large temporaries, kept between steps
         return linear_cross_entropy(
             hidden, self.lm_head.weight, targets, scratch=self._loss_scratch
         )
