@@ -33,7 +33,9 @@ runs on CPU in PyTorch's fused flash kernel (``_scaled_dot_product_flash_attenti
 given the tile's mask as an additive 0/−inf tensor), elsewhere in plain tensor ops; dikkat does
 the planning, the skipping, the gathering and the merging across key tiles.
 
-Extra memory is O((T + S)·D + cells), never O(T·S). The backward pass is a custom autograd
+Extra memory is O((T + S)·D + cells), never O(T·S), plus the kept tile masks: at most
+``KEPT_MASK_BYTES`` per plan, for the few plans the cache holds (a sliding window keeps one
+block's mask per tile: 1 MiB in all at n = 16384, fp32). The backward pass is a custom autograd
 function that recomputes each tile's weights from the saved log-sum-exp, following the same
 plan, so training memory is O(n) too.
 
