@@ -92,6 +92,8 @@ def test_bad_input_names_the_shapes() -> None:
         linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="one integer id per row"):
         linear_cross_entropy(torch.randn(4, 6), w, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="scratch must be a Scratch"):
+        linear_cross_entropy(torch.randn(4, 6), w, torch.zeros(4, dtype=torch.long), scratch={})
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(torch.randn(4, 6), w, torch.zeros(4, dtype=torch.long), chunk_size=0)
 

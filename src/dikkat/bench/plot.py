@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dikkat.models.io import atomic_write
+from dikkat.viz.figure import save_png
 
 __all__ = ["plot_attention"]
 
@@ -75,9 +75,7 @@ def _grid(
                 ax.legend(fontsize=7)
     fig.suptitle(f"{title}, B={result['B']}, H={result['H']}, D={result['D']}")
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def plot_attention(result: dict[str, Any], out_dir: str | Path) -> list[Path]:

@@ -47,6 +47,7 @@ rounding), matmuls run in the input dtype but the softmax statistics and accumul
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -320,7 +321,7 @@ class _Prepared:
     masks: _TileMasks
     block: int
 
-    @property
+    @functools.cached_property
     def covers(self) -> bool:
         """Whether the plan's tiles write every query row: windows for every block (a plan of
         rows may skip all key tiles of some rows)."""

@@ -96,6 +96,8 @@ def linear_cross_entropy(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if scratch is not None and not isinstance(scratch, Scratch):
+        raise TypeError(f"scratch must be a Scratch or None, got {type(scratch).__name__}")
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
     buffer = _fresh if scratch is None else scratch.get
     return _LinearCrossEntropy.apply(

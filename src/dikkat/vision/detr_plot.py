@@ -41,7 +41,7 @@ def plot_detections(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from dikkat.models.io import atomic_write
+    from dikkat.viz.figure import save_png
 
     if output.cross_attention is None:
         raise ValueError("output has no cross-attention: call the model with return_attention")
@@ -85,9 +85,4 @@ def plot_detections(
                 ax.set_ylim(H, 0)
     fig.suptitle("object queries: boxes, and each query's cross-attention (last layer)", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    finally:
-        plt.close(fig)
-    return path
+    return save_png(fig, path)

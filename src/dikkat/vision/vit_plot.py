@@ -33,7 +33,7 @@ def plot_attention_maps(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dikkat.models.io import atomic_write
+    from dikkat.viz.figure import save_png
 
     grids = maps.patches().detach().float().cpu()  # (L, B, H, g, g)
     L, B, H = grids.shape[:3]
@@ -73,9 +73,4 @@ def plot_attention_maps(
     pooled = "the class token's" if maps.has_cls else "the mean query's"
     fig.suptitle(f"{pooled} attention over the patches (each map on its own scale)", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    finally:
-        plt.close(fig)
-    return path
+    return save_png(fig, path)

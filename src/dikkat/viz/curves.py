@@ -19,6 +19,8 @@ def plot_losses(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dikkat.viz.figure import save_png
+
     train = [(r["step"], r["loss"]) for r in history if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
@@ -45,5 +47,4 @@ def plot_losses(
     if train or val:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    save_png(fig, path)
