@@ -27,6 +27,29 @@ def test_patchify_reads_patches_as_a_strided_convolution_would():
     assert torch.equal(ours, unfolded)
 
 
+@pytest.mark.parametrize("patch, overlap", [(2, 1), (4, 1), (2, 3)])
+def test_overlapping_patches_read_the_window_around_each_cell(patch, overlap):
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    ours = patchify(images, patch, overlap)  # (B, N, Ch·k·k)
+    k, g = patch + 2 * overlap, 8 // patch
+    padded = torch.zeros(2, 3, 8 + 2 * overlap, 8 + 2 * overlap, dtype=torch.float64)
+    padded[:, :, overlap : overlap + 8, overlap : overlap + 8] = images
+    for row in range(g):
+        for col in range(g):  # the cell starts at (row·P, col·P); its window `overlap` before
+            window = padded[:, :, row * patch : row * patch + k, col * patch : col * patch + k]
+            assert torch.equal(ours[:, row * g + col], window.reshape(2, -1))
+    assert ours.shape == (2, g * g, 3 * k * k)
+
+
+def test_overlap_widens_only_the_patch_embedding():
+    plain, wide = model(), model(patch_overlap=1)
+    assert wide.patch_embed.weight.shape == (32, 16)  # 4×4 windows, one channel
+    assert wide.config.n_tokens == plain.config.n_tokens == 17
+    extra = sum(p.numel() for p in wide.parameters()) - sum(p.numel() for p in plain.parameters())
+    assert extra == 32 * (16 - 4)
+    assert wide(torch.rand(3, 1, 8, 8)).shape == (3, 10)
+
+
 @pytest.mark.parametrize("pool, tokens", [("cls", 17), ("mean", 16)])
 def test_shapes(pool, tokens):
     m = model(pool)
@@ -39,7 +62,9 @@ def test_shapes(pool, tokens):
 
 
 def test_presets():
-    assert ViTConfig.preset("digits") == ViTConfig(d_model=128, n_layers=4, patch_size=2)
+    digits = ViTConfig(d_model=128, n_layers=4, patch_size=2, patch_overlap=1)
+    assert ViTConfig.preset("digits") == digits
+    assert ViTConfig.preset("vit-base-16").patch_overlap == 0  # the paper's disjoint patches
     assert ViTConfig.preset("digits", pool="mean").pool == "mean"
     with pytest.raises(ValueError, match="unknown ViT preset 'huge'"):
         ViTConfig.preset("huge")
@@ -49,6 +74,8 @@ def test_presets():
     "fields, message",
     [
         ({"patch_size": 3}, "image_size=8 is not divisible by patch_size=3"),
+        ({"patch_overlap": -1}, "patch_overlap must be an int ≥ 0, got -1"),
+        ({"patch_overlap": 1.0}, "patch_overlap must be an int ≥ 0, got 1.0"),
         ({"pool": "max"}, "pool must be 'cls' or 'mean', got 'max'"),
         ({"d_model": 30, "n_heads": 4}, "d_model=30 is not divisible by n_heads=4"),
         ({"channels": 0}, "channels must be a positive int, got 0"),

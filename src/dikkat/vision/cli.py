@@ -63,7 +63,7 @@ def _add_vit_attention(sub: Any) -> None:
         help="picture a digits ViT's class-token attention over the patches (PNG)",
         description="Load a ViT trained with `dikkat train --task digits`, run it on the first "
         "held-out digits of the run's own split, and draw each image beside its class token's "
-        "attention over the 2×2 patches: one map per layer (mean over heads), or with --layer, "
+        "attention over the patches: one map per layer (mean over heads), or with --layer, "
         "one per head of that layer.",
         epilog="examples:\n  dikkat train --task digits --out runs/digits\n"
         "  dikkat vit-attention runs/digits --out maps.png\n"

@@ -3,10 +3,11 @@
 Notation: ``B`` batch, ``Ch`` image channels, ``P`` patch side, ``N`` patches, ``T`` tokens (N,
 plus one class token with ``pool="cls"``), ``C`` model width, ``H`` heads, ``L`` layers.
 
-images (B, Ch, side, side) → non-overlapping P×P patches (B, N, Ch·P·P) → one linear map to C
-→ [class token] + patches, plus a learned vector per position → L blocks, every token attending
-to every token (no mask) → final LayerNorm → the class token's state (or the mean of all tokens)
-→ a linear head to class logits (B, K).
+images (B, Ch, side, side) → N patches P pixels apart, each a k×k window, k = P + 2·overlap (the
+P×P cell and ``patch_overlap`` pixels around it, zeros beyond the image), (B, N, Ch·k·k) → one
+linear map to C → [class token] + patches, plus a learned vector per position → L blocks, every
+token attending to every token (no mask) → final LayerNorm → the class token's state (or the
+mean of all tokens) → a linear head to class logits (B, K).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dikkat.layers.block import Block, BlockConfig
@@ -34,7 +36,8 @@ class ViTConfig:
 
     image_size: int = 8  # side of the square input image, in pixels
     channels: int = 1  # image channels Ch (1 = grey)
-    patch_size: int = 2  # side P of a square patch; must divide image_size
+    patch_size: int = 2  # side P of a square patch (the stride between patches); divides image_size
+    patch_overlap: int = 0  # pixels each patch also reads beyond its P×P cell on every side
     n_classes: int = 10  # K: the classifier's outputs
     d_model: int = 128  # width C
     n_layers: int = 4  # number of blocks L
@@ -52,6 +55,9 @@ class ViTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        overlap = self.patch_overlap
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+            raise ValueError(f"patch_overlap must be an int ≥ 0, got {overlap!r}")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}"
@@ -62,6 +68,11 @@ class ViTConfig:
     def grid(self) -> int:
         """Patches along one side."""
         return self.image_size // self.patch_size
+
+    @property
+    def patch_window(self) -> int:
+        """k: the side of the square window each patch reads, P + 2·overlap."""
+        return self.patch_size + 2 * self.patch_overlap
 
     @property
     def n_patches(self) -> int:
@@ -90,8 +101,9 @@ class ViTConfig:
 
 
 VIT_PRESETS: dict[str, ViTConfig] = {
-    # scikit-learn's 8×8 handwritten digits: 2×2 patches (16 tokens + class), width 128, 4 layers.
-    "digits": ViTConfig(),
+    # scikit-learn's 8×8 handwritten digits: 16 patches 2 pixels apart, each reading the 4×4
+    # square around its 2×2 cell (16 tokens + class), width 128, 4 layers.
+    "digits": ViTConfig(patch_overlap=1),
     # For tests: 4×4 patches (4 tokens + class), one narrow block; learns the digits in seconds.
     "tiny": ViTConfig(patch_size=4, d_model=64, n_layers=1, n_heads=2, d_ff=128),
     # ViT-B/16 of "An Image is Worth 16x16 Words" (ImageNet, 224×224, 1000 classes).
@@ -107,9 +119,13 @@ VIT_PRESETS: dict[str, ViTConfig] = {
 }
 
 
-def patchify(images: Tensor, patch_size: int) -> Tensor:
-    """(B, Ch, side, side) → (B, N, Ch·P·P): patches in row-major order, each flattened
-    channel-first (the layout a stride-P, P×P convolution would read)."""
+def patchify(images: Tensor, patch_size: int, overlap: int = 0) -> Tensor:
+    """(B, Ch, side, side) → (B, N, Ch·k·k), k = P + 2·overlap: patches in row-major order, each
+    flattened channel-first (the layout a stride-P, k×k convolution with padding ``overlap``
+    would read); pixels beyond the image are 0."""
+    if overlap:  # overlapping windows: unfold copies each pixel into every window that holds it
+        k = patch_size + 2 * overlap
+        return F.unfold(images, k, padding=overlap, stride=patch_size).transpose(1, 2)
     B, Ch, side, _ = images.shape
     g, p = side // patch_size, patch_size
     x = images.reshape(B, Ch, g, p, g, p)  # (B, Ch, row, i, col, j)
@@ -148,7 +164,7 @@ class ViT(SaveLoad, nn.Module):
     def __init__(self, config: ViTConfig, *, backend: str = "auto") -> None:
         super().__init__()
         self.config = c = config
-        self.patch_embed = Linear(c.channels * c.patch_size**2, c.d_model)
+        self.patch_embed = Linear(c.channels * c.patch_window**2, c.d_model)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.d_model)) if c.pool == "cls" else None
         self.pos_emb = LearnedPositionalEmbedding(c.n_tokens, c.d_model)
         self.drop = nn.Dropout(c.dropout)
@@ -190,7 +206,8 @@ class ViT(SaveLoad, nn.Module):
     def embed(self, images: Tensor) -> Tensor:
         """images (B, Ch, side, side) → the tokens entering the first block (B, T, C)."""
         self._check_images(images)
-        x = self.patch_embed(patchify(images, self.config.patch_size))  # (B, N, C)
+        c = self.config
+        x = self.patch_embed(patchify(images, c.patch_size, c.patch_overlap))  # (B, N, C)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         return self.drop(self.pos_emb(x))  # (B, T, C)
