@@ -50,6 +50,17 @@ def test_overlap_widens_only_the_patch_embedding():
     assert wide(torch.rand(3, 1, 8, 8)).shape == (3, 10)
 
 
+def test_patch_embedding_init_scales_with_its_fan_in():
+    torch.manual_seed(0)
+    m = ViT(ViTConfig.preset("digits"))  # 4×4 windows of one channel: fan-in 16
+    w = m.patch_embed.weight.detach()
+    bound = 1 / math.sqrt(16)  # PyTorch's Linear default: uniform in ±1/√fan_in
+    assert w.abs().max() <= bound
+    assert abs(float(w.std()) - bound / math.sqrt(3)) < 0.05 * bound
+    other = m.blocks[0].mlp.up.weight.detach()  # everything else: N(0, 0.02)
+    assert abs(float(other.std()) - 0.02) < 0.002
+
+
 @pytest.mark.parametrize("pool, tokens", [("cls", 17), ("mean", 16)])
 def test_shapes(pool, tokens):
     m = model(pool)
