@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dikkat import available_backends
 from dikkat.models import GPT
@@ -19,16 +18,8 @@ def model(pool: str = "cls", seed: int = 0, **overrides) -> ViT:
     return ViT(ViTConfig(**{**vars(SMALL), "pool": pool, **overrides})).eval()
 
 
-def test_patchify_reads_patches_as_a_strided_convolution_would():
-    images = torch.randn(2, 3, 8, 8)
-    ours = patchify(images, 4)  # (B, N, Ch·P·P)
-    unfolded = F.unfold(images, kernel_size=4, stride=4).transpose(1, 2)  # (B, N, Ch·P·P)
-    assert ours.shape == (2, 4, 48)
-    assert torch.equal(ours, unfolded)
-
-
-@pytest.mark.parametrize("patch, overlap", [(2, 1), (4, 1), (2, 3)])
-def test_overlapping_patches_read_the_window_around_each_cell(patch, overlap):
+@pytest.mark.parametrize("patch, overlap", [(4, 0), (2, 0), (2, 1), (4, 1), (2, 3)])
+def test_patches_read_the_window_around_each_cell(patch, overlap):
     images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     ours = patchify(images, patch, overlap)  # (B, N, Ch·k·k)
     k, g = patch + 2 * overlap, 8 // patch
@@ -39,6 +30,19 @@ def test_overlapping_patches_read_the_window_around_each_cell(patch, overlap):
             window = padded[:, :, row * patch : row * patch + k, col * patch : col * patch + k]
             assert torch.equal(ours[:, row * g + col], window.reshape(2, -1))
     assert ours.shape == (2, g * g, 3 * k * k)
+
+
+def test_patchify_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"side divisible by patch_size=3, got \(2, 1, 8, 8\)"):
+        patchify(torch.rand(2, 1, 8, 8), 3)
+    with pytest.raises(ValueError, match=r"got \(2, 1, 8, 6\)"):
+        patchify(torch.rand(2, 1, 8, 6), 2)
+    with pytest.raises(ValueError, match="overlap must be an int ≥ 0, got -1"):
+        patchify(torch.rand(2, 1, 8, 8), 2, -1)
+    with pytest.raises(ValueError, match="patch_size must be an int ≥ 1, got 0"):
+        patchify(torch.rand(2, 1, 8, 8), 0)
+    with pytest.raises(TypeError, match="images must be a tensor"):
+        patchify([[0.0]], 2)
 
 
 def test_overlap_widens_only_the_patch_embedding():
