@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dikkat.core import attention, explain, masks
+from dikkat.core import Backend, attention, available_backends, explain, masks, register_backend
 
 B, H, G, T, S, D = 2, 4, 2, 5, 6, 8
 
@@ -272,3 +272,165 @@ def test_bias_must_be_a_float_tensor(q, k, v) -> None:
 def test_q_offset_must_be_a_non_negative_int(q, k, v, q_offset) -> None:
     with pytest.raises(ValueError, match=r"q_offset must be a non-negative int, got"):
         attention(q, k, v, masks.causal(), q_offset=q_offset)
+
+
+# --- combining masks, and masks without values ---------------------------------------------------
+
+
+NOT_MASKS = {
+    "None": (None, "NoneType"),
+    "numpy": (np.ones((T, S), dtype=bool), "numpy.ndarray"),
+    "bool": (True, "bool"),
+    "list": ([1], "list"),
+}
+
+
+@pytest.mark.parametrize("op", ["&", "|"])
+@pytest.mark.parametrize("kind", NOT_MASKS)
+def test_a_mask_combines_only_with_masks_and_bool_tensors(op, kind) -> None:
+    # `causal() & None` once built a mask that failed deep inside torch when evaluated, and
+    # `np.ones(...) & causal()` went element by element, naming a numpy bool
+    other, named = NOT_MASKS[kind]
+    message = rf"the other operand of `\{op}` with a mask must be a dikkat Mask or a bool tensor"
+    apply = (lambda a, b: a & b) if op == "&" else (lambda a, b: a | b)
+    with pytest.raises(TypeError, match=rf"{message}, got {named}"):
+        apply(masks.causal(), other)
+    with pytest.raises(TypeError, match=rf"{message}, got {named}"):
+        apply(other, masks.causal())
+
+
+def test_a_numpy_mask_points_to_torch_from_numpy(q, k, v) -> None:
+    with pytest.raises(TypeError, match=r"got numpy.ndarray \(torch.from_numpy converts"):
+        attention(q, k, v, np.ones((T, S), dtype=bool))
+    with pytest.raises(TypeError, match=r"got numpy.ndarray \(torch.from_numpy converts"):
+        masks.causal() & np.ones((T, S), dtype=bool)
+
+
+def test_combinators_take_masks_only() -> None:
+    with pytest.raises(TypeError, match=r"And combines dikkat Masks, got NoneType"):
+        masks.And(masks.causal(), None)
+    with pytest.raises(TypeError, match=r"Not combines dikkat Masks, got Tensor"):
+        masks.Not(torch.ones(2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("lengths", [torch.tensor([3, -1]), -2], ids=["tensor", "int"])
+def test_padding_lengths_must_be_non_negative(lengths) -> None:
+    # a negative length once masked every key silently, like a length of 0
+    with pytest.raises(ValueError, match=r"lengths must be non-negative, got \[(3, )?-(1|2)\]"):
+        masks.padding(lengths)
+
+
+def test_padding_valid_names_what_it_got() -> None:
+    with pytest.raises(TypeError, match=r"valid must be a bool tensor .*got dtype torch.int64"):
+        masks.padding(valid=torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"valid must be a bool tensor .*got list"):
+        masks.padding(valid=[[True]])
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda t: masks.padding(t.long()), "lengths"),
+        (lambda t: masks.padding(valid=t.bool().view(1, -1)), "valid"),
+        (lambda t: masks.prefix_lm(t.long()), "prefix_len"),
+        (lambda t: masks.document(t.long()), "ids"),
+        (lambda t: masks.dense(t.bool()), "mask tensor"),
+    ],
+    ids=["padding", "padding_valid", "prefix_lm", "document", "dense"],
+)
+def test_masks_refuse_meta_tensors(make, name) -> None:
+    # a meta tensor holds no values: it once failed deep inside torch ("Cannot copy out of meta
+    # tensor") when the mask was evaluated
+    with pytest.raises(ValueError, match=rf"{name} is on the meta device, which holds no values"):
+        make(torch.ones(2, device="meta"))
+
+
+def test_a_meta_mask_tensor_is_refused_by_attention(q, k, v) -> None:
+    with pytest.raises(ValueError, match=r"mask tensor is on the meta device"):
+        attention(q, k, v, torch.ones(T, S, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize("q_offset, error", [(-1, ValueError), ("1", TypeError), (True, TypeError)])
+def test_dense_mask_q_offset(q_offset, error) -> None:
+    with pytest.raises(error, match=r"q_offset must be"):
+        masks.dense(torch.ones(T, S, dtype=torch.bool), q_offset=q_offset)
+
+
+# --- from_torch_mask ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [[[True]], np.zeros((T, S), dtype=bool), 0.0], ids=repr)
+def test_from_torch_mask_takes_tensors(bad) -> None:
+    # a list once raised AttributeError: 'list' object has no attribute 'dtype'
+    with pytest.raises(TypeError, match=r"attn_mask must be a torch.Tensor or None, got"):
+        masks.from_torch_mask(bad)
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a torch.Tensor or None, got"):
+        masks.from_torch_mask(key_padding_mask=bad)
+
+
+@pytest.mark.parametrize(
+    "n_heads, error, message",
+    [
+        (0, ValueError, r"n_heads must be positive, got 0"),
+        (-2, ValueError, r"n_heads must be positive, got -2"),
+        ("2", TypeError, r"n_heads must be an int or None, got str"),
+    ],
+)
+def test_from_torch_mask_n_heads(n_heads, error, message) -> None:
+    # n_heads=0 once raised ZeroDivisionError
+    with pytest.raises(error, match=message):
+        masks.from_torch_mask(torch.zeros(4, T, S, dtype=torch.bool), n_heads=n_heads)
+
+
+def test_from_torch_mask_refuses_meta_tensors() -> None:
+    with pytest.raises(ValueError, match=r"attn_mask is on the meta device"):
+        masks.from_torch_mask(torch.zeros(T, S, dtype=torch.bool, device="meta"))
+
+
+# --- register_backend -----------------------------------------------------------------------------
+
+
+def _backend(name="custom") -> Backend:
+    return Backend(name, lambda r: (r.q, None, None), lambda r: None, "a test backend")
+
+
+@pytest.mark.parametrize("bad", ["reference", None, object()], ids=repr)
+def test_register_backend_takes_a_backend(bad) -> None:
+    # a str once raised AttributeError: 'str' object has no attribute 'name'
+    with pytest.raises(TypeError, match=r"backend must be a dikkat Backend\(name, run, supports"):
+        register_backend(bad)
+
+
+@pytest.mark.parametrize("name", [3, "", None], ids=repr)
+def test_register_backend_name_must_be_a_string(name) -> None:
+    with pytest.raises(TypeError, match=r"backend name must be a non-empty str, got"):
+        register_backend(_backend(name))
+    assert name not in available_backends()
+
+
+def test_register_backend_name_auto_is_taken() -> None:
+    with pytest.raises(ValueError, match=r"backend name 'auto' is taken"):
+        register_backend(_backend("auto"))
+
+
+def test_register_backend_parts_must_be_callable() -> None:
+    with pytest.raises(TypeError, match=r"backend 'custom': run must be callable, got str"):
+        register_backend(Backend("custom", "run", lambda r: None, "doc"))
+    with pytest.raises(TypeError, match=r"backend 'custom': avoid must be callable or None"):
+        register_backend(Backend("custom", lambda r: None, lambda r: None, "doc", avoid=1))
+
+
+@pytest.mark.parametrize(
+    "rank, error, message",
+    [
+        ("1", TypeError, r"auto_rank must be an int or None, got str"),
+        (True, TypeError, r"auto_rank must be an int or None, got bool"),
+        (-1, ValueError, r"auto_rank must be non-negative \(0 = auto's first choice\), got -1"),
+    ],
+    ids=repr,
+)
+def test_register_backend_auto_rank(rank, error, message) -> None:
+    # -1 once slipped the backend in before the reference, silently; "1" raised deep in list
+    with pytest.raises(error, match=message):
+        register_backend(_backend(), auto_rank=rank)
+    assert "custom" not in available_backends()

@@ -5,15 +5,30 @@ multi-head, G = 1 multi-query), ``T`` query length, ``S`` key length, ``D`` head
 
 A backend is a function ``run(request) -> (out, weights | None, lse | None)`` with a
 ``supports(request)`` that returns None when it can serve the request and otherwise the reason it
-cannot. ``auto``
-walks the backends in order of preference and takes the first that can.
+cannot. ``auto`` walks the backends in order of preference and takes the first that can.
+
+NaN and infinity, one rule for every backend (linear attention included). Output row i *reaches*
+its query q_i, each key/value row j that its mask allows, and each bias cell (i, j) that its mask
+allows. A NaN or ±∞ in q, k or v, or a NaN or +∞ in the bias, makes exactly the rows that reach
+it NaN (the whole row, and its weights and log-sum-exp when returned), and leaves every other row
+as it would be without it: a masked NaN key, a NaN value row that only hidden queries could see, a
+NaN query of another row change nothing. −∞ in the bias is no error but SDPA's additive-mask
+convention: that key is hidden from that query (a row with every key hidden gives 0, like a fully
+masked row). A NaN row is a constant: no gradient flows back through it, and the non-finite
+entries themselves get gradient 0; every other row's gradient is the one it would have without
+them. The cost when every input is finite is one reduction over q, k and the output per call,
+and over v when autograd is on (:func:`dikkat.core.nonfinite.needs_exact_path`); only when one
+finds a non-finite value does the exact slow path run. (Inside ``torch.compile``, where a graph
+cannot branch on values, the check is skipped and the kernel's own behaviour stands.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from dikkat.core import flex
@@ -27,6 +42,13 @@ from dikkat.core.checks import (
 )
 from dikkat.core.linear import linear_attention
 from dikkat.core.masks import Mask
+from dikkat.core.nonfinite import (
+    bias_finite_part,
+    finite_part,
+    needs_exact_path,
+    poison_rows,
+    reached_rows,
+)
 from dikkat.core.reference import reference_attention
 from dikkat.core.sdpa import sdpa_attention
 from dikkat.core.tiled import tiled_attention
@@ -36,6 +58,7 @@ __all__ = [
     "Backend",
     "attention",
     "available_backends",
+    "check_backend_name",
     "explain",
     "register_backend",
 ]
@@ -77,12 +100,53 @@ _AUTO_ORDER: list[str] = []
 
 
 def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
-    """Add a backend; ``auto_rank`` is its place in auto's preference list (None: never auto)."""
+    """Add a backend (or replace the one of that name); ``auto_rank`` is its place in auto's
+    preference list, 0 first (None: never auto; past the end: last)."""
+    _check_backend(backend)
+    if auto_rank is not None:
+        if isinstance(auto_rank, bool) or not isinstance(auto_rank, int):
+            raise TypeError(f"auto_rank must be an int or None, got {type(auto_rank).__name__}")
+        if auto_rank < 0:
+            raise ValueError(
+                f"auto_rank must be non-negative (0 = auto's first choice), got {auto_rank}"
+            )
     _BACKENDS[backend.name] = backend
     if backend.name in _AUTO_ORDER:
         _AUTO_ORDER.remove(backend.name)
     if auto_rank is not None:
         _AUTO_ORDER.insert(auto_rank, backend.name)
+
+
+def _check_backend(backend: Backend) -> None:
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"backend must be a dikkat Backend(name, run, supports, doc), got "
+            f"{type(backend).__name__}"
+        )
+    if not isinstance(backend.name, str) or not backend.name:
+        raise TypeError(f"backend name must be a non-empty str, got {backend.name!r}")
+    if backend.name == "auto":
+        raise ValueError("backend name 'auto' is taken: it means dikkat's own choice")
+    for field in ("run", "supports"):
+        if not callable(getattr(backend, field)):
+            raise TypeError(
+                f"backend {backend.name!r}: {field} must be callable, got "
+                f"{type(getattr(backend, field)).__name__}"
+            )
+    if backend.avoid is not None and not callable(backend.avoid):
+        raise TypeError(
+            f"backend {backend.name!r}: avoid must be callable or None, got "
+            f"{type(backend.avoid).__name__}"
+        )
+
+
+def check_backend_name(name: str, value: object, *, exact_only: bool = False) -> str:
+    """``value`` is ``"auto"`` or a registered backend (``exact_only``: one computing softmax
+    attention); for layers that take a backend name, so that a typo fails where it is given."""
+    choices = ("auto", *available_backends(exact_only=exact_only))
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def available_backends(*, exact_only: bool = False) -> list[str]:
@@ -183,9 +247,31 @@ def attention(
         raise ValueError(
             f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}"
         )
-    out, weights, lse = chosen.run(request)
+    out, weights, lse = _run_finite_rule(chosen, request)
     extra = ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
     return (out, *extra) if extra else out
+
+
+def _run_finite_rule(
+    backend: Backend, r: AttentionRequest
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Run the backend under the module's NaN/∞ rule: as it is when every input is finite, else
+    on the finite part of the inputs, with the rows that reach a non-finite value set to NaN."""
+    out, weights, lse = backend.run(r)
+    inputs = (r.q, r.k, r.v) if r.bias is None else (r.q, r.k, r.v, r.bias)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if not needs_exact_path(r.q, r.k, r.v, out, backward=backward):
+        return out, weights, lse
+    reached = reached_rows(r.q, r.k, r.v, r.bias, r.mask, r.q_offset)  # (B, H, T)
+    clean = dataclasses.replace(
+        r,
+        q=finite_part(r.q),
+        k=finite_part(r.k),
+        v=finite_part(r.v),
+        bias=None if r.bias is None else bias_finite_part(r.bias),
+    )
+    out, weights, lse = backend.run(clean)
+    return poison_rows(out, reached), poison_rows(weights, reached), poison_rows(lse, reached)
 
 
 def explain(

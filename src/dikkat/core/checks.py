@@ -58,6 +58,10 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
         )
     if k.shape[3] != D:
         raise ValueError(f"q has head dim {D} but k has {k.shape[3]}: q {_shape(q)}, k {_shape(k)}")
+    if D == 0:
+        raise ValueError(
+            f"q and k have head dim D = 0; attention needs D ≥ 1: q {_shape(q)}, k {_shape(k)}"
+        )
     if k.shape[1:3] != v.shape[1:3]:
         raise ValueError(f"k {_shape(k)} and v {_shape(v)} must agree on (G, S)")
     G, S = k.shape[1], k.shape[2]
@@ -92,8 +96,17 @@ def check_mask(mask: Mask | Tensor | None, shape: AttentionShape, q_offset: int)
     return m
 
 
+def bias_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a bias is added to the scores in: fp32, or fp64 for fp64 queries — where every
+    backend accumulates the scores. In bf16 an ALiBi bias of a few hundred would be rounded to
+    steps of 2 (8 significant bits) before it is added; fp32 keeps 24."""
+    return torch.promote_types(q_dtype, torch.float32)
+
+
 def check_bias(bias: Tensor | None, q: Tensor, shape: AttentionShape) -> Tensor | None:
-    """An additive float bias broadcastable to (B, H, T, S) (ALiBi, relative position terms)."""
+    """An additive float bias broadcastable to (B, H, T, S) (ALiBi, relative position terms),
+    viewed as 4-D and cast to :func:`bias_dtype`: a bf16 or fp16 bias is widened exactly, an
+    fp64 bias for fp32 (or narrower) queries is rounded to fp32 once, here."""
     if bias is None:
         return None
     if not isinstance(bias, Tensor):
@@ -108,7 +121,7 @@ def check_bias(bias: Tensor | None, q: Tensor, shape: AttentionShape) -> Tensor 
         )
     if bias.device != q.device:
         raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
-    return b4.to(q.dtype)  # every backend adds it to scores in the dtype of q
+    return b4.to(bias_dtype(q.dtype))
 
 
 def check_dropout(dropout: float) -> float:

@@ -16,10 +16,13 @@ choice) except for calls of at most :data:`EAGER_MAX_CELLS` score cells, which r
 takes flex only for a signature already compiled here, or on CUDA for a call so long that the
 compile pays for itself (:func:`auto_avoid`).
 
-What differs from the reference: no weights, no dropout; the bias is a constant (no gradient).
-Rows with every key masked give 0 (and lse −inf). On CPU torch (2.13) gives flex neither a backward
-nor, compiled, a log-sum-exp: there the lse is refused and the gradients are the tiled backend's,
-which recomputes its own forward (so a CPU training step pays one extra forward pass).
+What differs from the reference: no weights, no dropout. Rows with every key masked give 0 (and
+lse −inf). On CPU torch (2.13) gives flex neither a backward nor, compiled, a log-sum-exp: there
+the lse is refused and the gradients are the tiled backend's, which recomputes its own forward (so
+a CPU training step pays one extra forward pass). A bias that needs a gradient takes that route on
+every device: flex's own gradient for a tensor captured by ``score_mod`` is not checked here. A
+call with no score cells (B, T or S = 0), which flex itself cannot reduce over, is the tiled
+backend's: zeros, and lse −inf.
 """
 
 from __future__ import annotations
@@ -234,24 +237,35 @@ def _call(
 
 
 class _FlexTiledBackward(torch.autograd.Function):
-    """Flex forward, tiled backward: for CPU, where torch's flex has no backward."""
+    """Flex forward, tiled backward: for CPU, where torch's flex has no backward, and for a bias
+    that needs a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, scale, q_offset):
-        ctx.save_for_backward(q, k, v)
-        ctx.args = (mask, bias, scale, q_offset)
+    def forward(ctx, q, k, v, bias, mask, scale, q_offset, return_lse):
+        ctx.save_for_backward(q, k, v, bias)
+        ctx.args = (mask, scale, q_offset)
         # flex refuses CPU inputs that require grad, even with grad mode off
         q, k, v = q.detach(), k.detach(), v.detach()
-        return _call(q, k, v, mask, bias, scale, q_offset, return_lse=False)[0]
+        bias = None if bias is None else bias.detach()
+        out, lse = _call(q, k, v, mask, bias, scale, q_offset, return_lse)
+        if lse is None:
+            return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-        mask, bias, scale, q_offset = ctx.args
+    def backward(ctx, dout, _dlse=None):
+        q, k, v, bias = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        if bias is not None and ctx.needs_input_grad[3]:
+            bias = bias.detach().requires_grad_()
+            inputs.append(bias)
+        mask, scale, q_offset = ctx.args
         with torch.enable_grad():
-            out, _ = tiled_attention(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset)
-            dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-        return dq, dk, dv, None, None, None, None
+            out, _ = tiled_attention(*inputs[:3], mask, scale=scale, bias=bias, q_offset=q_offset)
+            grads = torch.autograd.grad(out, inputs, dout)
+        dbias = grads[3] if len(grads) == 4 else None
+        return grads[0], grads[1], grads[2], dbias, None, None, None, None
 
 
 def flex_attention(
@@ -270,14 +284,21 @@ def flex_attention(
     reason = flex_supports(q, return_lse=return_lse)
     if reason is not None:
         raise ValueError(f"flex_attention cannot serve this call: {reason}")
-    if bias is not None:  # a constant, viewed as (B|1, H|1, T|1, S|1)
-        bias = bias.detach()
+    if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    if q.shape[0] * q.shape[2] * k.shape[2] == 0:  # no score cells: nothing for flex to reduce
+        out, lse = tiled_attention(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset)
+        return out, lse if return_lse else None
+    tiled_backward = bias is not None and _needs_grad(bias)
     if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
         if not _needs_grad(q, k, v):  # flex refuses inputs that require grad on CPU
             q, k, v = q.detach(), k.detach(), v.detach()
         else:
-            return _FlexTiledBackward.apply(q, k, v, mask, bias, scale, q_offset), None
+            tiled_backward = True
+    if tiled_backward:
+        result = _FlexTiledBackward.apply(q, k, v, bias, mask, scale, q_offset, return_lse)
+        return result if return_lse else (result, None)
+    bias = None if bias is None else bias.detach()
     return _call(q, k, v, mask, bias, scale, q_offset, return_lse)
 
 

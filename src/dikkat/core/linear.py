@@ -13,6 +13,12 @@ state (:class:`LinearState`), a constant size instead of a growing KV cache.
 This is a different model from softmax attention, not an approximation of it; it is tested
 against its own quadratic formula (:func:`linear_attention_quadratic`). ``scale`` is not used:
 the feature map replaces the softmax's temperature.
+
+A row whose normaliser φ(q_i)ᵀ Σ_j φ(k_j) is 0 — no keys (S = 0), or every feature underflowed —
+gives output 0, as a fully masked row does in softmax attention, with finite gradients (so do the
+zero-padded rows of the last causal chunk, which are dropped). Through ``dikkat.attention`` it
+follows the NaN/∞ rule of :mod:`dikkat.core.attention` with its own reach: row i reaches q_i and
+the keys j ≤ i + S − T when causal, every key otherwise (no bias here).
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ def feature_map(x: Tensor) -> Tensor:
     return F.elu(x) + 1.0
 
 
+def _normalised(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, with 0 where den = 0: there num is 0 too (every weight φ(q_i)·φ(k_j) ≥ 0 is 0),
+    and dividing by 1 instead keeps 0/0 out of the forward pass and of the gradients."""
+    return num / den.masked_fill(den == 0, 1.0)
+
+
 def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q (B, H, T, D) → (B, G, g, T, D); k, v (B, G, S, ·) → (B, G, 1, S, ·)."""
     B, H, T, D = q.shape
@@ -47,8 +59,8 @@ def linear_attention_quadratic(q: Tensor, k: Tensor, v: Tensor, *, causal: bool)
     if causal:
         S = k.shape[2]
         w = w * torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-    w = w / w.sum(-1, keepdim=True)
-    return (w @ vg).reshape(B, H, T, -1)
+    w = _normalised(w, w.sum(-1, keepdim=True))
+    return (w @ vg).reshape(B, H, T, v.shape[-1])
 
 
 def linear_attention(
@@ -63,14 +75,16 @@ def linear_attention(
         qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
         state = kg.transpose(-2, -1) @ vg  # (B, G, 1, D, Dv): Σ_j φ(k_j) v_jᵀ
         norm = kg.sum(-2)  # (B, G, 1, D): Σ_j φ(k_j)
-        out = (qg @ state) / (qg @ norm.unsqueeze(-1))
-        return out.reshape(B, H, T, -1)
+        out = _normalised(qg @ state, qg @ norm.unsqueeze(-1))
+        return out.reshape(B, H, T, v.shape[-1])
     qg, kg, vg = _grouped(q, k, v)  # φ is applied segment by segment, below
     # keys before the first query are visible to every query: they start the running state
     first = S - T
     k_first = feature_map(kg[..., :first, :])
     state = k_first.transpose(-2, -1) @ vg[..., :first, :]  # (B, G, 1, D, Dv)
     norm = k_first.sum(-2)  # (B, G, 1, D)
+    if T == 0:  # no queries: an empty output that still reaches k and v through the graph
+        return (qg @ state).reshape(B, H, T, v.shape[-1])
     # segments of SEGMENT rows keep the working set in cache (the feature map included, and
     # each segment's output written in place), so the cost per token stays flat
     out = torch.empty(*qg.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -84,7 +98,7 @@ def linear_attention(
             norm,
             chunk,
         )
-    return out.reshape(B, H, T, -1)
+    return out.reshape(B, H, T, v.shape[-1])
 
 
 def _causal_segment(
@@ -113,7 +127,8 @@ def _causal_segment(
     inside = (qc @ kc.transpose(-2, -1)).tril()  # causal within each chunk, (B, G, g, n, C, C)
     num = qc @ state + inside @ vc  # (B, G, g, n, C, Dv)
     den = (qc @ norm.unsqueeze(-1)).squeeze(-1) + inside.sum(-1)
-    out = (num / den.unsqueeze(-1)).flatten(-3, -2)[..., :T, :]  # (B, G, g, T, Dv)
+    # a padded row has φ(q) = 0 (padding comes after the feature map): 0/0 without _normalised
+    out = _normalised(num, den.unsqueeze(-1)).flatten(-3, -2)[..., :T, :]  # (B, G, g, T, Dv)
     return out, state0 + kv_before[:, :, :, -1], norm0 + k_before[:, :, :, -1]
 
 
@@ -148,5 +163,5 @@ def linear_attention_step(state: LinearState, q: Tensor, k: Tensor, v: Tensor) -
     qg, kg, vg = _grouped(feature_map(q), feature_map(k), v)
     state.kv += kg.transpose(-2, -1) @ vg
     state.k += kg.sum(-2)
-    out = (qg @ state.kv) / (qg @ state.k.unsqueeze(-1))
-    return out.reshape(q.shape[0], q.shape[1], 1, -1)
+    out = _normalised(qg @ state.kv, qg @ state.k.unsqueeze(-1))
+    return out.reshape(q.shape[0], q.shape[1], 1, v.shape[-1])

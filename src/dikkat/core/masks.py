@@ -56,6 +56,10 @@ __all__ = [
 class Mask:
     """A predicate on (batch, head, absolute query position, key position)."""
 
+    # numpy would otherwise run ``array & mask`` element by element, handing each numpy bool to
+    # __rand__; with this it defers to __rand__ once, with the whole array, which refuses it.
+    __array_ufunc__ = None
+
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         """A bool tensor broadcast from the index tensors: True where attention is allowed."""
         raise NotImplementedError
@@ -111,25 +115,63 @@ class Mask:
         return 0, S
 
     def __and__(self, other: Mask | Tensor) -> Mask:
-        return And(self, as_mask(other))
+        return And(self, _operand(other, "&"))
 
     def __rand__(self, other: Tensor) -> Mask:
-        return And(as_mask(other), self)
+        return And(_operand(other, "&"), self)
 
     def __or__(self, other: Mask | Tensor) -> Mask:
-        return Or(self, as_mask(other))
+        return Or(self, _operand(other, "|"))
 
     def __ror__(self, other: Tensor) -> Mask:
-        return Or(as_mask(other), self)
+        return Or(_operand(other, "|"), self)
 
     def __invert__(self) -> Mask:
         return Not(self)
+
+
+def _kind(value: object) -> str:
+    """How an error names a value's type (numpy's arrays by their module too)."""
+    cls = type(value)
+    return f"numpy.{cls.__name__}" if cls.__module__ == "numpy" else cls.__name__
+
+
+def _numpy_hint(value: object) -> str:
+    return " (torch.from_numpy converts a numpy array)" if type(value).__module__ == "numpy" else ""
+
+
+def _operand(other: object, op: str) -> Mask:
+    """The other side of ``mask & other`` / ``mask | other``: a Mask or a bool tensor, never None
+    (which would build a mask that fails only when it is evaluated)."""
+    if not isinstance(other, (Mask, Tensor)):
+        raise TypeError(
+            f"the other operand of `{op}` with a mask must be a dikkat Mask or a bool tensor, "
+            f"got {_kind(other)}{_numpy_hint(other)}"
+        )
+    return as_mask(other)  # type: ignore[return-value]
+
+
+def _check_parts(combinator: str, *parts: object) -> None:
+    for part in parts:
+        if not isinstance(part, Mask):
+            raise TypeError(f"{combinator} combines dikkat Masks, got {_kind(part)}")
+
+
+def _not_meta(name: str, t: Tensor) -> None:
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds no values: a mask needs them to say which "
+            f"keys each query may see (got a meta tensor of shape {tuple(t.shape)})"
+        )
 
 
 @dataclass(frozen=True, eq=False)
 class And(Mask):
     left: Mask
     right: Mask
+
+    def __post_init__(self) -> None:
+        _check_parts("And", self.left, self.right)
 
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.left.predicate(b, h, q_idx, kv_idx) & self.right.predicate(b, h, q_idx, kv_idx)
@@ -148,6 +190,9 @@ class Or(Mask):
     left: Mask
     right: Mask
 
+    def __post_init__(self) -> None:
+        _check_parts("Or", self.left, self.right)
+
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.left.predicate(b, h, q_idx, kv_idx) | self.right.predicate(b, h, q_idx, kv_idx)
 
@@ -163,6 +208,9 @@ class Or(Mask):
 @dataclass(frozen=True, eq=False)
 class Not(Mask):
     inner: Mask
+
+    def __post_init__(self) -> None:
+        _check_parts("Not", self.inner)
 
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return ~self.inner.predicate(b, h, q_idx, kv_idx)
@@ -223,6 +271,7 @@ def _batch_vector(name: str, value: Tensor | int, *, dtype_kind: str = "int") ->
         return torch.tensor([value])
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be an int or a tensor, got {type(value).__name__}")
+    _not_meta(name, value)
     if value.dtype.is_floating_point or value.dtype == torch.bool:
         raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
     if value.dim() != 1:
@@ -334,8 +383,14 @@ class DenseMask(Mask):
     def __post_init__(self) -> None:
         if not isinstance(self.tensor, Tensor):
             raise TypeError(
-                f"mask must be a Mask or a bool tensor, got {type(self.tensor).__name__}"
+                f"mask must be a Mask or a bool tensor, got {_kind(self.tensor)}"
+                + _numpy_hint(self.tensor)
             )
+        _not_meta("mask tensor", self.tensor)
+        if isinstance(self.q_offset, bool) or not isinstance(self.q_offset, int):
+            raise TypeError(f"q_offset must be an int, got {type(self.q_offset).__name__}")
+        if self.q_offset < 0:
+            raise ValueError(f"q_offset must be non-negative, got {self.q_offset}")
         if self.tensor.dtype != torch.bool:
             raise TypeError(
                 f"mask tensor must be bool (True = may attend), got dtype {self.tensor.dtype}; "
@@ -461,9 +516,16 @@ def padding(lengths: Tensor | None = None, *, valid: Tensor | None = None) -> Ma
     if (lengths is None) == (valid is None):
         raise ValueError("padding() takes exactly one of `lengths` and `valid`")
     if lengths is not None:
-        return Padding(lengths=_batch_vector("lengths", lengths))
+        lengths = _batch_vector("lengths", lengths)
+        if bool((lengths < 0).any()):
+            raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
+        return Padding(lengths=lengths)
     if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
-        raise TypeError("valid must be a bool tensor of shape (B, S) (True = real token)")
+        got = f"dtype {valid.dtype}" if isinstance(valid, Tensor) else _kind(valid)
+        raise TypeError(
+            f"valid must be a bool tensor of shape (B, S) (True = real token), got {got}"
+        )
+    _not_meta("valid", valid)
     if valid.dim() != 2:
         raise ValueError(f"valid must have shape (B, S), got {tuple(valid.shape)}")
     return Padding(valid=valid)
@@ -473,6 +535,7 @@ def document(ids: Tensor) -> Mask:
     """Packed documents: causal attention within each document; ``ids`` (B, N) or (N,)."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"ids must be a tensor, got {type(ids).__name__}")
+    _not_meta("ids", ids)
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"ids must hold integer document ids, got dtype {ids.dtype}")
     if ids.dim() == 1:
@@ -501,7 +564,9 @@ def as_mask(mask: Mask | Tensor | None, q_offset: int = 0) -> Mask | None:
         return mask
     if isinstance(mask, Tensor):
         return DenseMask(mask, q_offset)
-    raise TypeError(f"mask must be a dikkat Mask, a bool tensor or None, got {type(mask).__name__}")
+    raise TypeError(
+        f"mask must be a dikkat Mask, a bool tensor or None, got {_kind(mask)}{_numpy_hint(mask)}"
+    )
 
 
 from dikkat.core.torch_masks import from_torch_mask  # noqa: E402 — re-exported here

@@ -5,8 +5,11 @@ length, ``D`` head dim, ``Dv`` value head dim.
 
 Every faster backend is tested against this function run in float64. It computes in the dtype of
 its inputs (so in bf16 it shows how much error a plain bf16 implementation makes, which is the
-yardstick of the 2× error rule), materialises the full (B, H, T, S) score matrix and returns the
-weights.
+yardstick of the 2× error rule), except that a bias is added in its own dtype (fp32 for bf16 q:
+:func:`dikkat.core.checks.bias_dtype`), materialises the full (B, H, T, S) score matrix and
+returns the weights. NaN and ±∞ in the inputs: this is the plain formula (a NaN value row reaches
+every row through 0 · NaN); ``dikkat.attention`` applies the rule of :mod:`dikkat.core.attention`
+around it, as around every backend.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def reference_attention(
         q: (B, H, T, D); k: (B, G, S, D); v: (B, G, S, Dv), G dividing H.
         mask: True = may attend; masked scores become −inf, so exp(−inf) = 0.
         scale: multiplies the scores (1/√D in the seed).
-        bias: additive scores, broadcastable to (B, H, T, S).
+        bias: additive scores, broadcastable to (B, H, T, S); the scores are cast to its dtype
+            before it is added (so an fp32 bias with bf16 q is added, and softmaxed, in fp32).
         q_offset: absolute position of the first query (for masks, when decoding with a cache).
         dropout: probability of dropping a weight before it multiplies V (training only).
         return_lse: also return each row's log-sum-exp of the scores (B, H, T), in fp32 (fp64
@@ -57,8 +61,8 @@ def reference_attention(
     k, v = repeat_kv(k, group), repeat_kv(v, group)  # (B, H, S, D), (B, H, S, Dv)
 
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S): q_i · k_j / √d_k
-    if bias is not None:
-        scores = scores + bias
+    if bias is not None:  # added in the bias's dtype (fp32 for bf16 q, see checks.bias_dtype)
+        scores = scores.to(torch.promote_types(scores.dtype, bias.dtype)) + bias
     if mask is not None:
         allowed = mask.materialize(B, H, T, S, q_offset, q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -66,6 +70,7 @@ def reference_attention(
     # for the softmax and zero weights after it, so its output is 0 and its gradients are finite.
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, T, 1)
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    weights = weights.to(q.dtype)  # a plain implementation in q's dtype from here on
     dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
     if return_lse:  # −inf for a row with no allowed key
         lse_dtype = torch.promote_types(scores.dtype, torch.float32)  # fp32, or fp64 for fp64

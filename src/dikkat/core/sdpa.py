@@ -3,7 +3,9 @@
 Differences from the reference: no weights; a dikkat mask is handed over as SDPA's ``is_causal``
 flag when it is the plain causal mask at offset 0, otherwise materialised as a dense bool mask
 (or folded into a float mask when there is a bias); fully masked rows are opened for the kernel
-and their outputs zeroed afterwards, so they give 0 and finite gradients like every backend.
+and their outputs zeroed afterwards, so they give 0 and finite gradients like every backend. A
+bias is handed over in fp32 (fp64 for fp64 q) on CPU, in q's dtype elsewhere; its gradient is
+SDPA's own.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def sdpa_attention(
         attn_mask = allowed  # bool, True = may attend: SDPA's convention too
         empty = None if allowed is None else ~allowed.any(dim=-1, keepdim=True)
     else:
-        attn_mask = bias.to(q.dtype)
+        # On CPU SDPA takes an fp32 float mask with bf16/fp16 q and adds it in fp32 (checked with
+        # torch 2.13). Elsewhere it is cast to q's dtype: whether CUDA's fused kernels accept a
+        # wider mask (rather than falling back to the math kernel) is not checked here.
+        attn_mask = bias if q.device.type == "cpu" else bias.to(q.dtype)
         if allowed is not None:
             attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
         empty = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)

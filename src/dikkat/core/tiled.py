@@ -42,7 +42,9 @@ plan, so training memory is O(n) too.
 What differs from the reference: the sum runs in a different order (so results differ by
 rounding), matmuls run in the input dtype but the softmax statistics and accumulators in fp32
 (fp64 for fp64 inputs), and there is no dropout. Rows with every key masked give output 0 and
-``lse = −inf``.
+``lse = −inf``; a call with no score cells (B, T or S = 0) gives zeros. A bias is added in fp32
+(fp64 for fp64 inputs), and it is differentiable: a tile whose bias needs a gradient runs the
+plain-ops backward of :mod:`dikkat.core.tiled_grad`, which also gives the scores' gradient.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ import torch
 from torch import Tensor
 
 from dikkat.core.masks import Mask, describe, is_builtin, tensor_identity
+from dikkat.core.tiled_grad import acc_dtype as _acc_dtype
+from dikkat.core.tiled_grad import add_bias_grad, plain_tile_backward
 
 BLOCK = 128  # query rows per block: the unit of key-range bounds and of windows
 KEY_TILE = 4096  # keys per tile in a run of rows; beyond it the online softmax carries over
@@ -95,7 +99,7 @@ def _plan(
     """Cut the work into tiles; ``windows`` forces (True) or forbids (False) the window shape,
     None lets the key ranges decide."""
     B, H, T, S = shape
-    if T == 0 or S == 0:
+    if B * H * T * S == 0:
         return []
     starts = list(range(0, T, block))
     ranges = [
@@ -141,11 +145,6 @@ def _windows_plan(
 
 def _key_tiles(item: _Rows, key_tile: int) -> range:
     return range(item.k0, item.k1, key_tile)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics and accumulators: fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _heads(allowed: Tensor, G: int, g: int, dims: int) -> Tensor:
@@ -212,10 +211,12 @@ def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
-def _with_bias(additive: Tensor | None, bias: Tensor | None, dtype: torch.dtype):
+def _with_bias(additive: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    """The tile's mask plus its bias, in the bias's dtype (fp32 for bf16 q: the CPU kernel
+    takes a wider float mask and adds it in fp32)."""
     if bias is None:
         return additive
-    return bias.to(dtype) if additive is None else additive + bias.to(dtype)
+    return bias if additive is None else additive + bias
 
 
 def _stack(x: Tensor) -> Tensor:
@@ -564,15 +565,7 @@ def _tile_backward(
             attn_mask=additive,
             scale=scale,
         )
-    acc = _acc_dtype(q.dtype)
-    s = (q @ k.transpose(-2, -1)).to(acc).mul_(scale)
-    if additive is not None:
-        s = s.add_(additive.to(acc))
-    p = s.sub_(lse.to(acc).unsqueeze(-1)).exp_()  # the weights, recomputed from the lse
-    delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
-    dv = p.to(dout.dtype).transpose(-2, -1) @ dout
-    ds = p.mul_((dout @ v.transpose(-2, -1)).to(acc).sub_(delta)).mul_(scale).to(q.dtype)
-    return ds @ k, ds.transpose(-2, -1) @ q, dv
+    return plain_tile_backward(dout, q, k, v, out, lse, additive, scale)[:3]
 
 
 def _rows_bias(bias: Tensor | None, G: int, g: int, r0: int, r1: int, k0: int, k1: int):
@@ -597,7 +590,7 @@ def _rows_forward(i, item: _Rows, q, k, v, scale, bias, prepared, key_tile, out,
     qb = _stack(q[:, :, :, r0:r1])  # (B, G, g·R, D)
     total_out = total_lse = None
     for k0, k1, tm in _rows_tiles(i, item, prepared, key_tile, q.device):
-        additive = _with_bias(tm.additive, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
+        additive = _with_bias(tm.additive, _rows_bias(bias, G, g, r0, r1, k0, k1))
         o, l = _tile_forward(qb, k[:, :, k0:k1], v[:, :, k0:k1], additive, scale)  # noqa: E741
         if tm.unseen is not None:  # rows with no visible key in this tile
             l = l.masked_fill(tm.unseen, float("-inf"))  # noqa: E741
@@ -630,9 +623,9 @@ def _windows_forward(i, item: _Windows, q, k, v, scale, prepared, block, out, ls
 
 def _forward(q, k, v, scale, bias, prepared: _Prepared, key_tile):
     block = prepared.block
-    B, H, T, _ = q.shape
+    B, H, T, D = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    qg = q.reshape(B, G, H // G, T, -1)  # (B, G, g, T, D): query heads grouped by kv head
+    qg = q.reshape(B, G, H // G, T, D)  # (B, G, g, T, D): query heads grouped by kv head
     acc_dtype = _acc_dtype(q.dtype)
     if prepared.covers:  # every row is written by some tile
         out = torch.empty(B, G, H // G, T, Dv, dtype=acc_dtype, device=q.device)
@@ -648,18 +641,20 @@ def _forward(q, k, v, scale, bias, prepared: _Prepared, key_tile):
     return out.view(B, H, T, Dv).to(q.dtype), lse.view(B, H, T)
 
 
-def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, key_tile):
+def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, key_tile, bias_grad):
+    """(dq, dk, dv, dbias): dbias (the bias's 4-D shape) when ``bias_grad``, else None."""
     block = prepared.block
     B, H, T, D = q.shape
     G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     g = H // G
     acc = _acc_dtype(q.dtype)
-    qg, og, dog = (x.reshape(B, G, g, T, -1) for x in (q, out, dout))
+    qg, og, dog = (x.reshape(B, G, g, T, x.shape[3]) for x in (q, out, dout))
     # rows with no visible key (lse = −inf) get weight 0 through the mask; any finite lse does
     lse_g = lse.view(B, G, g, T).masked_fill(torch.isneginf(lse.view(B, G, g, T)), 0.0)
     dq = torch.zeros(B, G, g, T, D, dtype=acc, device=q.device)
     dk = torch.zeros(B, G, S, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, G, S, Dv, dtype=acc, device=q.device)
+    dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias_grad else None
     for i, item in enumerate(prepared.plan):
         if isinstance(item, _Windows):
             t = _gather(item, qg, k, v, block)
@@ -684,14 +679,18 @@ def _backward(q, k, v, out, lse, dout, scale, bias, prepared: _Prepared, key_til
         qb, ob, dob = (_stack(x[:, :, :, r0:r1]) for x in (qg, og, dog))
         lb = _stack(lse_g[:, :, :, r0:r1].unsqueeze(-1)).squeeze(-1)
         for k0, k1, tm in _rows_tiles(i, item, prepared, key_tile, q.device):
-            additive = _with_bias(tm.additive, _rows_bias(bias, G, g, r0, r1, k0, k1), q.dtype)
-            dqb, dkb, dvb = _tile_backward(
-                dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lb, additive, scale
-            )
+            additive = _with_bias(tm.additive, _rows_bias(bias, G, g, r0, r1, k0, k1))
+            tile = (dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lb, additive, scale)
+            if dbias is None:
+                dqb, dkb, dvb = _tile_backward(*tile)
+            else:  # the fused kernel's backward gives no dS: plain ops for this tile
+                dqb, dkb, dvb, ds = plain_tile_backward(*tile)
+                add_bias_grad(dbias, ds, g, r0, r1, k0, k1)
             dq[:, :, :, r0:r1] += _unstack(dqb.to(acc), g)
             dk[:, :, k0:k1] += dkb.to(acc)
             dv[:, :, k0:k1] += dvb.to(acc)
-    return dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dbias = None if dbias is None else dbias.to(bias.dtype)
+    return dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -706,8 +705,9 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        bias_grad = ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = _backward(q, k, v, out, lse, dout.contiguous(), *ctx.args, bias_grad)
+        return dq, dk, dv, None, dbias, None, None
 
 
 def tiled_attention(
@@ -727,7 +727,8 @@ def tiled_attention(
     """Exact attention in tiles: ``(out (B, H, T, Dv), lse (B, H, T))``, lse in fp32 (fp64 for
     fp64 inputs).
 
-    Differentiable in q, k and v (the bias is treated as a constant). ``block``, ``key_tile``
+    Differentiable in q, k, v and the bias (:mod:`dikkat.core.tiled_grad`: a tile whose bias
+    needs a gradient runs a plain-ops backward, which also gives dS). ``block``, ``key_tile``
     and ``cells`` size the tiles (see the module docstring; ``block`` None: :data:`BLOCK`, or
     for windows the size :func:`_choose_block` finds fastest); ``windows`` forces (True) or
     forbids (False) gathered key windows, which need a mask and no bias.
@@ -735,8 +736,7 @@ def tiled_attention(
     for name, value in (("block", block), ("key_tile", key_tile), ("cells", cells)):
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    if bias is not None:  # a constant, viewed as (B|1, H|1, T|1, S|1)
-        bias = bias.detach()
+    if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
         windows = False
     B, H, T, _ = q.shape

@@ -29,6 +29,11 @@ def from_torch_mask(
     Returns:
         A bool tensor broadcastable to (B, H, T, S), True = may attend; None if both are None.
     """
+    if n_heads is not None:
+        if isinstance(n_heads, bool) or not isinstance(n_heads, int):
+            raise TypeError(f"n_heads must be an int or None, got {type(n_heads).__name__}")
+        if n_heads <= 0:
+            raise ValueError(f"n_heads must be positive, got {n_heads}")
     out: Tensor | None = None
     if attn_mask is not None:
         allowed = _torch_allowed("attn_mask", attn_mask)
@@ -57,6 +62,10 @@ def from_torch_mask(
 
 
 def _torch_allowed(name: str, m: Tensor) -> Tensor:
+    if not isinstance(m, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(m).__name__}")
+    if m.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no values to convert")
     if m.dtype == torch.bool:
         return ~m
     if m.dtype.is_floating_point:
