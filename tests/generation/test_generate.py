@@ -288,5 +288,5 @@ def test_empty_prompts_raise(prompts):
 
 def test_float_prompt_tensor_raises():
     model = make_gpt("learned", seed=20)
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="prompts must be an integer tensor"):
         model.generate(torch.zeros(1, 3), 3)

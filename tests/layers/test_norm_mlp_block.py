@@ -81,7 +81,7 @@ def test_layer_norm_without_bias():
 def test_layer_norm_rejects_wrong_width():
     with pytest.raises(ValueError, match=r"last dim of 8, got x of shape \(2, 3, 7\)"):
         LayerNorm(8)(torch.zeros(2, 3, 7))
-    with pytest.raises(ValueError, match="d_model must be positive"):
+    with pytest.raises(ValueError, match="d_model must be a positive int, got 0"):
         LayerNorm(0)
 
 
@@ -333,7 +333,7 @@ def test_unknown_preset():
         ({"n_heads": 8, "n_kv_heads": 3}, "n_kv_heads=3 must be positive and divide n_heads=8"),
         ({"n_kv_heads": 0}, "n_kv_heads=0"),
         ({"norm": "middle"}, "norm must be 'pre' or 'post', got 'middle'"),
-        ({"d_model": 0}, "must be positive"),
+        ({"d_model": 0}, "d_model must be a positive int, got 0"),
         ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
     ],
 )

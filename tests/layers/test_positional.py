@@ -337,7 +337,7 @@ def test_alibi_slopes_not_a_power_of_two():
     expected = [*of8, of16[0], of16[2], of16[4], of16[6]]
     assert alibi_slopes(12).tolist() == pytest.approx(expected, rel=1e-6)
     assert len(set(alibi_slopes(12).tolist())) == 12  # no two heads share a slope
-    with pytest.raises(ValueError, match="n_heads must be positive"):
+    with pytest.raises(ValueError, match="n_heads must be a positive int, got 0"):
         alibi_slopes(0)
 
 

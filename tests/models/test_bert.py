@@ -83,7 +83,7 @@ def test_without_an_mlm_head_forward_is_an_error():
 
 def test_bad_inputs_raise():
     model = small()
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(TypeError, match="ids must be an integer tensor"):
         model.encode(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="max_len"):
         model.encode(random_ids(1, 21, seed=0))

@@ -136,7 +136,7 @@ def test_changing_a_future_token_never_changes_earlier_logits(variant, t):
 
 def test_forward_rejects_bad_ids_and_overlong_sequences():
     model = small()
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(TypeError, match="ids must be an integer tensor"):
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="integer"):
         model(torch.zeros(4, dtype=torch.long))

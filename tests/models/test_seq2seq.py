@@ -103,7 +103,7 @@ def test_original_base_preset():
 
 def test_bad_inputs_raise():
     model = small()
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(TypeError, match="src must be an integer tensor"):
         model.encode(torch.zeros(1, 4))
     with pytest.raises(ValueError):
         model(random_ids(1, 25, seed=0, high=SRC_V), random_ids(1, 3, seed=0, high=TGT_V))

@@ -138,9 +138,7 @@ def test_shapes_presets_and_config_errors():
     assert out.logits.shape == (3, 8, 4) and out.boxes.shape == (3, 8, 4)
     assert ((out.boxes > 0) & (out.boxes < 1)).all()
     assert DETRConfig.preset("small").grid == 16
-    with pytest.raises(
-        ValueError, match=r"images must have shape \(B, 3, 64, 64\), got \(3, 1, 64"
-    ):
+    with pytest.raises(ValueError, match=r"images have 1 channels, the model 3: got \(3, 1, 64"):
         model(torch.rand(3, 1, 64, 64))
     with pytest.raises(ValueError, match="d_model=30 must be divisible by 4"):
         DETRConfig(d_model=30, n_heads=2)

@@ -90,7 +90,6 @@ def test_presets():
     [
         ({"patch_size": 3}, "image_size=8 is not divisible by patch_size=3"),
         ({"patch_overlap": -1}, "patch_overlap must be an int ≥ 0, got -1"),
-        ({"patch_overlap": 1.0}, "patch_overlap must be an int ≥ 0, got 1.0"),
         ({"pool": "max"}, "pool must be 'cls' or 'mean', got 'max'"),
         ({"d_model": 30, "n_heads": 4}, "d_model=30 is not divisible by n_heads=4"),
         ({"channels": 0}, "channels must be a positive int, got 0"),
@@ -100,6 +99,11 @@ def test_presets():
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         ViTConfig(**fields)
+
+
+def test_a_float_size_is_a_type_error():
+    with pytest.raises(TypeError, match=r"patch_overlap must be an int ≥ 0, got 1.0 \(float\)"):
+        ViTConfig(patch_overlap=1.0)
 
 
 def test_image_errors_name_the_shapes():
@@ -124,7 +128,7 @@ def test_save_load_round_trip(tmp_path, pool):
     back = ViT.load(tmp_path / "vit").eval()
     assert back.config == m.config
     assert torch.equal(back(x), m(x))
-    with pytest.raises(ValueError, match="not a valid GPT config"):
+    with pytest.raises(ValueError, match=r"holds a 'ViT', not a GPT|not a valid GPT config"):
         GPT.load(tmp_path / "vit")
 
 

@@ -17,11 +17,28 @@ from torch import Tensor
 
 from dikkat.core.masks import Mask, causal, padding
 from dikkat.generation.kv_cache import KVCache
+from dikkat.layers.inputs import check_token_id, check_token_ids
 from dikkat.layers.linear import packed_for_inference
+from dikkat.validate import check_float, check_int, is_int
+
+Prompts = Sequence[Sequence[int]] | Tensor
+
+
+class LMConfig(Protocol):
+    """The sizes generation checks its arguments against."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
 
 
 class CausalLM(Protocol):
     """What generation needs of a model (``dikkat.models.GPT`` is one)."""
+
+    @property
+    def config(self) -> LMConfig: ...
 
     def new_cache(self, batch: int, max_len: int | None = None) -> list[KVCache]: ...
 
@@ -37,35 +54,99 @@ class CausalLM(Protocol):
     ) -> Tensor: ...
 
 
-def left_pad(prompts: Sequence[Sequence[int]] | Tensor, pad_id: int = 0) -> tuple[Tensor, Tensor]:
-    """Prompts → ids (B, T) left-padded with ``pad_id`` and ``valid`` (B, T) (False = padding)."""
+def check_prompts(prompts: object, vocab_size: int | None = None) -> None:
+    """``prompts`` is an integer tensor (B, T) or a non-empty list of non-empty prompts, each a
+    list (or 1-D integer tensor) of token ids, inside the vocabulary when ``vocab_size`` is given.
+    """
     if isinstance(prompts, Tensor):
-        if prompts.dim() != 2 or prompts.dtype.is_floating_point:
-            raise ValueError(
-                f"prompt ids must be an integer tensor (B, T), got {tuple(prompts.shape)}"
-            )
+        check_token_ids("prompts", prompts, vocab_size)
         if prompts.numel() == 0:
             raise ValueError(f"every prompt needs at least one token, got {tuple(prompts.shape)}")
+        return
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        hint = " (convert a numpy array with torch.as_tensor)" if hasattr(prompts, "shape") else ""
+        raise TypeError(
+            f"prompts must be a (B, T) integer tensor or a list of prompts, each a list of int "
+            f"token ids, got {type(prompts).__name__}{hint}"
+        )
+    if len(prompts) == 0:
+        raise ValueError("prompts holds no prompt; pass at least one, e.g. [[1, 2]]")
+    for b, prompt in enumerate(prompts):
+        _check_prompt(b, prompt, vocab_size)
+
+
+def _check_prompt(b: int, prompt: object, vocab_size: int | None) -> None:
+    name = f"prompts[{b}]"
+    if isinstance(prompt, Tensor):
+        check_token_ids(name, prompt, None, layout=("T",))
+        prompt = prompt.tolist()
+    if is_int(prompt):
+        raise TypeError(
+            f"{name} is the token id {prompt!r}, not a prompt: prompts is a list of prompts, so "
+            f"one prompt is written [[1, 2]], not [1, 2]"
+        )
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{name} must be a list of int token ids, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError(f"{name} is empty: every prompt needs at least one token")
+    for t, token in enumerate(prompt):
+        if not is_int(token):  # a float would be truncated to an id silently
+            raise TypeError(f"{name}[{t}] is {token!r} ({type(token).__name__}), not an int id")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f"outside the vocabulary of {vocab_size}" if vocab_size else "a negative id"
+            raise ValueError(f"prompts holds {token} at ({b}, {t}), {where}")
+
+
+def left_pad(
+    prompts: Prompts, pad_id: int = 0, *, vocab_size: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Prompts → ids (B, T) left-padded with ``pad_id`` and ``valid`` (B, T) (False = padding).
+
+    The prompts are checked by :func:`check_prompts` (against ``vocab_size`` when given).
+    """
+    check_prompts(prompts, vocab_size)
+    if vocab_size is None:
+        check_int("pad_id", pad_id, at_least=0)
+    else:
+        check_token_id("pad_id", pad_id, vocab_size)
+    if isinstance(prompts, Tensor):
         return prompts, torch.ones_like(prompts, dtype=torch.bool)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(prompts), T, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+    rows = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompts]
+    T = max(len(p) for p in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(rows), T, dtype=torch.bool)
+    for b, p in enumerate(rows):
+        ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         valid[b, T - len(p) :] = True
     return ids, valid
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Reject bad sampling arguments, also where greedy decoding (temperature 0) ignores them."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be positive, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_float("temperature", temperature, low=0.0)
+    check_int("top_k", top_k, optional=True)
+    check_float("top_p", top_p, low=0.0, high=1.0, low_open=True, optional=True)
+
+
+def check_seed(seed: int | None) -> None:
+    """None, or a seed ``torch.Generator.manual_seed`` takes as itself (it wraps negatives)."""
+    check_int("seed", seed, at_least=0, at_most=2**64 - 1, optional=True)
+
+
+def check_room(prompt_len: int, max_new_tokens: int, context: int) -> None:
+    """The prompt and the new tokens fit in the model's context (a KV cache slot each)."""
+    if prompt_len > context:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, longer than the model's context of {context}"
+        )
+    if prompt_len + max_new_tokens > context:
+        room = context - prompt_len
+        fit = f"at most {room} new tokens fit" if room else "no new token fits"
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: "
+            f"{prompt_len + max_new_tokens} positions, past the model's context of {context}; "
+            f"{fit}"
+        )
 
 
 def sample(
@@ -135,7 +216,7 @@ def decode_step(
 
 def iter_generate(
     model: CausalLM,
-    prompts: Sequence[Sequence[int]] | Tensor,
+    prompts: Prompts,
     max_new_tokens: int,
     *,
     temperature: float = 0.0,
@@ -148,12 +229,30 @@ def iter_generate(
     """Yield the next token of every row, (B,), one step at a time (for streaming).
 
     A row that has produced ``eos_id`` keeps yielding ``eos_id``; generation stops when every row
-    has, or after ``max_new_tokens``.
+    has, or after ``max_new_tokens``. The arguments are checked here, when it is called, not at
+    the first ``next``.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    c = model.config
+    check_int("max_new_tokens", max_new_tokens, at_least=0)
     check_sampling(temperature, top_k, top_p)
-    ids, valid = left_pad(prompts, pad_id)
+    check_token_id("eos_id", eos_id, c.vocab_size, optional=True)
+    check_seed(seed)
+    ids, valid = left_pad(prompts, pad_id, vocab_size=c.vocab_size)
+    check_room(ids.shape[1], max_new_tokens, c.max_len)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    return _tokens(model, ids, valid, max_new_tokens, sampling, eos_id, seed)
+
+
+def _tokens(
+    model: CausalLM,
+    ids: Tensor,
+    valid: Tensor,
+    max_new_tokens: int,
+    sampling: dict,
+    eos_id: int | None,
+    seed: int | None,
+) -> Iterator[Tensor]:
+    """The decoding loop of :func:`iter_generate`, on checked arguments."""
     B, T = ids.shape
     device = next(iter(model.parameters())).device  # type: ignore[attr-defined]
     ids, valid = ids.to(device), valid.to(device)
@@ -172,9 +271,7 @@ def iter_generate(
         logits = prefill(model, ids, cache, full_valid)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
-            token = sample(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-            )
+            token = sample(logits, **sampling, generator=generator)
             if eos_id is not None:
                 token = token.masked_fill(done, eos_id)
                 done |= token == eos_id
@@ -186,7 +283,7 @@ def iter_generate(
 
 def generate(
     model: CausalLM,
-    prompts: Sequence[Sequence[int]] | Tensor,
+    prompts: Prompts,
     max_new_tokens: int,
     **kwargs: object,
 ) -> list[list[int]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dikkat.validate import check_int
+
 
 class KVCache(nn.Module):
     """Keys and values of one attention layer, (B, G, S_max, D) each, filled from slot 0.
@@ -41,8 +43,9 @@ class KVCache(nn.Module):
             ("max_len", max_len),
             ("head_dim", head_dim),
         ):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            check_int(name, value)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -72,6 +75,7 @@ class KVCache(nn.Module):
                 f"{tuple(k.shape)}"
             )
         T = k.shape[2]
+        check_int("start", start, at_least=0)
         if not 0 <= start <= self.length:
             raise ValueError(f"start={start} must lie in 0 … {self.length} (the filled length)")
         end = start + T

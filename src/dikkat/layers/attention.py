@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dikkat.core.attention import attention
+from dikkat.core.attention import attention, check_backend_name
 from dikkat.core.masks import Mask
+from dikkat.layers.inputs import check_meets
 from dikkat.layers.linear import Linear
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
+from dikkat.validate import check_bool, check_int, check_probability
 
 if TYPE_CHECKING:  # layers only call the cache; generation owns it
     from dikkat.generation.kv_cache import KVCache
@@ -60,23 +62,25 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        check_int("d_model", d_model)
+        check_int("n_heads", n_heads)
+        check_int("n_kv_heads", n_kv_heads, at_least=None, optional=True)  # range: just below
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise ValueError(
                 f"n_kv_heads={n_kv_heads} must be positive and divide n_heads={n_heads}"
             )
+        check_int("head_dim", head_dim, optional=True)
+        check_int("context_dim", context_dim, optional=True)
+        check_bool("bias", bias)
+        check_probability("dropout", dropout)
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(
                     f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim"
                 )
             head_dim = d_model // n_heads
-        if rope is not None and rope.head_dim != head_dim:
-            raise ValueError(
-                f"rope was built for head_dim {rope.head_dim}, attention has {head_dim}"
-            )
-        if alibi is not None and alibi.n_heads != n_heads:
-            raise ValueError(f"alibi was built for {alibi.n_heads} heads, attention has {n_heads}")
+        _check_position_modules(rope, alibi, head_dim, n_heads)
         context_dim = d_model if context_dim is None else context_dim
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.context_dim = head_dim, context_dim
@@ -86,6 +90,15 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = Linear(context_dim, n_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(context_dim, n_kv_heads * head_dim, bias=bias)
         self.out_proj = Linear(n_heads * head_dim, d_model, bias=bias)
+
+    @property
+    def backend(self) -> str:
+        """The :func:`dikkat.attention` backend; may be changed on a built layer."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._backend = check_backend_name("backend", name)  # now, not at the first forward
 
     def _heads(self, t: Tensor, n: int) -> Tensor:
         B, L, _ = t.shape
@@ -130,8 +143,9 @@ class MultiHeadAttention(nn.Module):
             if self.alibi is not None:
                 # ALiBi needs only distances, and slot distance equals position distance.
                 q_idx = torch.arange(q_offset, q_offset + x.shape[1], device=x.device)
+                # kept in fp32: attention adds it to the scores there (a bf16 bias of a few
+                # hundred is rounded to steps of 2)
                 bias = self.alibi.bias(q_idx, torch.arange(k.shape[2], device=x.device))
-                bias = bias.to(q.dtype)
 
         out = attention(
             q,
@@ -183,12 +197,13 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.update(0, k, v)
         return k, v
 
-    @staticmethod
-    def _check_input(name: str, t: Tensor, width: int) -> None:
+    def _check_input(self, name: str, t: Tensor, width: int) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must have shape (B, L, {width}), got {tuple(t.shape)}")
+        weight = self.q_proj.weight if name == "x" else self.k_proj.weight
+        check_meets(name, t, weight, "MultiHeadAttention")
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -228,3 +243,17 @@ class MultiHeadAttention(nn.Module):
                     proj.bias.copy_(b)
                 layer.out_proj.bias.copy_(m.out_proj.bias)
         return layer.to(m.out_proj.weight.dtype).to(m.out_proj.weight.device)
+
+
+def _check_position_modules(
+    rope: RotaryEmbedding | None, alibi: ALiBi | None, head_dim: int, n_heads: int
+) -> None:
+    """RoPE and ALiBi, when given, are the modules and sizes this attention needs."""
+    for name, module, kind in (("rope", rope, RotaryEmbedding), ("alibi", alibi, ALiBi)):
+        if module is not None and not isinstance(module, kind):
+            got = type(module).__name__
+            raise TypeError(f"{name} must be a {kind.__name__} or None, got {got}")
+    if rope is not None and rope.head_dim != head_dim:
+        raise ValueError(f"rope was built for head_dim {rope.head_dim}, attention has {head_dim}")
+    if alibi is not None and alibi.n_heads != n_heads:
+        raise ValueError(f"alibi was built for {alibi.n_heads} heads, attention has {n_heads}")

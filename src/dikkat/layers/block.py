@@ -27,10 +27,19 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import Mask
 from dikkat.layers.attention import MultiHeadAttention
-from dikkat.layers.mlp import MLP, Activation
+from dikkat.layers.inputs import check_meets
+from dikkat.layers.mlp import ACTIVATIONS, MLP, Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import ALiBi, RotaryEmbedding
 from dikkat.presets import pick_preset
+from dikkat.validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_probability,
+    check_sizes,
+)
 
 if TYPE_CHECKING:
     from dikkat.generation.kv_cache import KVCache
@@ -52,19 +61,21 @@ class BlockConfig:
     cross_attention: bool = False  # add a cross-attention sub-layer (encoder-decoder decoder)
 
     def __post_init__(self) -> None:
-        if self.norm not in ("pre", "post"):
-            raise ValueError(f"norm must be 'pre' or 'post', got {self.norm!r}")
-        if self.d_model <= 0 or self.n_heads <= 0:
-            raise ValueError(
-                f"d_model and n_heads must be positive, got {self.d_model}, {self.n_heads}"
-            )
+        check_sizes(self, "d_model", "n_heads")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        check_int("n_kv_heads", self.n_kv_heads, at_least=None, optional=True)  # range: below
         kv = self.kv_heads
         if kv <= 0 or self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} must be positive and divide n_heads={self.n_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_int("d_ff", self.d_ff, optional=True)
+        check_choice("norm", self.norm, ("pre", "post"))
+        # eps ≤ 0: a constant row divides 0 by 0, a negative eps takes √ of a negative: NaN
+        check_float("norm_eps", self.norm_eps, low=0.0, low_open=True)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_bool("bias", self.bias)
+        check_probability("dropout", self.dropout)
+        check_bool("cross_attention", self.cross_attention)
 
     @property
     def head_dim(self) -> int:
@@ -126,6 +137,8 @@ class Block(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        if not isinstance(config, BlockConfig):
+            raise TypeError(f"config must be a BlockConfig, got {type(config).__name__}")
         c = config
         self.config = c
         self.attn = MultiHeadAttention(
@@ -186,6 +199,7 @@ class Block(nn.Module):
             cache, cross_cache: KV caches of the self- and cross-attention (generation).
             return_weights: also return a :class:`BlockWeights`.
         """
+        check_meets("x", x, self.norm1.weight, "Block")
         if (context is None) == (self.cross_attn is not None):
             if self.cross_attn is not None:
                 raise ValueError("this block has cross-attention and needs a context")

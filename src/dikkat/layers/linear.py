@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dikkat.validate import check_bool, check_int
+
 
 def _onednn_linear_available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
@@ -38,6 +40,20 @@ class Linear(nn.Linear):
     use_packed: bool = False
     _packed: Tensor | None = None
     _packed_key: tuple[int, int, torch.dtype] | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        # nn.Linear accepts 0 features (an empty product: every output is the bias)
+        check_int("in_features", in_features)
+        check_int("out_features", out_features)
+        check_bool("bias", bias)
+        super().__init__(in_features, out_features, bias, device, dtype)
 
     def packed_weight(self) -> Tensor:
         w = self.weight

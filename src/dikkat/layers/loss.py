@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dikkat.layers.inputs import check_token_ids
+from dikkat.validate import check_int
+
 # rows per chunk: 1024 × 50257 fp32 logits = 206 MB live at a time. Smaller chunks hold less,
 # but the weight gradient's products get thin (1024 → 256 rows: 8 % slower here, fp32 and bf16)
 DEFAULT_CHUNK = 1024
@@ -89,19 +92,21 @@ def linear_cross_entropy(
             f"weight {tuple(weight.shape)}"
         )
     x2 = x.reshape(-1, x.shape[-1])
-    if targets.dtype.is_floating_point or targets.numel() != x2.shape[0]:
+    check_int("ignore_index", ignore_index, at_least=None)
+    # an id past the vocabulary would make gather/scatter fail with an index error
+    check_token_ids("targets", targets, weight.shape[0], layout=None, ignore_index=ignore_index)
+    if targets.numel() != x2.shape[0]:
         raise ValueError(
             f"targets must hold one integer id per row of x; got targets "
             f"{tuple(targets.shape)} ({targets.dtype}) for x {tuple(x.shape)}"
         )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    check_int("chunk_size", chunk_size)
     if scratch is not None and not isinstance(scratch, Scratch):
         raise TypeError(f"scratch must be a Scratch or None, got {type(scratch).__name__}")
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
     buffer = _fresh if scratch is None else scratch.get
     return _LinearCrossEntropy.apply(
-        x2, weight, targets.reshape(-1), ignore_index, chunk_size, dtype, buffer
+        x2, weight, targets.reshape(-1).long(), ignore_index, chunk_size, dtype, buffer
     )
 
 

@@ -6,7 +6,9 @@ from typing import Literal
 
 from torch import Tensor, nn
 
+from dikkat.layers.inputs import check_meets
 from dikkat.layers.linear import Linear
+from dikkat.validate import check_bool, check_choice, check_int
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
 
@@ -15,6 +17,7 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # GPT-2's tanh approximation
     "relu": lambda: nn.ReLU(),  # the original 2017 Transformer
 }
+ACTIVATIONS = tuple(_ACTIVATIONS)  # the names configs may give
 
 
 class MLP(nn.Module):
@@ -32,14 +35,15 @@ class MLP(nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
-            )
+        check_int("d_model", d_model)
+        check_int("hidden", hidden, optional=True)
+        check_choice("activation", activation, ACTIVATIONS)
+        check_bool("bias", bias)
         hidden = 4 * d_model if hidden is None else hidden
         self.up = Linear(d_model, hidden, bias=bias)
         self.act = _ACTIVATIONS[activation]()
         self.down = Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_meets("x", x, self.up.weight, "MLP")
         return self.down(self.act(self.up(x)))

@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dikkat.layers.inputs import check_meets
+from dikkat.validate import check_bool, check_float, check_int
+
 
 class LayerNorm(nn.Module):
     """y = (x − mean(x)) / √(var(x) + eps) · weight + bias, statistics over the last axis.
@@ -19,13 +22,16 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d_model: int, *, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
-        if d_model <= 0:
-            raise ValueError(f"d_model must be positive, got {d_model}")
+        check_int("d_model", d_model)
+        # eps ≤ 0 divides by zero on a constant row; a negative one makes √(var + eps) NaN
+        check_float("eps", eps, low=0.0, low_open=True)
+        check_bool("bias", bias)
         self.d_model, self.eps = d_model, eps
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        check_meets("x", x, self.weight, "LayerNorm", mixed=True)
         if x.shape[-1] != self.d_model:
             raise ValueError(
                 f"LayerNorm expects a last dim of {self.d_model}, got x of shape {tuple(x.shape)}"

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dikkat.validate import check_bool, check_float, check_int
+
 __all__ = [
     "ALiBi",
     "LearnedPositionalEmbedding",
@@ -58,6 +60,8 @@ def _check_max_len(pos: Tensor, max_len: int, what: str) -> None:
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     """(max_len, d): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same angle)."""
+    check_int("max_len", max_len)
+    check_int("d_model", d_model)
     if d_model % 2:
         raise ValueError(f"sinusoidal encoding needs an even d_model, got {d_model}")
     pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (L, 1)
@@ -89,6 +93,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, max_len: int, d_model: int) -> None:
         super().__init__()
+        check_int("max_len", max_len)
+        check_int("d_model", d_model)
         self.max_len = max_len
         self.weight = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
 
@@ -108,8 +114,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, *, base: float = 10000.0, max_len: int = 4096) -> None:
         super().__init__()
+        check_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        # base^(−2i/D): a base ≤ 0 gives NaN (or infinite) frequencies, NaN in every score
+        check_float("base", base, low=0.0, low_open=True)
+        check_int("max_len", max_len)
         self.head_dim, self.base, self.max_len = head_dim, base, max_len
         # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
         # frequencies. Angles are computed in float64 for the positions of each call.
@@ -139,8 +149,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
 
-    if n_heads <= 0:
-        raise ValueError(f"n_heads must be positive, got {n_heads}")
+    check_int("n_heads", n_heads)
     lower = 2 ** math.floor(math.log2(n_heads))
     slopes = power_of_two(lower)
     if lower != n_heads:
@@ -157,6 +166,7 @@ class ALiBi(nn.Module):
 
     def __init__(self, n_heads: int, *, symmetric: bool = False) -> None:
         super().__init__()
+        check_bool("symmetric", symmetric)
         self.n_heads, self.symmetric = n_heads, symmetric
         self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import padding
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.inputs import check_token_ids
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
@@ -23,6 +24,7 @@ from dikkat.layers.positional import LearnedPositionalEmbedding
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
+from dikkat.validate import check_bool, check_sizes
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,9 @@ class BERTConfig:
     mlm_head: bool = True  # include the masked-LM head
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_len", "n_layers", "type_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        self.block()
+        check_sizes(self, "vocab_size", "max_len", "n_layers", "type_vocab_size")
+        check_bool("mlm_head", self.mlm_head)
+        self.block()  # validates widths, heads, norm_eps, activation, dropout
 
     def block(self) -> BlockConfig:
         return BlockConfig(
@@ -138,16 +139,23 @@ class BERT(SaveLoad, nn.Module):
             token_type_ids: (B, T) segment ids; default all 0.
             return_weights: also return each layer's weights (B, H, T, T).
         """
-        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dim() != 2:
-            raise ValueError(
-                f"ids must be an integer tensor (B, T), got {getattr(ids, 'shape', ids)}"
-            )
-        if ids.shape[1] > self.config.max_len:
-            raise ValueError(f"{ids.shape[1]} tokens exceed max_len={self.config.max_len}")
+        c = self.config
+        check_token_ids("ids", ids, c.vocab_size, device=self.tok_emb.weight.device)
+        if ids.shape[1] > c.max_len:
+            raise ValueError(f"ids has {ids.shape[1]} tokens, past max_len={c.max_len}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(ids)
+        check_token_ids(
+            "token_type_ids", token_type_ids, c.type_vocab_size, device=self.type_emb.weight.device
+        )
+        if token_type_ids.shape != ids.shape:
+            raise ValueError(
+                f"token_type_ids {tuple(token_type_ids.shape)} must match ids {tuple(ids.shape)}"
+            )
         mask = None
         if valid is not None:
+            if not isinstance(valid, Tensor):
+                raise TypeError(f"valid must be a bool tensor (B, T), got {type(valid).__name__}")
             if valid.shape != ids.shape:
                 raise ValueError(f"valid {tuple(valid.shape)} must match ids {tuple(ids.shape)}")
             mask = padding(valid=valid.bool())

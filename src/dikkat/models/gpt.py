@@ -20,6 +20,7 @@ from dikkat.core.masks import Mask, causal
 from dikkat.generation.generate import generate
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.inputs import check_token_ids
 from dikkat.layers.linear import Linear
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import Activation
@@ -28,6 +29,7 @@ from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
+from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,17 @@ class GPTConfig:
     tie_embeddings: bool = True  # output projection = token embedding
 
     def __post_init__(self) -> None:
-        if self.position not in ("learned", "rope"):
-            raise ValueError(f"position must be 'learned' or 'rope', got {self.position!r}")
-        for name in ("vocab_size", "max_len", "n_layers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        self.block()  # validates widths and head counts
+        check_sizes(self, "vocab_size", "max_len", "n_layers")
+        check_choice("position", self.position, ("learned", "rope"))
+        # base^(−2i/D): a base ≤ 0 (or NaN, inf) gives NaN frequencies, NaN in every score
+        check_float("rope_base", self.rope_base, low=0.0, low_open=True)
+        check_bool("tie_embeddings", self.tie_embeddings)
+        block = self.block()  # validates widths, head counts, norm_eps, activation, dropout
+        if self.position == "rope" and block.head_dim % 2:
+            raise ValueError(
+                f"position='rope' rotates pairs of features: head dim d_model / n_heads = "
+                f"{block.head_dim} must be even"
+            )
 
     def block(self) -> BlockConfig:
         return BlockConfig(
@@ -133,6 +140,7 @@ class GPT(SaveLoad, nn.Module):
         """One preallocated KV cache per layer, (B, G, max_len, D) each."""
         c = self.config
         max_len = c.max_len if max_len is None else max_len
+        check_int("max_len", max_len)
         if max_len > c.max_len:
             raise ValueError(f"max_len={max_len} exceeds the model's context of {c.max_len}")
         weight = self.tok_emb.weight
@@ -168,12 +176,9 @@ class GPT(SaveLoad, nn.Module):
             cache: per-layer KV caches from :meth:`new_cache`; filled at ``offset``.
             last_only: logits of the last position only, (B, 1, V) (what generation needs).
         """
-        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dim() != 2:
-            raise ValueError(
-                f"ids must be an integer tensor (B, T), got {getattr(ids, 'shape', ids)}"
-            )
-        T = ids.shape[1]
         c = self.config
+        check_token_ids("ids", ids, c.vocab_size, device=self.tok_emb.weight.device)
+        T = ids.shape[1]
         end = offset + T if positions is None else int(positions.max()) + 1
         if end > c.max_len:
             raise ValueError(f"positions reach {end - 1}, past the model's context of {c.max_len}")
@@ -203,6 +208,10 @@ class GPT(SaveLoad, nn.Module):
         Equal to ``cross_entropy(self(ids, mask), targets)`` (targets of −100 are skipped), but
         the (B, T, V) logits are never held: see :func:`dikkat.layers.linear_cross_entropy`.
         """
+        # kinds and shapes before the forward; the forward checks the ids' range, the loss the
+        # targets' (so that each is read once)
+        check_token_ids("ids", ids, None)
+        check_token_ids("targets", targets, None)
         if targets.shape != ids.shape:
             raise ValueError(
                 f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}"

@@ -18,15 +18,24 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, causal, padding
-from dikkat.generation.generate import left_pad, sample
+from dikkat.generation.generate import (
+    Prompts,
+    check_prompts,
+    check_sampling,
+    check_seed,
+    left_pad,
+    sample,
+)
 from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.inputs import check_token_id, check_token_ids
 from dikkat.layers.linear import Linear, packed_for_inference
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
+from dikkat.validate import check_bool, check_int, check_sizes
 
 
 @dataclass(frozen=True)
@@ -49,18 +58,17 @@ class Seq2SeqConfig:
     tie_output: bool = True  # output projection = target embedding
 
     def __post_init__(self) -> None:
-        for name in (
-            "src_vocab_size",
-            "tgt_vocab_size",
-            "max_len",
-            "n_encoder_layers",
+        check_sizes(
+            self, "src_vocab_size", "tgt_vocab_size", "max_len", "n_encoder_layers",
             "n_decoder_layers",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )  # fmt: skip
+        check_bool("share_embeddings", self.share_embeddings)
+        check_bool("tie_output", self.tie_output)
+        self.block()  # validates widths, heads, norm, norm_eps, activation, dropout
+        if self.d_model % 2:
+            raise ValueError(f"the sinusoidal positions need an even d_model, got {self.d_model}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError("share_embeddings needs src_vocab_size == tgt_vocab_size")
-        self.block()
 
     def block(self, *, cross_attention: bool = False) -> BlockConfig:
         return BlockConfig(
@@ -142,10 +150,13 @@ class Seq2Seq(SaveLoad, nn.Module):
             c.share_embeddings and name == "tgt_emb.weight"
         )
 
-    def _embed(self, emb: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
-        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dim() != 2:
+    def _embed(self, name: str, emb: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
+        check_token_ids(name, ids, emb.num_embeddings, layout=("B", "L"), device=emb.weight.device)
+        end, context = offset + ids.shape[1], self.config.max_len
+        if end > context:
             raise ValueError(
-                f"token ids must be an integer tensor (B, L), got {getattr(ids, 'shape', ids)}"
+                f"{name} has {ids.shape[1]} tokens from position {offset}: positions up to "
+                f"{end - 1}, past the model's context of {context}"
             )
         # the paper multiplies embeddings by √C so they are not drowned by the sinusoids
         return self.drop(self.pos(emb(ids) * math.sqrt(self.config.d_model), offset))
@@ -153,7 +164,7 @@ class Seq2Seq(SaveLoad, nn.Module):
     def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
         """Source ids (B, S) → memory (B, S, C); ``src_valid`` (B, S) is False at padding."""
         mask = None if src_valid is None else padding(valid=src_valid)
-        x = self._embed(self.src_emb, src)
+        x = self._embed("src", self.src_emb, src)
         for block in self.encoder:
             x = block(x, mask)
         return x if self.enc_norm is None else self.enc_norm(x)
@@ -177,7 +188,7 @@ class Seq2Seq(SaveLoad, nn.Module):
         """
         ctx_mask = None if src_valid is None else padding(valid=src_valid)
         mask = causal() if tgt_mask is None else tgt_mask
-        x = self._embed(self.tgt_emb, tgt, offset)
+        x = self._embed("tgt", self.tgt_emb, tgt, offset)
         weights = []
         for i, block in enumerate(self.decoder):
             out = block(
@@ -224,7 +235,7 @@ class Seq2Seq(SaveLoad, nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        src: Tensor | list[list[int]],
+        src: Prompts,
         max_new_tokens: int,
         *,
         bos_id: int,
@@ -237,33 +248,41 @@ class Seq2Seq(SaveLoad, nn.Module):
 
         The cross-attention keys/values of the source are projected on the first step and reused
         from the cross caches at every later step. Returns the generated ids (without ``bos_id``),
-        cut after ``eos_id``.
+        cut after ``eos_id``; at most ``max_len − 1`` of them (the target's context, after
+        ``bos_id``), whatever ``max_new_tokens`` asks. ``pad_id`` pads the sources (a source id).
         """
+        c = self.config
+        check_int("max_new_tokens", max_new_tokens, at_least=0)
+        check_token_id("bos_id", bos_id, c.tgt_vocab_size)
+        check_token_id("eos_id", eos_id, c.tgt_vocab_size, optional=True)
+        check_sampling(temperature, None, None)
+        check_seed(seed)
+        check_prompts(src, c.src_vocab_size)  # before the rows are reversed for padding
+        check_token_id("pad_id", pad_id, c.src_vocab_size)
+        if isinstance(src, Tensor):
+            ids, valid = src, torch.ones_like(src, dtype=torch.bool)
+        else:  # right-pad sources: the encoder is bidirectional, padding only needs masking
+            rows = [list(reversed(s.tolist() if isinstance(s, Tensor) else s)) for s in src]
+            ids, valid = left_pad(rows, pad_id)
+            ids, valid = ids.flip(1), valid.flip(1)
         was_training = self.training
         self.eval()
         try:
             with packed_for_inference(self):
-                return self._generate(
-                    src, max_new_tokens, bos_id, eos_id, pad_id, temperature, seed
-                )
+                return self._generate(ids, valid, max_new_tokens, bos_id, eos_id, temperature, seed)
         finally:
             self.train(was_training)
 
     def _generate(
         self,
-        src: Tensor | list[list[int]],
+        ids: Tensor,
+        valid: Tensor,
         max_new_tokens: int,
         bos_id: int,
         eos_id: int | None,
-        pad_id: int,
         temperature: float,
         seed: int | None,
     ) -> list[list[int]]:
-        if isinstance(src, Tensor):
-            ids, valid = src, torch.ones_like(src, dtype=torch.bool)
-        else:  # right-pad sources: the encoder is bidirectional, padding only needs masking
-            ids, valid = left_pad([list(reversed(s)) for s in src], pad_id)
-            ids, valid = ids.flip(1), valid.flip(1)
         device = self.tgt_emb.weight.device
         ids, valid = ids.to(device), valid.to(device)
         src_valid = None if bool(valid.all()) else valid

@@ -25,11 +25,13 @@ from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.inputs import check_images, check_meets
 from dikkat.layers.linear import Linear
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import sinusoidal_table
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
+from dikkat.validate import check_sizes
 from dikkat.vision.psa import C2PSA, Conv
 
 __all__ = [
@@ -65,9 +67,11 @@ class DETRConfig:
     dropout: float = 0.0  # decoder dropout
 
     def __post_init__(self) -> None:
-        for name in ("image_size", "n_classes", "n_queries", "width", "n_strides", "n_layers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_sizes(
+            self, "image_size", "n_classes", "n_queries", "width", "n_strides", "psa_blocks",
+            "n_layers",
+        )  # fmt: skip
+        self.block()  # validates d_model, heads, d_ff and dropout
         if self.image_size % 2**self.n_strides:
             raise ValueError(
                 f"image_size={self.image_size} is not divisible by 2^n_strides = "
@@ -75,7 +79,13 @@ class DETRConfig:
             )
         if self.d_model % 4:
             raise ValueError(f"d_model={self.d_model} must be divisible by 4 (2-D sin/cos)")
-        self.block()  # validates heads and widths
+        # the encoder's C2PSA attends over half the channels with one head per 64 of them
+        psa, heads = self.d_model // 2, max(self.d_model // 2 // 64, 1)
+        if psa % heads:
+            raise ValueError(
+                f"d_model={self.d_model}: the encoder's C2PSA splits its {psa} attention channels "
+                f"into {heads} heads, which does not divide them"
+            )
 
     @property
     def grid(self) -> int:
@@ -163,12 +173,8 @@ class DETR(SaveLoad, nn.Module):
 
     def encode(self, images: Tensor) -> Tensor:
         """images (B, 3, H, W) → feature tokens with positions (B, S, C)."""
-        c = self.config
-        if not isinstance(images, Tensor) or tuple(images.shape[1:]) != (3, *(c.image_size,) * 2):
-            shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
-            raise ValueError(
-                f"images must have shape (B, 3, {c.image_size}, {c.image_size}), got {shape}"
-            )
+        check_images(images, 3, self.config.image_size)
+        check_meets("images", images, self.encoder[0].conv.weight, "DETR")
         f = self.encoder(images)  # (B, C, h, w)
         tokens = f.flatten(2).transpose(1, 2)  # (B, S, C), row-major over the grid
         return self.feature_norm(tokens) + self.pos

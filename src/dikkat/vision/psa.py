@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dikkat.core.attention import attention, available_backends
+from dikkat.core.attention import attention, check_backend_name
+from dikkat.layers.inputs import check_meets
+from dikkat.validate import check_bool, check_float, check_int
 
 __all__ = ["C2PSA", "Attention", "Bottleneck", "C3k2", "Conv", "PSABlock"]
 
@@ -36,9 +38,9 @@ BN_EPS = 1e-3  # Ultralytics sets these on every BatchNorm2d when it builds a mo
 BN_MOMENTUM = 0.03
 
 
-def _positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _ratio(name: str, value: float) -> None:
+    """An expansion or attention ratio: a finite number > 0 (what it leaves is checked after)."""
+    check_float(name, value, low=0.0, low_open=True)
 
 
 def _check_map(x: Tensor, channels: int, block: str) -> None:
@@ -62,7 +64,8 @@ class Conv(nn.Module):
     def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, *, g: int = 1, act: bool = True):
         super().__init__()
         for name, value in (("c1", c1), ("c2", c2), ("k", k), ("s", s), ("g", g)):
-            _positive(name, value)
+            check_int(name, value)
+        check_bool("act", act)
         if c1 % g or c2 % g:
             raise ValueError(f"groups g={g} must divide both c1={c1} and c2={c2}")
         self.c1 = c1
@@ -72,6 +75,7 @@ class Conv(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_map(x, self.c1, "Conv")
+        check_meets("x", x, self.conv.weight, "Conv")
         return self.act(self.bn(self.conv(x)))
 
 
@@ -101,8 +105,9 @@ class Attention(nn.Module):
         self, dim: int, num_heads: int = 8, attn_ratio: float = 0.5, *, backend: str = "reference"
     ):
         super().__init__()
-        _positive("dim", dim)
-        _positive("num_heads", num_heads)
+        check_int("dim", dim)
+        check_int("num_heads", num_heads)
+        _ratio("attn_ratio", attn_ratio)
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide dim={dim}")
         self.dim = dim
@@ -127,10 +132,7 @@ class Attention(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        choices = ["auto", *available_backends(exact_only=True)]
-        if name not in choices:
-            raise ValueError(f"backend must be one of {choices} (softmax attention), got {name!r}")
-        self._backend = name
+        self._backend = check_backend_name("backend", name, exact_only=True)  # softmax attention
 
     def forward(self, x: Tensor) -> Tensor:
         _check_map(x, self.dim, "Attention")
@@ -170,6 +172,7 @@ class PSABlock(nn.Module):
         backend: str = "reference",
     ):
         super().__init__()
+        check_bool("shortcut", shortcut)
         self.attn = Attention(c, num_heads=num_heads, attn_ratio=attn_ratio, backend=backend)
         self.ffn = nn.Sequential(Conv(c, 2 * c, 1), Conv(2 * c, c, 1, act=False))
         self.add = shortcut
@@ -192,8 +195,10 @@ class C2PSA(nn.Module):
 
     def __init__(self, c1: int, c2: int, n: int = 1, e: float = 0.5, *, backend: str = "reference"):
         super().__init__()
-        _positive("c1", c1)
-        _positive("n", n)
+        check_int("c1", c1)
+        check_int("c2", c2)
+        check_int("n", n)
+        _ratio("e", e)
         if c1 != c2:
             raise ValueError(f"C2PSA keeps the width: c1={c1} and c2={c2} must be equal")
         self.c1 = c1
@@ -230,6 +235,8 @@ class Bottleneck(nn.Module):
         e: float = 0.5,
     ):
         super().__init__()
+        check_bool("shortcut", shortcut)
+        _ratio("e", e)
         hidden = int(c2 * e)
         if hidden < 1:
             raise ValueError(f"e={e} leaves int({c2} · {e}) = {hidden} hidden channels")
@@ -268,9 +275,12 @@ class C3k2(nn.Module):
         backend: str = "reference",
     ):
         super().__init__()
-        _positive("c1", c1)
-        _positive("c2", c2)
-        _positive("n", n)
+        for name, value in (("c1", c1), ("c2", c2), ("n", n), ("g", g)):
+            check_int(name, value)
+        for name, flag in (("c3k", c3k), ("attn", attn), ("shortcut", shortcut)):
+            check_bool(name, flag)
+        _ratio("e", e)
+        check_backend_name("backend", backend, exact_only=True)  # attn=False builds no Attention
         if c3k and not attn:
             raise ValueError("C3k2 with c3k=True and attn=False (C3k inner blocks) is not provided")
         self.c1 = c1

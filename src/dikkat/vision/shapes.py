@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dikkat.validate import check_sizes
+
 SHAPE_NAMES = ("square", "circle", "triangle")  # class id = position here
 SPLITS = {"train": 0, "val": 1}
 
@@ -33,6 +35,7 @@ class ShapesConfig:
     max_size: int = 22
 
     def __post_init__(self) -> None:
+        check_sizes(self, "image_size", "min_shapes", "max_shapes", "min_size", "max_size")
         if not 1 <= self.min_shapes <= self.max_shapes:
             raise ValueError(
                 f"need 1 ≤ min_shapes ≤ max_shapes, got {self.min_shapes} and {self.max_shapes}"

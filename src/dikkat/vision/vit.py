@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.inputs import check_images, check_meets
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
@@ -28,6 +29,7 @@ from dikkat.layers.positional import LearnedPositionalEmbedding
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
+from dikkat.validate import check_choice, check_int, check_sizes
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,14 @@ class ViTConfig:
     activation: Activation = "gelu"  # exact GELU, as in the ViT paper
 
     def __post_init__(self) -> None:
-        if self.pool not in ("cls", "mean"):
-            raise ValueError(f"pool must be 'cls' or 'mean', got {self.pool!r}")
-        for name in ("image_size", "channels", "patch_size", "n_classes", "n_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        overlap = self.patch_overlap
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
-            raise ValueError(f"patch_overlap must be an int ≥ 0, got {overlap!r}")
+        check_choice("pool", self.pool, ("cls", "mean"))
+        check_sizes(self, "image_size", "channels", "patch_size", "n_classes", "n_layers")
+        check_int("patch_overlap", self.patch_overlap, at_least=0)
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}"
             )
-        self.block()  # validates widths, heads and dropout
+        self.block()  # validates widths, heads, norm_eps, activation and dropout
 
     @property
     def grid(self) -> int:
@@ -194,30 +190,11 @@ class ViT(SaveLoad, nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _check_images(self, images: Tensor) -> None:
-        c = self.config
-        want = (c.channels, c.image_size, c.image_size)
-        if not isinstance(images, Tensor) or not images.dtype.is_floating_point:
-            raise TypeError(
-                f"images must be a float tensor (B, {c.channels}, {c.image_size}, "
-                f"{c.image_size}), got {type(images).__name__} "
-                f"{getattr(images, 'dtype', '')}".rstrip()
-            )
-        if images.dim() != 4 or tuple(images.shape[1:]) != want:
-            shape = tuple(images.shape)
-            if images.dim() == 4 and images.shape[1] != c.channels:
-                raise ValueError(
-                    f"images have {images.shape[1]} channels, the model {c.channels}: "
-                    f"got {shape}, expected (B, {', '.join(map(str, want))})"
-                )
-            raise ValueError(
-                f"images must have shape (B, {', '.join(map(str, want))}), got {shape}"
-            )
-
     def embed(self, images: Tensor) -> Tensor:
         """images (B, Ch, side, side) → the tokens entering the first block (B, T, C)."""
-        self._check_images(images)
         c = self.config
+        check_images(images, c.channels, c.image_size)
+        check_meets("images", images, self.patch_embed.weight, "ViT")
         x = self.patch_embed(patchify(images, c.patch_size, c.patch_overlap))  # (B, N, C)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
