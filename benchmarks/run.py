@@ -6,6 +6,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import attention
+import checkpoint
 import generation
 import training
 
@@ -15,3 +16,5 @@ if __name__ == "__main__":
     generation.main([])
     print()
     training.main([])  # add --nanogpt DIR by running benchmarks/training.py yourself
+    print()
+    checkpoint.main([])

@@ -79,6 +79,12 @@ def test_generate_with_a_local_hf_gpt2_directory(tmp_path, capsys):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     hf.save_pretrained(tmp_path)
+    # no tokenizer files: an error, not byte ids fed to a model of another vocabulary
+    assert main(["generate", "--hf-gpt2", str(tmp_path), "ab", "-n", "5"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    from dikkat.text import ByteTokenizer
+
+    ByteTokenizer().save(tmp_path)  # this tiny model's 256 ids are bytes
     assert main(["generate", "--hf-gpt2", str(tmp_path), "ab", "-n", "5"]) == 0
     out = capsys.readouterr().out
     hf_ids = hf.generate(
@@ -91,6 +97,7 @@ def test_generate_with_a_local_hf_gpt2_directory(tmp_path, capsys):
     "argv, message",
     [
         (["generate", "/nonexistent/dir", "x"], "no config.json"),
+        (["generate", "--hf-gpt2", "/nonexistent/dir", "x"], "no config.json"),
         (["generate", "x"], "either a CHECKPOINT"),
         (["generate", "ckpt", "x", "--top-p", "1.5"], "expected a number in (0, 1]"),
         (["generate", "ckpt", "x", "--temperature", "-1"], "expected a number ≥ 0"),
@@ -106,6 +113,17 @@ def test_generate_bad_arguments_give_one_clear_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.strip().count("\n") == 0
+
+
+def test_generate_refuses_mismatched_folders(tiny_checkpoint, tmp_path, capsys):
+    path, _ = tiny_checkpoint
+    assert main(["generate", "--hf-gpt2", str(path), "x"]) == 2  # a dikkat model, not HF's
+    assert "is not a Hugging Face model" in capsys.readouterr().err
+    from dikkat.models import GPT, GPTConfig
+
+    GPT(GPTConfig.preset("tiny", vocab_size=300)).save(tmp_path / "bpe")
+    assert main(["generate", str(tmp_path / "bpe"), "x"]) == 2  # 300 ids cannot be bytes
+    assert "has no tokenizer" in capsys.readouterr().err
 
 
 def test_similar_ranks_the_paraphrase_first(capsys):

@@ -37,3 +37,12 @@ def non_negative_float(text: str) -> float:
 def positive_float(text: str) -> float:
     """argparse type: a number > 0."""
     return _number(text, float, lambda v: v > 0, "a positive number")
+
+
+def add_no_verify(parser: argparse.ArgumentParser) -> None:
+    """The ``--no-verify`` flag of every command that loads a saved model or run."""
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking the saved files against their SHA-256 (faster for a large model)",
+    )

@@ -10,9 +10,10 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dikkat import __version__
-from dikkat.argtypes import non_negative_float, positive_int, probability
+from dikkat.argtypes import add_no_verify, non_negative_float, positive_int, probability
 from dikkat.bench.cli import add_bench_commands
 from dikkat.training.cli import add_training_commands
 from dikkat.vision.cli import add_vision_commands
@@ -113,13 +114,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.hf_gpt2 is not None:
         from dikkat.interop import load_hf_gpt2_dir
 
-        model, source = load_hf_gpt2_dir(args.hf_gpt2), args.hf_gpt2
+        model = load_hf_gpt2_dir(args.hf_gpt2)
+        tokenizer = load_tokenizer(args.hf_gpt2)
     else:
         from dikkat.models import GPT
 
-        model, source = GPT.load(args.checkpoint), args.checkpoint
+        model = GPT.load(args.checkpoint, verify=not args.no_verify)
+        tokenizer = _tokenizer_of(args.checkpoint, model.config.vocab_size, not args.no_verify)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
+            f"{model.config.vocab_size:,}: they do not belong together"
+        )
     model.eval()
-    tokenizer = load_tokenizer(source)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
@@ -152,6 +159,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 shown = text
     sys.stdout.write(tokenizer.decode(new)[len(shown) :] + "\n")
     return 0
+
+
+def _tokenizer_of(folder: str, vocab_size: int, verify: bool) -> Any:
+    """A model folder's or run's tokenizer. A model saved with ``save()`` alone has none; for a
+    byte-level model (256 ids) that can only mean bytes, any other size is an error."""
+    from dikkat import runs
+    from dikkat.text import ByteTokenizer, load_tokenizer
+
+    try:
+        return load_tokenizer(folder, verify=verify)
+    except FileNotFoundError:
+        if runs.folder_kind(folder) == "model" and vocab_size == ByteTokenizer.vocab_size:
+            return ByteTokenizer()
+        raise
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -222,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=probability, default=None)
     gen.add_argument("--eos-id", type=int, default=None, help="stop at this token id")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_no_verify(gen)
     gen.set_defaults(func=cmd_generate)
 
     embed = sub.add_parser(
@@ -254,11 +276,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from dikkat.training.trainer import DivergedError, TrainingInterrupted
+
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"dikkat: error: {e}", file=sys.stderr)
         return 2
+    except DivergedError as e:
+        print(f"dikkat: error: {e}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as e:  # the run is saved: say where, no traceback
+        print(f"\ndikkat: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("\ndikkat: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

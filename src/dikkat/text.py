@@ -1,7 +1,11 @@
 """Tokenizers: text ↔ ids. Byte-level by default; BPE files through the ``tokenizers`` library.
 
-A checkpoint directory holds either ``tokenizer.json`` (any ``tokenizers`` tokenizer, e.g. a BPE
-trained on the data, or GPT-2's) or nothing, meaning raw UTF-8 bytes (vocabulary 256).
+A checkpoint folder records its tokenizer: ``tokenizer.json`` (any ``tokenizers`` tokenizer, e.g.
+a BPE trained on the data, or GPT-2's), GPT-2's ``vocab.json`` + ``merges.txt``, or a
+``tokenizer_config.json`` naming a built-in one (``bytes``: raw UTF-8, vocabulary 256;
+``number-words``: the translation task's; ``none``: images). A folder with none of them has no
+tokenizer — :func:`load_tokenizer` says so instead of guessing one, since ids read with another
+tokenizer than the model's are wrong without any error.
 """
 
 from __future__ import annotations
@@ -9,6 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Protocol
+
+from dikkat import runs
+from dikkat.files import atomic_write
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer_config.json")
 
 
 class Tokenizer(Protocol):
@@ -34,8 +43,6 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: str | Path) -> None:
-        from dikkat.models.io import atomic_write
-
         path = Path(directory) / "tokenizer_config.json"
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"type": "bytes"})))
 
@@ -57,38 +64,66 @@ class HFTokenizer:
         return self.inner.decode(ids)  # type: ignore[attr-defined]
 
     def save(self, directory: str | Path) -> None:
-        from dikkat.models.io import atomic_write
-
         atomic_write(Path(directory) / "tokenizer.json", lambda tmp: self.inner.save(tmp))  # type: ignore[attr-defined]
 
     @classmethod
     def from_file(cls, path: str | Path) -> HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
-        return cls(_Tokenizer.from_file(str(path)))
+        try:
+            return cls(_Tokenizer.from_file(str(path)))
+        except Exception as e:  # the library raises its own Exception subclass for bad files
+            raise ValueError(f"{path} is not a readable tokenizer file: {e}") from None
 
 
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer saved in a checkpoint or HF model directory; bytes if there is none.
+class NoTokenizer:
+    """Images need no tokenizer; a run still records one, so this one records that."""
+
+    vocab_size = 0
+    type_name = "none"
+
+    def save(self, directory: str | Path) -> None:
+        path = Path(directory) / "tokenizer_config.json"
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"type": self.type_name})))
+
+
+def load_tokenizer(directory: str | Path, *, verify: bool = True) -> Tokenizer:
+    """The tokenizer saved in a model folder, a run's current checkpoint or an HF model folder.
 
     Reads ``tokenizer.json``, or GPT-2's ``vocab.json`` + ``merges.txt`` (byte-level BPE), or a
-    ``tokenizer_config.json`` of type ``"number-words"`` (the built-in translation task).
+    ``tokenizer_config.json`` of type ``"bytes"``, ``"number-words"`` or ``"none"``.
+    ``FileNotFoundError`` if the folder has none of them, ``ValueError`` if one is damaged (in a
+    run's checkpoint, checked against its manifest unless ``verify=False``).
     """
-    d = Path(directory)
+    d = runs.checkpoint_dir(directory)
+    if verify:
+        runs.verify_checkpoint(d, ("tokenizer.json", "tokenizer_config.json"))
     if (d / "tokenizer.json").is_file():
         return HFTokenizer.from_file(d / "tokenizer.json")
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
         from tokenizers import ByteLevelBPETokenizer
 
-        return HFTokenizer(ByteLevelBPETokenizer(str(d / "vocab.json"), str(d / "merges.txt")))
-    config_path = d / "tokenizer_config.json"
-    if config_path.is_file():
         try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-        if isinstance(config, dict) and config.get("type") == "number-words":
-            from dikkat.training.numbers import NumberTokenizer  # lazily: training imports us
+            return HFTokenizer(ByteLevelBPETokenizer(str(d / "vocab.json"), str(d / "merges.txt")))
+        except Exception as e:  # the tokenizers library's own error type
+            raise ValueError(f"{d}'s vocab.json / merges.txt are not readable: {e}") from None
+    config_path = d / "tokenizer_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{d} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == NoTokenizer.type_name:
+        return NoTokenizer()  # type: ignore[return-value]
+    if kind == "number-words":
+        from dikkat.training.numbers import NumberTokenizer  # lazily: training imports us
 
-            return NumberTokenizer.from_config(config, str(config_path))
-    return ByteTokenizer()
+        return NumberTokenizer.from_config(config, str(config_path))
+    raise ValueError(
+        f"{config_path} names no tokenizer dikkat knows (type {kind!r}; "
+        "expected 'bytes', 'number-words' or 'none')"
+    )

@@ -135,12 +135,45 @@ def test_config_json_names_the_model_and_its_config(tmp_path):
     assert "dikkat_version" in meta
 
 
-def test_saving_twice_overwrites(tmp_path):
+def test_saving_twice_needs_overwrite(tmp_path):
     first, second = perturbed(gpt(), seed=1), perturbed(gpt(), seed=2)
     first.save(tmp_path)
-    second.save(tmp_path)
+    with pytest.raises(ValueError, match="already holds a saved model; pass overwrite=True"):
+        second.save(tmp_path)
+    torch.testing.assert_close(outputs(GPT.load(tmp_path)), outputs(first), rtol=0, atol=0)
+    second.save(tmp_path, overwrite=True)
     torch.testing.assert_close(outputs(GPT.load(tmp_path)), outputs(second), rtol=0, atol=0)
     assert sorted(os.listdir(tmp_path)) == [CONFIG, WEIGHTS]
+
+
+def test_save_refuses_a_file_and_foreign_files(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        gpt().save(tmp_path / "file")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="files that dikkat did not write"):
+        gpt().save(tmp_path / "notes")
+    gpt().save(tmp_path / "notes", overwrite=True)  # written beside them; theirs are kept
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    assert isinstance(GPT.load(tmp_path / "notes"), GPT)
+
+
+# --- verified loading -----------------------------------------------------------------------
+
+
+def test_config_records_the_weights_and_damage_is_found(tmp_path):
+    model = perturbed(gpt(), seed=3)
+    model.save(tmp_path)
+    recorded = json.loads((tmp_path / CONFIG).read_text())["weights"]
+    data = bytearray((tmp_path / WEIGHTS).read_bytes())
+    assert recorded["bytes"] == len(data)
+    data[-5] ^= 0x01  # one bit of one weight: the file still parses
+    (tmp_path / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors is damaged: its SHA-256 differs"):
+        GPT.load(tmp_path)
+    loaded = GPT.load(tmp_path, verify=False)  # the opt-out: the flipped bit is really loaded
+    assert not torch.equal(outputs(loaded), outputs(model))
 
 
 # --- clear errors ----------------------------------------------------------------------------
@@ -166,8 +199,10 @@ def test_truncated_weights(tmp_path, keep):
     weights = tmp_path / WEIGHTS
     data = weights.read_bytes()
     weights.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    with pytest.raises(ValueError, match=r"damaged: .* bytes where .* were written"):
         BERT.load(tmp_path)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        BERT.load(tmp_path, verify=False)  # safetensors' own header check
 
 
 def test_corrupt_config_json(tmp_path):
@@ -239,7 +274,7 @@ def test_a_crash_while_writing_weights_keeps_the_previous_checkpoint(tmp_path, m
 
     monkeypatch.setattr(io, "save_file", crash_mid_save)
     with pytest.raises(OSError, match="disk full"):
-        perturbed(gpt(d_model=32), seed=2).save(tmp_path)
+        perturbed(gpt(d_model=32), seed=2).save(tmp_path, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == [CONFIG, WEIGHTS]  # no temporary file left
     assert {name: (tmp_path / name).read_bytes() for name in (CONFIG, WEIGHTS)} == before
     monkeypatch.undo()
@@ -271,7 +306,7 @@ def test_a_crash_while_writing_the_config_keeps_the_previous_checkpoint(tmp_path
     new = perturbed(gpt(activation="relu"), seed=2)
     monkeypatch.setattr(io, "json", SimpleNamespace(dumps=crash, loads=json.loads))
     with pytest.raises(OSError, match="disk full"):
-        new.save(tmp_path)
+        new.save(tmp_path, overwrite=True)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == [CONFIG, WEIGHTS]
     assert {name: (tmp_path / name).read_bytes() for name in (CONFIG, WEIGHTS)} == before

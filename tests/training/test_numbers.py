@@ -196,10 +196,14 @@ def test_load_tokenizer_refuses_a_different_vocabulary(tmp_path) -> None:
         load_tokenizer(tmp_path)
 
 
-def test_load_tokenizer_still_gives_bytes(tmp_path) -> None:
-    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+def test_load_tokenizer_gives_bytes_only_when_recorded(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        load_tokenizer(tmp_path)  # never a guess: ids of another tokenizer are silently wrong
     ByteTokenizer().save(tmp_path)
     assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+    (tmp_path / "tokenizer_config.json").write_text('{"type": "words"}')
+    with pytest.raises(ValueError, match="names no tokenizer dikkat knows"):
+        load_tokenizer(tmp_path)
 
 
 # --------------------------------------------------------------------------------------- splits

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dikkat.runs import RUN_FILE, checkpoint_dir
 from dikkat.training.trainer import LOG_FILE, PLOT_FILE, STATE_FILE
 from helpers import run_cli
 
@@ -32,10 +33,12 @@ def test_train_then_resume_extends_the_run(tmp_path, capsys):
         ["train", "--task", "lm", "--steps", "4", "--out", str(out), *TINY], capsys
     )
     assert code == 0 and "validation loss" in text
-    for name in ("model.safetensors", "config.json", STATE_FILE, LOG_FILE, PLOT_FILE):
+    for name in (RUN_FILE, LOG_FILE, PLOT_FILE):
         assert (out / name).is_file()
+    for name in ("model.safetensors", "config.json", STATE_FILE):
+        assert (checkpoint_dir(out) / name).is_file()
     code, _, err = run_cli(["train", "--steps", "4", "--out", str(out), *TINY], capsys)
-    assert code == 2 and "already holds a run" in err  # never overwrite a run by accident
+    assert code == 2 and "already holds a training run" in err  # never replaced by accident
     code, text, _ = run_cli(
         ["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"], capsys
     )
@@ -125,7 +128,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     )
     assert code == 0
     assert "validation loss" in text and "KV cache" in text and "causal val loss" in text
-    assert (out / PLOT_FILE).is_file() and (out / "model.safetensors").is_file()
+    assert (out / PLOT_FILE).is_file() and (checkpoint_dir(out) / "model.safetensors").is_file()
 
 
 def test_demo_never_deletes_a_folder_that_is_not_a_run(tmp_path, capsys):
@@ -134,5 +137,5 @@ def test_demo_never_deletes_a_folder_that_is_not_a_run(tmp_path, capsys):
     code, _, err = run_cli(
         ["demo", "--steps", "1", "--out", str(tmp_path), "--no-progress"], capsys
     )
-    assert code == 2 and "holds no dikkat run" in err
+    assert code == 2 and "files that dikkat did not write" in err
     assert keep.read_text() == "do not delete"

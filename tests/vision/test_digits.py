@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from dikkat.cli import build_parser
+from dikkat.runs import checkpoint_dir
+from dikkat.text import NoTokenizer
 from dikkat.training.cli import _with_defaults
 from dikkat.training.tasks import TASKS, TaskSpec, build_task
 from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer, resume_trainer
 from dikkat.vision.digits import (
     DIGITS_TRAINING,
     DigitsTask,
-    NoTokenizer,
     every_shift,
     load_digits_split,
     nearest_neighbour_accuracy,
@@ -163,7 +164,8 @@ def test_cli_train_resume_and_attention_png(tmp_path, capsys):
     assert code == 0, err
     assert "test_accuracy" in text and "nearest_neighbour_accuracy: 0.9833" in text
     assert "1-nearest-neighbour on the same split: 98.3%" in text
-    assert json.loads((out / TASK_FILE).read_text())["task"]["task"] == "digits"
+    task_json = checkpoint_dir(out) / TASK_FILE
+    assert json.loads(task_json.read_text())["task"]["task"] == "digits"
     code, text, err = run_cli(
         ["train", "--out", str(out), "--resume", "--steps", "5", "--no-progress"], capsys
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dikkat.models.io import atomic_write
+from dikkat.files import atomic_write
 
 __all__ = ["machine", "save_json"]
 

@@ -112,15 +112,30 @@ def load_hf_gpt2_dir(path: str | os.PathLike) -> GPT:
     d = Path(path)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d} has no config.json (expected an HF GPT-2 directory)")
-    hf_config = SimpleNamespace(**json.loads((d / "config.json").read_text()))
-    if getattr(hf_config, "model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{d} holds a {hf_config.model_type!r} model, not GPT-2")
-    if (d / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+    try:
+        fields = json.loads((d / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{d / 'config.json'} is not valid JSON: {e}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        hint = " (a dikkat model: use `dikkat generate DIR`)" if "dikkat_version" in fields else ""
+        raise ValueError(
+            f"{d} is not a Hugging Face model: its config.json has no model_type{hint}"
+        )
+    if fields["model_type"] != "gpt2":
+        raise ValueError(f"{d} holds a {fields['model_type']!r} model, not GPT-2")
+    hf_config = SimpleNamespace(**fields)
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
-        state = load_file(d / "model.safetensors")
-    elif (d / "pytorch_model.bin").is_file():
-        state = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{d} has neither model.safetensors nor pytorch_model.bin")
+    try:
+        if (d / "model.safetensors").is_file():
+            state = load_file(d / "model.safetensors")
+        elif (d / "pytorch_model.bin").is_file():
+            state = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"{d} has neither model.safetensors nor pytorch_model.bin")
+    except FileNotFoundError:
+        raise
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+        raise ValueError(f"{d}'s weights are truncated or corrupt: {e}") from None
     return gpt_from_hf(state, hf_config)

@@ -1,9 +1,13 @@
-"""Saving and loading models: safetensors weights + a JSON config, each written atomically.
+"""Saving and loading models: safetensors weights + a JSON config, written together.
 
-A directory ``path/`` holds ``config.json`` (the frozen config dataclass, the model's class name,
-the dikkat version) and ``model.safetensors``. Both are written to temporary names and renamed
-into place only once both are written, so a crash while saving never destroys the previous
-checkpoint nor pairs new weights with an old config.
+A model folder ``path/`` holds ``config.json`` (the frozen config dataclass, the model's class
+name, the dikkat version, and the size and SHA-256 of the weights) and ``model.safetensors``.
+Both are written to temporary names and renamed into place only once both are written
+(:func:`dikkat.files.atomic_write_all`), so a failed save never destroys the previous model nor
+pairs new weights with an old config; a load checks the weights against the recorded SHA-256.
+
+``load`` also accepts a training run's folder (:mod:`dikkat.runs`) and reads its current
+checkpoint. ``save`` never replaces a model, a run or foreign files without ``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,34 +23,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dikkat import runs
+from dikkat.files import atomic_write_all, record, verify
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 M = TypeVar("M", bound="SaveLoad")
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it onto ``path``."""
-    atomic_write_all({path: write})
-
-
-def atomic_write_all(writes: dict[Path, Any]) -> None:
-    """Write every file to a temporary name beside it, and only once all are written, rename
-    them into place: a failed write leaves every old file as it was (and no temporary file)."""
-    tmps: dict[Path, str] = {}
-    try:
-        for path, write in writes.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            os.close(fd)
-            tmps[path] = tmp
-            write(tmp)
-        for path, tmp in tmps.items():
-            os.replace(tmp, path)
-    except BaseException:
-        for tmp in tmps.values():
-            Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -92,40 +74,57 @@ class SaveLoad:
     config: Any
     config_class: type
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` into directory ``path`` (atomically)."""
-        from dikkat import __version__
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into folder ``path``, together.
 
+        A folder that already holds a model, a training run or other files is left alone
+        (``ValueError``) unless ``overwrite=True``; then a run's checkpoints, log and plot are
+        removed once the model is written (files dikkat did not write are kept).
+        """
         path = Path(path)
-        meta = {
-            "model": type(self).__name__,
-            "dikkat_version": __version__,
-            "config": dataclasses.asdict(self.config),
-        }
-        tensors = _state_for_saving(self)  # type: ignore[arg-type]
-        atomic_write_all(
-            {
-                path / WEIGHTS_FILE: lambda tmp: save_file(tensors, tmp),
-                path / CONFIG_FILE: lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)),
-            }
-        )
+        kind = runs.folder_kind(path)
+        if kind == "file":
+            raise ValueError(f"cannot save a model into {path}: it is a file, not a folder")
+        if kind in ("run", "model", "other") and not overwrite:
+            raise ValueError(
+                f"{path} already holds {runs.describe_kind(kind)}; pass overwrite=True to "
+                "replace it, or save into another folder"
+            )
+        write_model(self, path)  # type: ignore[arg-type]
+        if kind == "run":
+            runs.clear(path, keep_model=True)  # the run is replaced by this model
         return path
 
     @classmethod
-    def load(cls: type[M], path: str | os.PathLike, *, map_location: str = "cpu") -> M:
-        """Rebuild the model saved in directory ``path``; clear errors for missing or bad files."""
-        path = Path(path)
+    def load(
+        cls: type[M], path: str | os.PathLike, *, map_location: str = "cpu", verify: bool = True
+    ) -> M:
+        """Rebuild the model saved in folder ``path`` (a model folder, or a training run's
+        current checkpoint); clear errors for missing, damaged or mismatched files.
+
+        ``verify`` checks the weights against the SHA-256 recorded when they were written
+        (reading them twice; pass False to skip that for a large model you trust).
+        """
+        path = runs.checkpoint_dir(path)
         config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
         for p in (config_path, weights_path):
             if not p.is_file():
                 raise FileNotFoundError(f"checkpoint {path} has no {p.name}")
         try:
             meta = json.loads(config_path.read_text())
-            config = cls.config_class(**meta["config"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            config_fields = meta["config"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{config_path} is not a valid {cls.__name__} config: {e}") from None
         if meta.get("model") != cls.__name__:
             raise ValueError(f"{path} holds a {meta.get('model')!r}, not a {cls.__name__}")
+        try:
+            config = cls.config_class(**config_fields)
+        except TypeError as e:
+            raise ValueError(f"{config_path} is not a valid {cls.__name__} config: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
+        if verify:
+            _verify_weights(path, meta)
         try:
             tensors = load_file(weights_path, device=map_location)
         except (SafetensorError, OSError) as e:
@@ -137,3 +136,36 @@ class SaveLoad:
     def is_tied(self, name: str) -> bool:
         """True for a parameter stored under another name (a tied output embedding)."""
         return False
+
+
+def write_model(model: SaveLoad, folder: Path) -> None:
+    """Write ``model``'s two files into ``folder`` (no checks of what is there: see ``save``)."""
+    from dikkat import __version__
+
+    tensors = _state_for_saving(model)  # type: ignore[arg-type]
+    written: dict[str, Any] = {}
+
+    def weights(tmp: str) -> None:
+        save_file(tensors, tmp)
+        written.update(record(tmp))
+
+    def config(tmp: str) -> None:  # runs after weights(): atomic_write_all keeps the order
+        meta = {
+            "model": type(model).__name__,
+            "dikkat_version": __version__,
+            "config": dataclasses.asdict(model.config),
+            "weights": written,
+        }
+        Path(tmp).write_text(json.dumps(meta, indent=2))
+
+    atomic_write_all({folder / WEIGHTS_FILE: weights, folder / CONFIG_FILE: config})
+
+
+def _verify_weights(folder: Path, meta: dict[str, Any]) -> None:
+    """The weights against a checkpoint's manifest, else the record in ``config.json`` (older
+    dikkat versions wrote neither: nothing to check)."""
+    if runs.verify_checkpoint(folder, (CONFIG_FILE, WEIGHTS_FILE)):
+        return
+    expected = meta.get("weights")
+    if isinstance(expected, dict) and "sha256" in expected:
+        verify(folder / WEIGHTS_FILE, expected)

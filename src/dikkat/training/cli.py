@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dikkat.argtypes import non_negative_float, positive_float, positive_int
+from dikkat.argtypes import add_no_verify, non_negative_float, positive_float, positive_int
 
 RAW = argparse.RawDescriptionHelpFormatter
+DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces only its own
 
 # command-line size flags → the config field of each task's model
 _SIZE_FIELDS = {
@@ -112,16 +113,18 @@ def _summary(result: Any, trainer: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from dikkat.training.checkpoint import check_out_dir
     from dikkat.training.tasks import TaskSpec, build_task
-    from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer, resume_trainer
+    from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
     out = Path(args.out or f"runs/{args.task}")
     if args.resume:
-        trainer = resume_trainer(out, steps=args.steps)
+        if args.overwrite:
+            raise ValueError("--resume continues the run in --out; --overwrite would replace it")
+        trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify)
         print(f"resuming {out} at step {trainer.step} of {trainer.config.steps}")
     else:
-        if (out / TASK_FILE).exists():
-            raise ValueError(f"{out} already holds a run: pass --resume, or another --out")
+        check_out_dir(out, overwrite=args.overwrite, what="--out")  # before any slow work
         args = _with_defaults(args)
         spec = TaskSpec(
             task=args.task,
@@ -145,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         task = build_task(spec)
-        trainer = Trainer(task, config, out)
+        trainer = Trainer(task, config, out, overwrite=args.overwrite, made_by="dikkat train")
         n = sum(p.numel() for p in task.model.parameters())
         print(
             f"{spec.task}: {type(task.model).__name__} '{spec.preset}' with {n:,} parameters, "
@@ -161,8 +164,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from dikkat.text import load_tokenizer
     from dikkat.training.numbers import BOS_ID, EOS_ID, NumberTokenizer, encode_numbers
 
-    model = Seq2Seq.load(args.checkpoint).eval()
-    tokenizer = load_tokenizer(args.checkpoint)
+    model = Seq2Seq.load(args.checkpoint, verify=not args.no_verify).eval()
+    tokenizer = load_tokenizer(args.checkpoint, verify=not args.no_verify)
     if not isinstance(tokenizer, NumberTokenizer):
         raise ValueError(
             f"{args.checkpoint} is not a numbers translator (dikkat train --task translate)"
@@ -212,18 +215,18 @@ def cmd_leak_demo(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small GPT on the standard library, show the leak, sample with the KV cache."""
+    from dikkat import runs
+    from dikkat.training.checkpoint import check_out_dir
     from dikkat.training.leak import leak_demo
     from dikkat.training.tasks import TaskSpec, build_task
-    from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer
+    from dikkat.training.trainer import TrainConfig, Trainer
 
     t0 = time.perf_counter()
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        if not (out / TASK_FILE).is_file():
-            raise ValueError(f"{out} is not empty and holds no dikkat run; choose another --out")
-        import shutil
-
-        shutil.rmtree(out)  # an earlier demo run: start fresh
+    # an earlier demo's run is the demo's to replace; anything else only with --overwrite
+    replace = runs.folder_kind(out) == "run" and runs.made_by(out) == DEMO
+    if not replace:
+        check_out_dir(out, overwrite=args.overwrite, what="--out")
     spec = TaskSpec(
         task="lm",
         preset="tiny",
@@ -245,7 +248,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"   {n:,} parameters, bytes as tokens, "
         f"{config.steps} steps of {config.batch_size}×{spec.seq_len} tokens"
     )
-    trainer = Trainer(task, config, out)
+    trainer = Trainer(task, config, out, overwrite=replace or args.overwrite, made_by=DEMO)
     result = trainer.train(progress=not args.no_progress)
     print(
         f"   validation loss {result.val_loss:.3f} nats/byte after {result.seconds:.0f} s "
@@ -329,6 +332,12 @@ def add_training_commands(sub: Any) -> None:
     opt.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", help="run folder (default runs/TASK)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run or model already in --out (without it, such a folder is refused)",
+    )
+    add_no_verify(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
 
@@ -342,6 +351,7 @@ def add_training_commands(sub: Any) -> None:
     )
     tr.add_argument("checkpoint")
     tr.add_argument("numbers", nargs="+")
+    add_no_verify(tr)
     tr.set_defaults(func=cmd_translate)
 
     leak = sub.add_parser(
@@ -374,5 +384,10 @@ def add_training_commands(sub: Any) -> None:
     demo.add_argument("--sample-tokens", type=positive_int, default=200)
     demo.add_argument("--bf16", action="store_true")
     demo.add_argument("--out", default="runs/demo")
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a run or model in --out that is not a demo's",
+    )
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(func=cmd_demo)

@@ -123,7 +123,7 @@ class NumberTokenizer:
 
     def save(self, directory: str | Path) -> None:
         """Write ``tokenizer_config.json`` (type and token list) atomically into ``directory``."""
-        from dikkat.models.io import atomic_write
+        from dikkat.files import atomic_write
 
         config = {"type": self.type_name, "tokens": list(TOKENS)}
         path = Path(directory) / "tokenizer_config.json"

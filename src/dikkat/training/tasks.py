@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 from dikkat.core.masks import Mask
 from dikkat.text import ByteTokenizer, HFTokenizer
 from dikkat.training.data import encode_corpus, load_corpus, random_windows
+from dikkat.validate import check_choice, check_int
 
 TASKS = ("lm", "mlm", "translate", "digits", "shapes")
 
@@ -47,15 +49,64 @@ class TaskSpec:
     seed: int = 0  # data split and model initialisation
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        if self.tokenizer not in ("bytes", "bpe"):
-            raise ValueError(f"tokenizer must be 'bytes' or 'bpe', got {self.tokenizer!r}")
-        if self.seq_len <= 1:
-            raise ValueError(f"seq_len must be at least 2, got {self.seq_len}")
+        check_choice("task", self.task, TASKS)
+        check_choice("tokenizer", self.tokenizer, ("bytes", "bpe"))
+        if not isinstance(self.preset, str):
+            raise TypeError(f"preset must be a str, got {type(self.preset).__name__}")
+        if not isinstance(self.model_overrides, dict):
+            raise TypeError(
+                f"model_overrides must be a dict, got {type(self.model_overrides).__name__}"
+            )
+        if self.data is not None and not isinstance(self.data, str):
+            raise TypeError(f"data must be a path (str) or None, got {type(self.data).__name__}")
+        # a byte-level BPE starts from the 256 bytes: a smaller vocabulary cannot hold them
+        check_int("vocab_size", self.vocab_size, at_least=256)
+        check_int("seq_len", self.seq_len, at_least=2)
+        check_int("max_bytes", self.max_bytes, at_least=1, optional=True)
+        check_int("seed", self.seed, at_least=0)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# bytes per parameter while training: fp32 weights and gradients, AdamW's two moments
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable, capped by a cgroup
+    (container) limit; None where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def new_model(cls: type[nn.Module], config: Any) -> nn.Module:
+    """``cls(config)``, after checking on the meta device (no memory) that training it fits in
+    the memory this machine has: a size that does not fit is an error naming the parameter
+    count, not a crash of the allocator or a visit from the out-of-memory killer."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls(config).parameters())
+    need, have = n * TRAINING_BYTES_PER_PARAMETER, available_memory()
+    if have is not None and need > have:
+        raise ValueError(
+            f"a {cls.__name__} of {n:,} parameters needs {need / 2**30:,.1f} GiB to train "
+            f"(weights, gradients, AdamW state), more than the {have / 2**30:,.1f} GiB available; "
+            "choose a smaller preset or d_model / n_layers"
+        )
+    return cls(config)
 
 
 class Task:
@@ -97,7 +148,14 @@ class CorpusTask(Task):
     def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
         self.spec = spec
         corpus = load_corpus(spec.data, seed=spec.seed, max_bytes=spec.max_bytes)
-        if tokenizer is None:
+        if tokenizer is not None:  # a saved run's: it must be the kind the run was trained with
+            expected = ByteTokenizer if spec.tokenizer == "bytes" else HFTokenizer
+            if not isinstance(tokenizer, expected):
+                raise ValueError(
+                    f"this {spec.task} run was trained with the {spec.tokenizer!r} tokenizer, "
+                    f"but its checkpoint holds a {type(tokenizer).__name__}"
+                )
+        else:
             tokenizer = (
                 ByteTokenizer()
                 if spec.tokenizer == "bytes"
@@ -130,7 +188,7 @@ class LMTask(CorpusTask):
         if config.max_len < spec.seq_len:
             config = GPTConfig.preset(spec.preset, **{**overrides, "max_len": spec.seq_len})
         torch.manual_seed(spec.seed)
-        self.model = GPT(config)
+        self.model = new_model(GPT, config)
         self.mask = mask  # None = causal (the only honest choice; see the leak demo)
 
     def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
@@ -164,7 +222,7 @@ class MLMTask(CorpusTask):
         if config.max_len < spec.seq_len:
             config = BERTConfig.preset(spec.preset, **{**overrides, "max_len": spec.seq_len})
         torch.manual_seed(spec.seed)
-        self.model = BERT(config)
+        self.model = new_model(BERT, config)
 
     def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
         x, _ = random_windows(self.ids[split], batch_size, self.spec.seq_len, generator)
@@ -231,7 +289,7 @@ class TranslateTask(Task):
             **spec.model_overrides,
         }
         torch.manual_seed(spec.seed)
-        self.model = Seq2Seq(Seq2SeqConfig.preset(spec.preset, **overrides))
+        self.model = new_model(Seq2Seq, Seq2SeqConfig.preset(spec.preset, **overrides))
 
     def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
         from dikkat.training import numbers

@@ -1,25 +1,21 @@
 """One plain training loop: AdamW, warmup + cosine, clipping, optional bf16, eval, checkpoints.
 
-A run lives in one folder::
+A run lives in one folder (:mod:`dikkat.runs`): ``run.json`` points at the current checkpoint
+folder (model, tokenizer, ``task.json``, ``trainer_state.pt`` and their manifest, see
+:mod:`dikkat.training.checkpoint`), beside ``log.jsonl`` (one JSON line per logged step and
+evaluation) and ``loss.png``. A save writes a whole new checkpoint and then switches the pointer,
+so a kill, a full disk or any failed write leaves the previous checkpoint whole and resumable;
+a resume checks every file against its SHA-256 first.
 
-    config.json, model.safetensors   the model (loadable with GPT.load / BERT.load / Seq2Seq.load)
-    tokenizer.json | tokenizer_config.json
-    task.json                        the TaskSpec and the TrainConfig
-    trainer_state.pt                 step, optimizer, scheduler and RNG state (for --resume)
-    log.jsonl                        one JSON line per logged step and per evaluation
-    loss.png                         the loss curves
-
-Every file is written to a temporary name and renamed into place; Ctrl-C lets the step in
-flight finish, then saves. ``trainer_state.pt`` holds the
-SHA-256 of the weights it belongs to, so a crash between two files gives a clear error on resume,
-never a silent mix of old and new state. The batch of step s is drawn from a generator seeded by
-(seed, s), so resuming draws exactly the batches an uninterrupted run would have.
+Ctrl-C and SIGTERM let the step in flight finish, then save. A loss or gradient that is not
+finite stops the run *before* the step is applied, keeping the last good checkpoint. The batch of
+step s is drawn from a generator seeded by (seed, s), so resuming draws exactly the batches an
+uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import signal
@@ -33,14 +29,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from dikkat.models.io import WEIGHTS_FILE, atomic_write
+from dikkat.files import atomic_write
+from dikkat.training.checkpoint import (
+    LOG_FILE,
+    PLOT_FILE,
+    STATE_FILE,
+    TASK_FILE,
+    check_out_dir,
+    prepare_out_dir,
+    read_checkpoint,
+    write_checkpoint,
+    write_log,
+)
 from dikkat.training.data import step_generator
 from dikkat.training.tasks import Task, TaskSpec, build_task
+from dikkat.validate import check_bool, check_float, check_int
 
-STATE_FILE = "trainer_state.pt"
-TASK_FILE = "task.json"
-LOG_FILE = "log.jsonl"
-PLOT_FILE = "loss.png"
+__all__ = [
+    "LOG_FILE",
+    "PLOT_FILE",
+    "STATE_FILE",
+    "TASK_FILE",
+    "DivergedError",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "TrainingInterrupted",
+    "lr_factor",
+    "make_optimizer",
+    "resume_trainer",
+    "train",
+]
 
 
 @dataclass(frozen=True)
@@ -64,13 +83,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_batches", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+            check_int(name, getattr(self, name), at_least=1)
+        for name in ("warmup", "eval_every", "save_every", "seed"):
+            check_int(name, getattr(self, name), at_least=0)
+        check_float("lr", self.lr, low=0.0, low_open=True)
+        check_float("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        check_float("weight_decay", self.weight_decay, low=0.0)
+        check_float("beta2", self.beta2, low=0.0, high=1.0, high_open=True)
+        check_float("grad_clip", self.grad_clip, low=0.0)
+        check_bool("bf16", self.bf16)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -113,72 +134,104 @@ class TrainResult:
     out_dir: Path | None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+class DivergedError(FloatingPointError):
+    """The loss or the gradient norm stopped being finite; the step was not applied."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM stopped training after the step in flight; the run was saved."""
+
+    def __init__(self, signum: int, step: int, out_dir: Path | None) -> None:
+        self.signum, self.step, self.out_dir = signum, step, out_dir
+        name = signal.Signals(signum).name
+        where = f"; saved in {out_dir} (--resume continues)" if out_dir is not None else ""
+        super().__init__(f"{name}: stopped at step {step}{where}")
 
 
 class Trainer:
-    """Trains ``task.model`` on ``task`` with ``config``, saving into ``out_dir`` (optional)."""
+    """Trains ``task.model`` on ``task`` with ``config``, saving into ``out_dir`` (optional).
 
-    def __init__(self, task: Task, config: TrainConfig, out_dir: str | Path | None = None) -> None:
+    ``out_dir`` must be new or empty: a folder holding a run, a model or other files is refused
+    (``ValueError``) unless ``overwrite=True``, which removes what dikkat wrote there when
+    training starts. ``made_by`` is recorded in the run's ``run.json``.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        config: TrainConfig,
+        out_dir: str | Path | None = None,
+        *,
+        overwrite: bool = False,
+        made_by: str = "dikkat.Trainer",
+        _resuming: bool = False,
+    ) -> None:
         self.task, self.config = task, config
         self.model = task.model
         self.out_dir = None if out_dir is None else Path(out_dir)
+        self.made_by = made_by
+        self._overwrite = overwrite
+        self._needs_prepare = self.out_dir is not None and not _resuming
+        if self._needs_prepare:
+            check_out_dir(self.out_dir, overwrite=overwrite)  # type: ignore[arg-type]
         self.optimizer = make_optimizer(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config)
         )
         self.step = 0
+        self.saved_step: int | None = None  # the step of the run's current checkpoint on disk
         self.history: list[dict[str, Any]] = []
-        self._interrupted = False  # set by Ctrl-C; the loop stops after the current step
+        # losses of the steps since the last log line: saved with the run, so that a resumed
+        # run logs the same means as an uninterrupted one
+        self._window: list[float] = []
+        self._interrupted: int | None = None  # the signal that asked the loop to stop
 
     # --- checkpoints ----------------------------------------------------------------------------
 
+    def _prepare(self) -> None:
+        """Once, before the first write: create ``out_dir`` (and clear it with overwrite)."""
+        if self._needs_prepare:
+            prepare_out_dir(self.out_dir, overwrite=self._overwrite)  # type: ignore[arg-type]
+            self._needs_prepare = False
+
     def save(self) -> None:
-        """Write the whole run state into ``out_dir`` (each file atomically)."""
+        """Commit the whole run state as a new checkpoint of ``out_dir`` (all files or none)."""
         if self.out_dir is None:
             return
-        d = self.out_dir
-        self.model.save(d)  # type: ignore[attr-defined]
-        self.task.tokenizer.save(d)
-        meta = {"task": self.task.spec.to_json(), "train": asdict(self.config)}
-        atomic_write(d / TASK_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
+        self._prepare()
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "history": self.history,
-            "weights_sha256": _sha256(d / WEIGHTS_FILE),
+            "loss_window": self._window,
         }
-        atomic_write(d / STATE_FILE, lambda tmp: torch.save(state, tmp))
+        write_checkpoint(
+            self.out_dir,
+            model=self.model,
+            tokenizer=self.task.tokenizer,
+            meta={"task": self.task.spec.to_json(), "train": asdict(self.config)},
+            state=state,
+            made_by=self.made_by,
+        )
+        self.saved_step = self.step
 
-    def load_state(self) -> None:
-        """Restore the optimizer, scheduler, RNG and step saved in ``out_dir`` (for --resume)."""
-        assert self.out_dir is not None
-        path = self.out_dir / STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{self.out_dir} has no {STATE_FILE}: nothing to resume")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # a truncated or foreign file
-            raise ValueError(f"{path} is truncated or corrupt: {e}") from None
-        if state.get("weights_sha256") != _sha256(self.out_dir / WEIGHTS_FILE):
-            raise ValueError(
-                f"{path} belongs to other weights than {WEIGHTS_FILE} (was a save interrupted?)"
-            )
+    def load_state(self, state: dict[str, Any], source: str | Path = "trainer state") -> None:
+        """Restore the optimizer, scheduler, RNG, step and history of a saved trainer state, and
+        rewrite ``log.jsonl`` to match it (for --resume)."""
         try:
             self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{path} does not match this model's parameters: {e}") from None
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step = int(state["step"])
-        self.history = list(state["history"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["torch_rng"])
+            self.step = int(state["step"])
+            self.history = list(state["history"])
+            self._window = [float(x) for x in state.get("loss_window", [])]
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise ValueError(f"{source} does not match this model's parameters: {e}") from None
+        self.saved_step = self.step
+        if self.out_dir is not None:
+            write_log(self.out_dir, self.history)
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -212,20 +265,20 @@ class Trainer:
 
         c, task = self.config, self.task
         end = c.steps if until is None else min(until, c.steps)
+        self._prepare()  # before the first step: a folder we cannot write fails now, not later
         t0, first_step = time.perf_counter(), self.step
         bar = tqdm(
             total=c.steps, initial=self.step, disable=not progress, unit="step", dynamic_ncols=True
         )
-        self._interrupted = False
-        with _finish_step_on_ctrl_c(self):
-            tokens = self._loop(bar, end)
-        bar.close()
-        if self._interrupted:  # Ctrl-C: the step in flight finished, so the state is whole
+        self._interrupted = None
+        try:
+            with _finish_step_on_signals(self):
+                tokens = self._loop(bar, end)
+        finally:
+            bar.close()
+        if self._interrupted is not None:  # the step in flight finished, so the state is whole
             self.save()
-            print(
-                f"\ninterrupted at step {self.step}; saved in {self.out_dir} (--resume continues)"
-            )
-            raise KeyboardInterrupt
+            raise TrainingInterrupted(self._interrupted, self.step, self.out_dir)
         seconds = time.perf_counter() - t0
         rate = tokens / seconds if self.step > first_step else 0.0
         if self.step < c.steps:  # stopped early on request
@@ -256,23 +309,28 @@ class Trainer:
         """Optimizer steps up to ``end``; returns the tokens read."""
         c, task = self.config, self.task
         self.model.train()
-        t0, tokens, window = time.perf_counter(), 0, []
+        t0, tokens, window = time.perf_counter(), 0, self._window
         shown: dict[str, str] = {}  # the progress bar's loss, tokens/s and last validation loss
         while self.step < end and not self._interrupted:
             batch = task.batch("train", step_generator(c.seed, self.step), c.batch_size)
             with self._autocast():
                 loss, _ = task.loss(self.model, batch)
+            value = loss.item() * task.report_scale
+            if not math.isfinite(value):
+                self._diverged(f"the loss is {value}")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if c.grad_clip > 0:
-                nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+            # the norm is needed to see a non-finite gradient even when not clipping (max_norm
+            # inf scales every gradient by exactly 1.0)
+            max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
+            norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            if not math.isfinite(norm):
+                self._diverged(f"the gradient norm is {norm}")
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
             tokens += task.tokens_in(batch)
-            window.append(loss.item() * task.report_scale)
-            if not math.isfinite(window[-1]):
-                raise FloatingPointError(f"the loss became {window[-1]} at step {self.step}")
+            window.append(value)
             if self.step % c.log_every == 0 or self.step == end:
                 rate = tokens / (time.perf_counter() - t0)
                 mean = sum(window) / len(window)
@@ -291,13 +349,24 @@ class Trainer:
             bar.update(1)
         return tokens
 
+    def _diverged(self, what: str) -> None:
+        kept = (
+            f"the last checkpoint (step {self.saved_step}) in {self.out_dir} is untouched"
+            if self.saved_step is not None
+            else "nothing was saved"
+        )
+        raise DivergedError(
+            f"training diverged at step {self.step + 1}: {what}; the step was not applied and "
+            f"{kept}. Try a lower lr or a longer warmup."
+        )
+
     def _last(self, key: str) -> float:
         return next((r[key] for r in reversed(self.history) if key in r), float("nan"))
 
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._prepare()
             with open(self.out_dir / LOG_FILE, "a") as f:  # append-only: a crash loses one line
                 f.write(json.dumps(record) + "\n")
 
@@ -316,45 +385,64 @@ class Trainer:
 
 
 @contextlib.contextmanager
-def _finish_step_on_ctrl_c(trainer: Trainer) -> Iterator[None]:
-    """While training, Ctrl-C only raises a flag; the loop stops after the step in flight, so a
-    checkpoint is never taken between an optimizer update and its step count."""
+def _finish_step_on_signals(trainer: Trainer) -> Iterator[None]:
+    """While training, Ctrl-C (SIGINT) and SIGTERM only raise a flag; the loop stops after the
+    step in flight, so a checkpoint is never taken between an optimizer update and its step
+    count. (Signal handlers can only be set from the main thread; elsewhere signals act as
+    usual.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def flag(signum: int, frame: object) -> None:
-        trainer._interrupted = True
+        trainer._interrupted = signum
 
-    previous = signal.signal(signal.SIGINT, flag)
+    previous = {sig: signal.signal(sig, flag) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def resume_trainer(out_dir: str | Path, *, steps: int | None = None) -> Trainer:
+def resume_trainer(
+    out_dir: str | Path, *, steps: int | None = None, verify: bool = True
+) -> Trainer:
     """Rebuild the task, model and trainer saved in ``out_dir`` and restore their state.
 
-    ``steps`` extends the run (the cosine schedule is then re-planned to the new end).
+    Every file of the checkpoint is checked against its SHA-256 first (``verify=False`` skips
+    that). ``steps`` extends the run (the cosine schedule is then re-planned to the new end);
+    fewer steps than are done, or resuming a finished run without more steps, is refused
+    before anything is written.
     """
     from dikkat.text import load_tokenizer
 
     d = Path(out_dir)
-    if not (d / TASK_FILE).is_file():
-        raise FileNotFoundError(f"{d} has no {TASK_FILE}: not a dikkat training run")
+    saved = read_checkpoint(d, verify=verify)
     try:
-        meta = json.loads((d / TASK_FILE).read_text())
-        spec = TaskSpec(**meta["task"])
-        config = TrainConfig(**meta["train"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{d / TASK_FILE} is not a valid run description: {e}") from None
+        spec = TaskSpec(**saved.meta["task"])
+        config = TrainConfig(**saved.meta["train"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{saved.folder / TASK_FILE} is not a valid run description: {e}"
+        ) from None
+    done = int(saved.state["step"])
     if steps is not None:
+        if steps <= done:
+            raise ValueError(
+                f"{d} is at step {done}; --steps {steps} would end at or before it (pass more "
+                "steps to extend the run)"
+            )
         config = TrainConfig(**{**asdict(config), "steps": steps})
-    task = build_task(spec, tokenizer=load_tokenizer(d))
-    task.model = type(task.model).load(d)  # type: ignore[attr-defined]
-    trainer = Trainer(task, config, d)
-    trainer.load_state()
+    elif done >= config.steps:
+        raise ValueError(
+            f"{d} has finished its {config.steps} steps; pass --steps N (N > {done}) to extend it"
+        )
+    task = build_task(spec, tokenizer=load_tokenizer(saved.folder, verify=False))  # checked
+    task.model = type(task.model).load(saved.folder, verify=False)  # type: ignore[attr-defined]
+    made_by = saved.made_by or "dikkat.Trainer"
+    trainer = Trainer(task, config, d, made_by=made_by, _resuming=True)
+    trainer.load_state(saved.state, saved.folder / STATE_FILE)
     return trainer
 
 
@@ -364,6 +452,10 @@ def train(
     out_dir: str | Path | None = None,
     *,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Build ``spec``'s task and model and train them; the one-call entry point."""
-    return Trainer(build_task(spec), config, out_dir).train(progress=progress)
+    if out_dir is not None:  # refuse a folder in use before building anything
+        check_out_dir(Path(out_dir), overwrite=overwrite)
+    task = build_task(spec)
+    return Trainer(task, config, out_dir, overwrite=overwrite).train(progress=progress)

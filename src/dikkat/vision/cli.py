@@ -12,23 +12,34 @@ def add_vision_commands(sub: Any) -> None:
     _add_detect(sub)
 
 
+def _run_seed(path: str) -> int:
+    """The data seed a run was trained with (0 for a model folder, which records none)."""
+    import json
+
+    from dikkat import runs
+    from dikkat.training.checkpoint import TASK_FILE
+
+    task_file = runs.checkpoint_dir(path) / TASK_FILE
+    if not task_file.is_file():
+        return 0
+    try:
+        return int(json.loads(task_file.read_text())["task"]["seed"])
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{task_file} is not a valid run description: {e}") from None
+
+
 def cmd_vit_attention(args: Any) -> int:
     """Draw a trained digits ViT's class-token attention for a few held-out digits."""
-    import json
-    from pathlib import Path
-
     import torch
 
-    from dikkat.training.trainer import TASK_FILE
     from dikkat.vision.digits import SIDE, load_digits_split
     from dikkat.vision.vit import ViT
     from dikkat.vision.vit_plot import plot_attention_maps
 
-    model = ViT.load(args.run).eval()
+    model = ViT.load(args.run, verify=not args.no_verify).eval()
     seed = args.seed
     if seed is None:  # the run's own split, so the digits shown were never trained on
-        task_file = Path(args.run) / TASK_FILE
-        seed = json.loads(task_file.read_text())["task"]["seed"] if task_file.is_file() else 0
+        seed = _run_seed(args.run)
     c = model.config
     if (c.image_size, c.channels, c.n_classes) != (SIDE, 1, 10):
         raise ValueError(
@@ -56,7 +67,7 @@ def cmd_vit_attention(args: Any) -> int:
 def _add_vit_attention(sub: Any) -> None:
     import argparse
 
-    from dikkat.argtypes import positive_int
+    from dikkat.argtypes import add_no_verify, positive_int
 
     p = sub.add_parser(
         "vit-attention",
@@ -75,6 +86,7 @@ def _add_vit_attention(sub: Any) -> None:
     p.add_argument("--count", type=positive_int, default=6, help="held-out digits to show")
     p.add_argument("--layer", type=int, help="show every head of this layer (0-based)")
     p.add_argument("--seed", type=int, help="the split's seed (default: the run's)")
+    add_no_verify(p)
     p.set_defaults(func=cmd_vit_attention)
 
 
@@ -112,17 +124,13 @@ def _add_vision_cost(sub: Any) -> None:
 
 def cmd_detect(args: Any) -> int:
     """Draw a shapes DETR's boxes and each object query's cross-attention on validation images."""
-    import json
-    from pathlib import Path
-
     import torch
 
-    from dikkat.training.trainer import TASK_FILE
     from dikkat.vision.detr import DETR
     from dikkat.vision.detr_plot import plot_detections
     from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
 
-    model = DETR.load(args.run).eval()
+    model = DETR.load(args.run, verify=not args.no_verify).eval()
     c, data = model.config, ShapesConfig()
     if (c.image_size, c.n_classes) != (data.image_size, len(SHAPE_NAMES)):
         raise ValueError(
@@ -135,8 +143,7 @@ def cmd_detect(args: Any) -> int:
         raise ValueError(f"--start must be ≥ 0, got {args.start}")
     seed = args.seed
     if seed is None:  # the run's own validation stream: images it never trained on
-        task_file = Path(args.run) / TASK_FILE
-        seed = json.loads(task_file.read_text())["task"]["seed"] if task_file.is_file() else 0
+        seed = _run_seed(args.run)
     indices = range(args.start, args.start + args.count)
     images, labels, boxes = make_batch(indices, split="val", seed=seed, config=data)
     with torch.no_grad():
@@ -151,7 +158,7 @@ def cmd_detect(args: Any) -> int:
 def _add_detect(sub: Any) -> None:
     import argparse
 
-    from dikkat.argtypes import positive_int
+    from dikkat.argtypes import add_no_verify, positive_int
 
     p = sub.add_parser(
         "detect",
@@ -170,4 +177,5 @@ def _add_detect(sub: Any) -> None:
     p.add_argument("--count", type=positive_int, default=4, help="images to show (at most 12)")
     p.add_argument("--start", type=int, default=0, help="first validation image index")
     p.add_argument("--seed", type=int, help="the validation stream's seed (default: the run's)")
+    add_no_verify(p)
     p.set_defaults(func=cmd_detect)

@@ -17,16 +17,15 @@ reported beside the plain figure (``test_accuracy_shift_averaged``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dikkat.training.tasks import Task, TaskSpec
+from dikkat.text import NoTokenizer
+from dikkat.training.tasks import Task, TaskSpec, new_model
 from dikkat.vision.vit import ViT, ViTConfig
 
 SIDE = 8  # the images are 8×8
@@ -121,19 +120,6 @@ def every_shift(images: Tensor, max_shift: int = 1) -> Tensor:
     return torch.stack(views)
 
 
-class NoTokenizer:
-    """Images need no tokenizer; the trainer still saves one, so this one records that."""
-
-    vocab_size = 0
-    type_name = "none"
-
-    def save(self, directory: str | Path) -> None:
-        from dikkat.models.io import atomic_write
-
-        path = Path(directory) / "tokenizer_config.json"
-        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"type": self.type_name})))
-
-
 def digits_config(spec: TaskSpec) -> ViTConfig:
     """The ViT config a digits spec asks for; the images fix size, channels and classes."""
     config = ViTConfig.preset(spec.preset, **spec.model_overrides)
@@ -160,7 +146,7 @@ class DigitsTask(Task):
         self.data = load_digits_split(seed=spec.seed)
         config = digits_config(spec)
         torch.manual_seed(spec.seed)
-        self.model = ViT(config)
+        self.model = new_model(ViT, config)
         d = self.data
         self.baseline = nearest_neighbour_accuracy(d.train_x, d.train_y, d.test_x, d.test_y)
 

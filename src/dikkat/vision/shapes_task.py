@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dikkat.training.tasks import Task, TaskSpec
+from dikkat.text import NoTokenizer
+from dikkat.training.tasks import Task, TaskSpec, new_model
 from dikkat.vision.detr import DETR, DETRConfig, DETROutput, detection_metrics, detr_loss
-from dikkat.vision.digits import NoTokenizer
 from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
 
 # What plain `dikkat train --task shapes` runs: a few CPU minutes.
@@ -65,7 +65,7 @@ class ShapesTask(Task):
         self.data = data or ShapesConfig()
         config = shapes_config(spec, self.data)
         torch.manual_seed(spec.seed)
-        self.model = DETR(config)
+        self.model = new_model(DETR, config)
         self.val = make_batch(range(VAL_IMAGES), split="val", seed=spec.seed, config=self.data)
 
     def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:

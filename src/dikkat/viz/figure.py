@@ -11,7 +11,7 @@ def save_png(fig: Any, path: str | Path) -> Path:
     leaves half a picture over the last good one), then close it. Returns the path."""
     import matplotlib.pyplot as plt
 
-    from dikkat.models.io import atomic_write
+    from dikkat.files import atomic_write
 
     path = Path(path)
     try:
