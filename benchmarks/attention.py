@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from common import RESULTS
-from dikkat.bench.cli import add_attention_arguments, attention_examples, run_attention
+from dikkat.cli.bench import add_attention_arguments, attention_examples, run_attention
 
 
 def main(argv: list[str] | None = None) -> dict:

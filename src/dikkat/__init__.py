@@ -17,6 +17,7 @@ from dikkat.core import (
     register_backend,
 )
 from dikkat.generation import KVCache, generate, iter_generate
+from dikkat.interop import pretrained
 from dikkat.layers import (
     MLP,
     ALiBi,
@@ -29,7 +30,7 @@ from dikkat.layers import (
     SinusoidalPositionalEncoding,
 )
 from dikkat.models import BERT, GPT, BERTConfig, GPTConfig, Seq2Seq, Seq2SeqConfig
-from dikkat.training.tasks import TaskSpec
+from dikkat.tasks import TaskSpec
 from dikkat.training.trainer import TrainConfig, Trainer, train
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "generate",
     "iter_generate",
     "masks",
+    "pretrained",
     "reference_attention",
     "register_backend",
     "train",

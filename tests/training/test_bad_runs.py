@@ -22,7 +22,7 @@ import torch
 
 from dikkat import runs
 from dikkat.models import GPT, GPTConfig
-from dikkat.training.tasks import TaskSpec, build_task
+from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import (
     STATE_FILE,
     TASK_FILE,

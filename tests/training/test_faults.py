@@ -33,7 +33,7 @@ import torch
 import dikkat.models.io as model_io
 from dikkat import runs
 from dikkat.files import sha256
-from dikkat.training.tasks import TaskSpec, build_task
+from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import LOG_FILE, TrainConfig, Trainer, resume_trainer
 
 # a small text of this Python's own (read once; the standard library's full walk is slow)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dikkat.runs import checkpoint_dir
-from dikkat.training.tasks import TaskSpec, build_task
+from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import (
     LOG_FILE,
     PLOT_FILE,

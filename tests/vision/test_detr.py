@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dikkat.training.tasks import TaskSpec, build_task
+from dikkat.tasks import TaskSpec, build_task
+from dikkat.tasks.shapes import ShapesTask
 from dikkat.training.trainer import TrainConfig, Trainer
 from dikkat.vision.detr import (
     DETR,
@@ -20,7 +21,6 @@ from dikkat.vision.detr import (
     hungarian_match,
 )
 from dikkat.vision.shapes import ShapesConfig, make_batch
-from dikkat.vision.shapes_task import ShapesTask
 from helpers import run_cli
 
 SMALL = {"width": 8, "d_model": 32, "n_layers": 2, "n_heads": 2}
@@ -219,4 +219,4 @@ def test_train_resume_and_detect_from_the_command_line(tmp_path, capsys):
     code, _, err = run_cli(["detect", str(tmp_path / "nothing"), "--out", str(png)], capsys)
     assert code == 2 and "has no config.json" in err
     code, text, _ = run_cli(["detect", "--help"], capsys)
-    assert code == 0 and "dikkat detect runs/shapes --out shapes.png" in text
+    assert code == 0 and "dikkat detect runs/shapes " in text and "detections.png" in text

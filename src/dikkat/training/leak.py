@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from dikkat.core.masks import causal, full
-from dikkat.training.tasks import LMTask, TaskSpec
+from dikkat.tasks import TaskSpec
+from dikkat.tasks.lm import LMTask
 from dikkat.training.trainer import TrainConfig, Trainer
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dikkat.files import atomic_write
+from dikkat.tasks import Task, TaskSpec, build_task, step_generator
 from dikkat.training.checkpoint import (
     LOG_FILE,
     PLOT_FILE,
@@ -41,8 +42,6 @@ from dikkat.training.checkpoint import (
     write_checkpoint,
     write_log,
 )
-from dikkat.training.data import step_generator
-from dikkat.training.tasks import Task, TaskSpec, build_task
 from dikkat.validate import check_bool, check_float, check_int
 
 __all__ = [

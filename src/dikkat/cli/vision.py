@@ -1,15 +1,12 @@
-"""The vision commands of ``dikkat`` (each command's parser is added by one function here)."""
+"""The vision commands of ``dikkat``: ``vit-attention``, ``vision-cost`` and ``detect``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-
-def add_vision_commands(sub: Any) -> None:
-    """Register the vision subcommands on the top-level ``dikkat`` parser's subparsers."""
-    _add_vit_attention(sub)
-    _add_vision_cost(sub)
-    _add_detect(sub)
+from dikkat.cli.args import add_no_verify, positive_int
+from dikkat.cli.common import add_command
 
 
 def _run_seed(path: str) -> int:
@@ -32,7 +29,7 @@ def cmd_vit_attention(args: Any) -> int:
     """Draw a trained digits ViT's class-token attention for a few held-out digits."""
     import torch
 
-    from dikkat.vision.digits import SIDE, load_digits_split
+    from dikkat.tasks.digits import SIDE, load_digits_split
     from dikkat.vision.vit import ViT
     from dikkat.vision.vit_plot import plot_attention_maps
 
@@ -55,39 +52,14 @@ def cmd_vit_attention(args: Any) -> int:
     with torch.no_grad():
         predicted = model(images).argmax(dim=-1)
     maps = model.attention_maps(images)
+    out = args.out or Path(args.run) / "vit_attention.png"
     path = plot_attention_maps(
-        images, maps, args.out, labels=labels, predicted=predicted, layer=args.layer
+        images, maps, out, labels=labels, predicted=predicted, layer=args.layer
     )
     shown = "every layer" if args.layer is None else f"the heads of layer {args.layer}"
     query = "class-token" if c.pool == "cls" else "mean-query"
     print(f"{path}: {args.count} held-out digits, {query} attention of {shown}")
     return 0
-
-
-def _add_vit_attention(sub: Any) -> None:
-    import argparse
-
-    from dikkat.argtypes import add_no_verify, positive_int
-
-    p = sub.add_parser(
-        "vit-attention",
-        help="picture a digits ViT's class-token attention over the patches (PNG)",
-        description="Load a ViT trained with `dikkat train --task digits`, run it on the first "
-        "held-out digits of the run's own split, and draw each image beside its class token's "
-        "attention over the patches: one map per layer (mean over heads), or with --layer, "
-        "one per head of that layer.",
-        epilog="examples:\n  dikkat train --task digits --out runs/digits\n"
-        "  dikkat vit-attention runs/digits --out maps.png\n"
-        "  dikkat vit-attention runs/digits --out heads.png --layer 3 --count 4",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("run", help="run folder of `dikkat train --task digits`")
-    p.add_argument("--out", default="vit_attention.png", help="PNG to write")
-    p.add_argument("--count", type=positive_int, default=6, help="held-out digits to show")
-    p.add_argument("--layer", type=int, help="show every head of this layer (0-based)")
-    p.add_argument("--seed", type=int, help="the split's seed (default: the run's)")
-    add_no_verify(p)
-    p.set_defaults(func=cmd_vit_attention)
 
 
 def cmd_vision_cost(args: Any) -> int:
@@ -97,29 +69,6 @@ def cmd_vision_cost(args: Any) -> int:
     rows = vision_cost(args.imgsz, args.width, args.heads)
     print(format_cost_table(rows, args.imgsz))
     return 0
-
-
-def _add_vision_cost(sub: Any) -> None:
-    import argparse
-
-    from dikkat.argtypes import positive_int
-
-    p = sub.add_parser(
-        "vision-cost",
-        help="what attention costs at each detector stride, beside a 3×3 conv",
-        description="For the stride-8, 16 and 32 feature maps of an IMGSZ image, print the "
-        "tokens, score cells, FLOPs and score-matrix memory of PSA-style self-attention beside a "
-        "3×3 convolution at the same width: why YOLO26 attends only at stride 32.",
-        epilog="examples:\n  dikkat vision-cost --imgsz 640\n"
-        "  dikkat vision-cost --imgsz 1280 --width 256 --heads 4",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--imgsz", type=positive_int, default=640, help="image side (multiple of 32)")
-    p.add_argument(
-        "--width", type=positive_int, default=128, help="channels C the attention runs at"
-    )
-    p.add_argument("--heads", type=positive_int, help="heads (default max(C // 64, 1))")
-    p.set_defaults(func=cmd_vision_cost)
 
 
 def cmd_detect(args: Any) -> int:
@@ -148,34 +97,71 @@ def cmd_detect(args: Any) -> int:
     images, labels, boxes = make_batch(indices, split="val", seed=seed, config=data)
     with torch.no_grad():
         out = model(images, return_attention=True)
-    path = plot_detections(
-        images, out, args.out, class_names=SHAPE_NAMES, labels=labels, boxes=boxes
-    )
+    target = args.out or Path(args.run) / "detections.png"
+    path = plot_detections(images, out, target, class_names=SHAPE_NAMES, labels=labels, boxes=boxes)
     print(f"{path}: boxes and cross-attention of {args.count} validation images")
     return 0
 
 
-def _add_detect(sub: Any) -> None:
-    import argparse
+def add_commands(sub: Any) -> None:
+    """Register vit-attention, vision-cost and detect."""
+    p = add_command(
+        sub,
+        "vit-attention",
+        cmd_vit_attention,
+        help="picture a digits ViT's class-token attention over the patches (PNG)",
+        description="Load a ViT trained with `dikkat train --task digits`, run it on the first "
+        "held-out digits of the run's own split, and draw each image beside its class token's "
+        "attention over the patches: one map per layer (mean over heads), or with --layer, "
+        "one per head of that layer.",
+        examples=[
+            ("dikkat vit-attention runs/digits", "writes runs/digits/vit_attention.png"),
+            ("dikkat vit-attention runs/digits --out heads.png --layer 3 --count 4", ""),
+        ],
+    )
+    p.add_argument("run", help="run folder of `dikkat train --task digits`")
+    p.add_argument("--out", help="PNG to write (default: vit_attention.png in the run folder)")
+    p.add_argument("--count", type=positive_int, default=6, help="held-out digits to show")
+    p.add_argument("--layer", type=int, help="show every head of this layer (0-based)")
+    p.add_argument("--seed", type=int, help="the split's seed (default: the run's)")
+    add_no_verify(p)
 
-    from dikkat.argtypes import add_no_verify, positive_int
+    p = add_command(
+        sub,
+        "vision-cost",
+        cmd_vision_cost,
+        help="what attention costs at each detector stride, beside a 3×3 conv",
+        description="For the stride-8, 16 and 32 feature maps of an IMGSZ image, print the "
+        "tokens, score cells, FLOPs and score-matrix memory of PSA-style self-attention beside a "
+        "3×3 convolution at the same width: why YOLO26 attends only at stride 32.",
+        examples=[
+            ("dikkat vision-cost --imgsz 640", ""),
+            ("dikkat vision-cost --imgsz 1280 --width 256 --heads 4", ""),
+        ],
+    )
+    p.add_argument("--imgsz", type=positive_int, default=640, help="image side (multiple of 32)")
+    p.add_argument(
+        "--width", type=positive_int, default=128, help="channels C the attention runs at"
+    )
+    p.add_argument("--heads", type=positive_int, help="heads (default max(C // 64, 1))")
 
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "detect",
+        cmd_detect,
         help="picture a shapes DETR's boxes and each object query's cross-attention (PNG)",
         description="Load a DETR trained with `dikkat train --task shapes`, run it on validation "
         "images of the run's own seed (never trained on), and draw one row per image: the image "
         "with predicted boxes, class and probability (ground truth dashed), then, for each query "
         "that predicts an object, its last-layer cross-attention over the feature grid.",
-        epilog="examples:\n  dikkat train --task shapes --out runs/shapes\n"
-        "  dikkat detect runs/shapes --out shapes.png\n"
-        "  dikkat detect runs/shapes --out more.png --count 8 --start 100",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            ("dikkat detect runs/shapes", "writes runs/shapes/detections.png"),
+            ("dikkat detect runs/shapes --out more.png --count 8 --start 100", ""),
+        ],
     )
     p.add_argument("run", help="run folder of `dikkat train --task shapes`")
-    p.add_argument("--out", default="detections.png", help="PNG to write")
+    p.add_argument("--out", help="PNG to write (default: detections.png in the run folder)")
     p.add_argument("--count", type=positive_int, default=4, help="images to show (at most 12)")
     p.add_argument("--start", type=int, default=0, help="first validation image index")
     p.add_argument("--seed", type=int, help="the validation stream's seed (default: the run's)")
     add_no_verify(p)
-    p.set_defaults(func=cmd_detect)

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
+from dikkat.tasks import TaskSpec, build_task, step_generator
 from dikkat.text import load_tokenizer
-from dikkat.training.data import step_generator
-from dikkat.training.tasks import TaskSpec, build_task
 from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
 SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 2}
@@ -51,7 +50,7 @@ def test_translate_learns_held_out_numbers():
     Trainer(task, TrainConfig(steps=400, batch_size=64, lr=3e-3, warmup=30, eval_every=0)).train(
         progress=False
     )
-    from dikkat.training.numbers import exact_match
+    from dikkat.tasks.translate import exact_match
 
     score = exact_match(task.model.eval(), task.heldout[:100], task.tokenizer)
     assert score > 0.9  # held-out numbers, never seen in training (1.0 measured here)

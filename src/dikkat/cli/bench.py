@@ -1,5 +1,5 @@
 """The ``dikkat bench`` commands: ``bench attention`` (backends side by side) and
-``bench cost`` (the seed's cost claim as a table)."""
+``bench cost`` (what the n × n score matrix weighs, as a table)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from dikkat.argtypes import positive_float, positive_int
+from dikkat.cli.args import positive_float, positive_int
+from dikkat.cli.common import add_command, format_examples
 from dikkat.core.tiled import CELLS
-
-RAW = argparse.RawDescriptionHelpFormatter
 
 _ATTENTION_EXAMPLES = (
     ("--quick", "a smoke run in seconds (n = 128, 256)"),
@@ -22,23 +21,20 @@ _ATTENTION_EXAMPLES = (
 )
 
 
+_ATTENTION_NOTES = (
+    "Writes attention.json, attention_time.png and attention_memory.png into --out. A "
+    "combination whose\nestimated memory exceeds --max-gib (or 60 % of free memory) is "
+    "skipped with a note."
+)
+
+
 def attention_examples(prog: str) -> str:
-    """The examples of ``--help``, for the command spelled ``prog``."""
-    lines = ["examples:"]
-    for flags, what in _ATTENTION_EXAMPLES:
-        command = f"{prog} {flags}".strip()
-        lines.append(f"  {command:<{len(prog) + 12}}  {what}".rstrip())
-    return "\n".join(lines) + (
-        "\n\nWrites attention.json, attention_time.png and attention_memory.png into --out. A "
-        "combination whose\nestimated memory exceeds --max-gib (or 60 % of free memory) is "
-        "skipped with a note.\n"
+    """The examples of ``--help``, for the command spelled ``prog`` (benchmarks/attention.py)."""
+    return (
+        format_examples([(f"{prog} {flags}".strip(), what) for flags, what in _ATTENTION_EXAMPLES])
+        + "\n\n"
+        + _ATTENTION_NOTES
     )
-
-
-COST_EXAMPLES = """examples:
-  dikkat bench cost                          n = 1k, 4k, 32k, 128k; B=1, H=8, D=64
-  dikkat bench cost --n 2048 65536 --heads 12 --head-dim 128
-"""
 
 
 def _comma_list(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple[Any, ...]]:
@@ -146,39 +142,46 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_commands(sub: Any) -> None:
-    """Register ``bench attention`` and ``bench cost`` on the top-level subparsers."""
+def add_commands(sub: Any) -> None:
+    """Register ``bench attention`` and ``bench cost``."""
     from dikkat.bench.cost import DEFAULT_NS
 
-    bench = sub.add_parser(
+    bench = add_command(
+        sub,
         "bench",
+        lambda args: bench.print_help() or 0,
         help="measure attention backends; the cost of the score matrix",
         description="Benchmarks of attention: `bench attention` times every backend side by "
         "side, `bench cost` tabulates what the n × n score matrix weighs.",
-        epilog="examples:\n  dikkat bench attention --quick\n  dikkat bench cost",
-        formatter_class=RAW,
+        examples=[("dikkat bench attention --quick", "backends side by side, in seconds")],
     )
-    bench.set_defaults(func=lambda args: bench.print_help() or 0)
     commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-    attention = commands.add_parser(
+    attention = add_command(
+        commands,
         "attention",
+        _cmd_attention,
         help="forward time and peak memory of every backend against n",
         description="Attention backends side by side (reference, SDPA, tiled, auto, linear, "
         "flex) over masks none / causal / sliding window / packed documents, fp32 and bf16, "
         "B=1, H=8, D=64: a table, JSON, and plots of time and peak memory against n.",
-        epilog=attention_examples("dikkat bench attention"),
-        formatter_class=RAW,
+        examples=[
+            (f"dikkat bench attention {flags}".strip(), what) for flags, what in _ATTENTION_EXAMPLES
+        ],
+        notes=_ATTENTION_NOTES,
     )
-    add_attention_arguments(attention, default_out=".")
-    attention.set_defaults(func=_cmd_attention)
+    add_attention_arguments(attention, default_out="runs/bench")
 
-    cost = commands.add_parser(
+    cost = add_command(
+        commands,
         "cost",
-        help="score cells and bytes of attention against n (the seed's cost claim)",
+        _cmd_cost,
+        help="score cells and bytes of attention against n",
         description="For each n: the n² score cells per head, their bytes in fp32 and bf16 per "
         "head and for all heads, the bytes of q, k, v, and what tiled attention holds instead.",
-        epilog=COST_EXAMPLES,
-        formatter_class=RAW,
+        examples=[
+            ("dikkat bench cost", "n = 1k, 4k, 32k, 128k; B=1, H=8, D=64"),
+            ("dikkat bench cost --n 2048 65536 --heads 12 --head-dim 128", ""),
+        ],
     )
     cost.add_argument("--n", type=positive_int, nargs="+", default=list(DEFAULT_NS))
     cost.add_argument("--heads", type=positive_int, default=8, help="H (default 8)")
@@ -187,4 +190,3 @@ def add_bench_commands(sub: Any) -> None:
     cost.add_argument(
         "--tile-cells", type=positive_int, default=CELLS, help="score cells of a tiled tile"
     )
-    cost.set_defaults(func=_cmd_cost)

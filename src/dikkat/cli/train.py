@@ -1,4 +1,9 @@
-"""The training commands of ``dikkat``: ``train``, ``translate``, ``leak-demo`` and ``demo``."""
+"""The training commands of ``dikkat``: ``train``, ``translate``, ``leak-demo`` and ``demo``.
+
+``dikkat train``'s tasks, their recipes (the defaults of the flags left out) and which size
+flags apply to which come from the task registry (:mod:`dikkat.tasks`): a new task needs no
+change here.
+"""
 
 from __future__ import annotations
 
@@ -7,79 +12,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dikkat.argtypes import add_no_verify, non_negative_float, positive_float, positive_int
+from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
+from dikkat.cli.common import add_command
+from dikkat.tasks import task_info, task_names
 
-RAW = argparse.RawDescriptionHelpFormatter
 DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces only its own
-
-# command-line size flags → the config field of each task's model
-_SIZE_FIELDS = {
-    "lm": {
-        "d_model": "d_model",
-        "layers": "n_layers",
-        "heads": "n_heads",
-        "kv_heads": "n_kv_heads",
-        "position": "position",
-        "dropout": "dropout",
-    },
-    "mlm": {"d_model": "d_model", "layers": "n_layers", "heads": "n_heads", "dropout": "dropout"},
-    "translate": {
-        "d_model": "d_model",
-        "heads": "n_heads",
-        "dropout": "dropout",
-        "layers": ("n_encoder_layers", "n_decoder_layers"),
-    },
-    "digits": {
-        "d_model": "d_model",
-        "layers": "n_layers",
-        "heads": "n_heads",
-        "dropout": "dropout",
-    },
-    "shapes": {
-        "d_model": "d_model",
-        "layers": "n_layers",
-        "heads": "n_heads",
-        "dropout": "dropout",
-    },
-}
-
-# `dikkat train` flags left out take these values; a task with its own recipe overrides some
-_TRAIN_DEFAULTS: dict[str, Any] = {
-    "preset": "tiny",
-    "steps": 1000,
-    "batch_size": 32,
-    "lr": 1e-3,
-    "warmup": 100,
-    "eval_every": 100,
-}
-
-
-def _train_defaults(task: str) -> dict[str, Any]:
-    """The defaults of ``dikkat train --task TASK`` (digits: the ViT recipe)."""
-    if task == "digits":
-        from dikkat.vision.digits import DIGITS_TRAINING
-
-        return {**_TRAIN_DEFAULTS, **DIGITS_TRAINING}
-    if task == "shapes":
-        from dikkat.vision.shapes_task import SHAPES_TRAINING
-
-        return {**_TRAIN_DEFAULTS, **SHAPES_TRAINING}
-    return _TRAIN_DEFAULTS
+SIZE_FLAGS = ("d_model", "layers", "heads", "kv_heads", "position", "dropout")
 
 
 def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with every flag left out (None) set to the task's default."""
+    """``args`` with every flag left out (None) set to the task's recipe."""
     filled = vars(args).copy()
-    for name, value in _train_defaults(args.task).items():
+    for name, value in task_info(args.task).training().items():
         if filled.get(name) is None:
             filled[name] = value
     return argparse.Namespace(**filled)
 
 
 def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    fields = _SIZE_FIELDS[args.task]
+    fields = task_info(args.task).size_flags
     out: dict[str, Any] = {}
-    for flag in ("d_model", "layers", "heads", "kv_heads", "position", "dropout"):
+    for flag in SIZE_FLAGS:
         value = getattr(args, flag)
         if value is None:
             continue
@@ -91,7 +44,7 @@ def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _summary(result: Any, trainer: Any) -> None:
+def _summary(result: Any, task: str) -> None:
     print(
         f"\nsteps {result.steps}   train loss {result.train_loss:.3f}   "
         f"validation loss {result.val_loss:.3f} {result.unit}"
@@ -99,22 +52,17 @@ def _summary(result: Any, trainer: Any) -> None:
     for name, value in result.metrics.items():
         print(f"{name}: {value:.4f}")
     print(f"{result.seconds:.0f} s, {result.tokens_per_second:,.0f} tokens/s")
-    m = result.metrics
-    if "test_accuracy" in m and "nearest_neighbour_accuracy" in m:  # digits: side by side
-        averaged = m.get("test_accuracy_shift_averaged")
-        tta = "" if averaged is None else f" ({averaged:.1%} averaged over 1-pixel shifts)"
-        print(
-            f"held-out accuracy {m['test_accuracy']:.1%}{tta} after {result.seconds:.0f} s of "
-            f"training; 1-nearest-neighbour on the same split: "
-            f"{m['nearest_neighbour_accuracy']:.1%}"
-        )
+    summary = task_info(task).summary
+    line = None if summary is None else summary(result.metrics, result.seconds)
+    if line:
+        print(line)
     if result.out_dir is not None:
         print(f"checkpoint, log.jsonl and loss.png in {result.out_dir}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from dikkat.tasks import TaskSpec, build_task
     from dikkat.training.checkpoint import check_out_dir
-    from dikkat.training.tasks import TaskSpec, build_task
     from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
     out = Path(args.out or f"runs/{args.task}")
@@ -155,14 +103,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{config.steps} steps of {config.batch_size}, {type(task.tokenizer).__name__}"
         )
     result = trainer.train(progress=not args.no_progress)
-    _summary(result, trainer)
+    _summary(result, trainer.task.spec.task)
     return 0
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from dikkat.models.seq2seq import Seq2Seq
+    from dikkat.tasks.translate import encode_numbers
     from dikkat.text import load_tokenizer
-    from dikkat.training.numbers import BOS_ID, EOS_ID, NumberTokenizer, encode_numbers
+    from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
 
     model = Seq2Seq.load(args.checkpoint, verify=not args.no_verify).eval()
     tokenizer = load_tokenizer(args.checkpoint, verify=not args.no_verify)
@@ -216,9 +165,9 @@ def cmd_leak_demo(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small GPT on the standard library, show the leak, sample with the KV cache."""
     from dikkat import runs
+    from dikkat.tasks import TaskSpec, build_task
     from dikkat.training.checkpoint import check_out_dir
     from dikkat.training.leak import leak_demo
-    from dikkat.training.tasks import TaskSpec, build_task
     from dikkat.training.trainer import TrainConfig, Trainer
 
     t0 = time.perf_counter()
@@ -275,30 +224,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_training_commands(sub: Any) -> None:
-    """Register train, translate, leak-demo and demo on the ``dikkat`` subparsers."""
-    from dikkat.training.tasks import TASKS
-
-    train = sub.add_parser(
-        "train",
-        help="train GPT (lm), BERT (mlm) or the translator (translate)",
-        description="Train a model on built-in data (no download): the Python standard library's "
-        "sources for lm/mlm (or --data FILE|FOLDER), numbers → English words for translate. "
-        "A progress bar shows loss, tokens/s and ETA; the run folder gets the checkpoint, a "
-        "JSON-lines log and loss.png. Ctrl-C saves; --resume continues exactly.",
-        epilog="examples:\n  dikkat train --task lm --steps 2000 --out runs/gpt\n"
-        "  dikkat train --task lm --tokenizer bpe --vocab-size 2048 --d-model 192 --layers 6\n"
-        "  dikkat train --task mlm --steps 1000\n"
-        "  dikkat train --task translate --steps 3000 --batch-size 128\n"
-        "  dikkat train --task digits --out runs/digits   (ViT; then: dikkat vit-attention "
-        "runs/digits)\n"
-        "  dikkat train --task shapes --out runs/shapes   (then: dikkat detect runs/shapes)\n"
-        "  dikkat train --out runs/gpt --resume --steps 4000",
-        formatter_class=RAW,
+def _recipe_line(name: str) -> str:
+    r = task_info(name).training()
+    return (
+        f"  {name:<10} {task_info(name).help}\n"
+        f"  {'':<10} preset {r['preset']}, {r['steps']} steps of {r['batch_size']}, "
+        f"lr {r['lr']:g}, warmup {r['warmup']}, evaluated every {r['eval_every']}"
     )
-    train.add_argument("--task", choices=TASKS, default="lm")
-    train.add_argument("--preset", help="model preset (default: tiny; digits: digits)")
-    size = train.add_argument_group("model size (override the preset)")
+
+
+def add_commands(sub: Any) -> None:
+    """Register train, translate, leak-demo and demo."""
+    names = task_names()
+    train = add_command(
+        sub,
+        "train",
+        cmd_train,
+        help="train a model on built-in data: " + ", ".join(names),
+        description="Train a model on built-in data (no download): the Python standard library's "
+        "sources for lm/mlm (or --data FILE|FOLDER), generated number pairs for translate, "
+        "scikit-learn's digits, generated shapes. A progress bar shows loss, tokens/s and ETA; "
+        "the run folder gets the checkpoint, a JSON-lines log and loss.png. Ctrl-C and SIGTERM "
+        "save; --resume continues exactly.",
+        examples=[
+            ("dikkat train --task lm --out runs/gpt", "a GPT on the standard library"),
+            ("dikkat train --task lm --tokenizer bpe --vocab-size 2048 --d-model 192", ""),
+            ("dikkat train --task translate --out runs/translate", "digits → English words"),
+            ("dikkat train --task digits --out runs/digits", "then: dikkat vit-attention"),
+            ("dikkat train --task shapes --out runs/shapes", "then: dikkat detect"),
+            ("dikkat train --out runs/gpt --resume --steps 4000", "continue, exactly"),
+        ],
+        notes="tasks and their recipes (the defaults of the flags left out):\n"
+        + "\n".join(_recipe_line(n) for n in names),
+    )
+    train.add_argument("--task", choices=names, default="lm")
+    train.add_argument("--preset", help="model preset (default: the task's recipe)")
+    size = train.add_argument_group("model size (override the preset; not every task has all)")
     size.add_argument("--d-model", type=positive_int)
     size.add_argument(
         "--layers", type=positive_int, help="blocks (translate: each of encoder and decoder)"
@@ -313,19 +274,15 @@ def add_training_commands(sub: Any) -> None:
     data.add_argument("--vocab-size", type=positive_int, default=1024, help="BPE vocabulary")
     data.add_argument("--seq-len", type=positive_int, default=256)
     data.add_argument("--max-bytes", type=positive_int, help="cap on the training text")
-    opt = train.add_argument_group("optimization")
+    opt = train.add_argument_group("optimization (defaults: the task's recipe, listed below)")
     opt.add_argument(
-        "--steps",
-        type=positive_int,
-        help="total steps (default 1000; digits: 2250; shapes: 2000; with --resume: extend to)",
+        "--steps", type=positive_int, help="total steps (with --resume: extend the run to)"
     )
-    opt.add_argument("--batch-size", type=positive_int, help="default 32; digits: 128")
-    opt.add_argument(
-        "--lr", type=positive_float, help="peak learning rate (default 1e-3; shapes: 2e-3)"
-    )
-    opt.add_argument("--warmup", type=int, help="warmup steps (default 100)")
+    opt.add_argument("--batch-size", type=positive_int)
+    opt.add_argument("--lr", type=positive_float, help="peak learning rate")
+    opt.add_argument("--warmup", type=int, help="warmup steps")
     opt.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    opt.add_argument("--eval-every", type=int, help="default 100; digits: 250; shapes: 500")
+    opt.add_argument("--eval-every", type=int, help="steps between validation losses")
     opt.add_argument(
         "--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)"
     )
@@ -339,43 +296,46 @@ def add_training_commands(sub: Any) -> None:
     )
     add_no_verify(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.set_defaults(func=cmd_train)
 
-    tr = sub.add_parser(
+    tr = add_command(
+        sub,
         "translate",
+        cmd_translate,
         help="numbers in digits → English words, with a trained translator",
-        description="Translate whole numbers (0–999,999) to English words with a checkpoint from "
+        description="Translate whole numbers (0–999,999) to English words with a run of "
         "`dikkat train --task translate`.",
-        epilog="example:\n  dikkat translate runs/translate 4721 90210 1000000-1",
-        formatter_class=RAW,
+        examples=[("dikkat translate runs/translate 4721 90210 1,000", "")],
     )
     tr.add_argument("checkpoint")
     tr.add_argument("numbers", nargs="+")
     add_no_verify(tr)
-    tr.set_defaults(func=cmd_translate)
 
-    leak = sub.add_parser(
+    leak = add_command(
+        sub,
         "leak-demo",
-        help="train a GPT with and without the causal mask (S5)",
-        description="Train the same tiny GPT twice, with and without the causal mask: the unmasked "
-        "one reaches a far lower training loss that is fake — evaluated causally, or asked to "
-        "generate, it is worse.",
-        epilog="example:\n  dikkat leak-demo --steps 300",
-        formatter_class=RAW,
+        cmd_leak_demo,
+        help="train a GPT with and without the causal mask",
+        description="Train the same tiny GPT twice, with and without the causal mask: the "
+        "unmasked one reaches a far lower training loss that is fake — evaluated causally, or "
+        "asked to generate, it is worse (docs/contract.md).",
+        examples=[("dikkat leak-demo --steps 300", "")],
     )
     leak.add_argument("--steps", type=positive_int, default=300)
     leak.add_argument("--data", help="text file or folder (default: the Python standard library)")
     leak.add_argument("--seed", type=int, default=0)
     leak.add_argument("--no-progress", action="store_true")
-    leak.set_defaults(func=cmd_leak_demo)
 
-    demo = sub.add_parser(
+    demo = add_command(
+        sub,
         "demo",
-        help="watch a GPT learn Python, sample from it, see the leak (≈ 5 min)",
+        cmd_demo,
+        help="watch a GPT learn Python, sample from it, see the leak (≈ 4 min)",
         description="Train a small GPT on the standard library's sources with a progress bar, "
         "sample from it with the KV cache, run the leak demo, leave a checkpoint and a loss plot.",
-        epilog="example:\n  dikkat demo\n  dikkat demo --steps 200 --out runs/quick",
-        formatter_class=RAW,
+        examples=[
+            ("dikkat demo", "what `make demo` runs"),
+            ("dikkat demo --steps 200 --out runs/quick", ""),
+        ],
     )
     demo.add_argument("--steps", type=positive_int, default=700)
     demo.add_argument("--batch-size", type=positive_int, default=16)
@@ -390,4 +350,3 @@ def add_training_commands(sub: Any) -> None:
         help="replace a run or model in --out that is not a demo's",
     )
     demo.add_argument("--no-progress", action="store_true")
-    demo.set_defaults(func=cmd_demo)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dikkat.text import ByteTokenizer, load_tokenizer
-from dikkat.training.numbers import (
+from dikkat.tasks.translate import (
     BOS_ID,
     EOS_ID,
     MAX_TGT_LEN,
@@ -28,6 +27,7 @@ from dikkat.training.numbers import (
     sample_batch,
     sample_numbers,
 )
+from dikkat.text import ByteTokenizer, load_tokenizer
 
 # ---------------------------------------------------------------- an independent reader of words
 

@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from dikkat.cli import build_parser
+from dikkat.cli.train import _with_defaults
 from dikkat.runs import checkpoint_dir
-from dikkat.text import NoTokenizer
-from dikkat.training.cli import _with_defaults
-from dikkat.training.tasks import TASKS, TaskSpec, build_task
-from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer, resume_trainer
-from dikkat.vision.digits import (
+from dikkat.tasks import TaskSpec, build_task, task_names
+from dikkat.tasks.digits import (
     DIGITS_TRAINING,
     DigitsTask,
     every_shift,
@@ -20,6 +18,8 @@ from dikkat.vision.digits import (
     random_shift,
     stratified_split,
 )
+from dikkat.text import NoTokenizer
+from dikkat.training.trainer import TASK_FILE, TrainConfig, Trainer, resume_trainer
 from helpers import run_cli
 
 TINY = TaskSpec(task="digits", preset="tiny")
@@ -102,7 +102,7 @@ def test_every_shift_and_the_shift_averaged_accuracy():
 
 def test_task_batches_tokens_and_tokenizer(tmp_path):
     task = build_task(TINY)
-    assert isinstance(task, DigitsTask) and "digits" in TASKS
+    assert isinstance(task, DigitsTask) and "digits" in task_names()
     g = torch.Generator().manual_seed(0)
     b = task.batch("train", g, 16)
     assert b["images"].shape == (16, 1, 8, 8) and b["labels"].shape == (16,)

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from dikkat.text import ByteTokenizer
-from dikkat.training.data import (
+from dikkat.tasks import step_generator
+from dikkat.tasks.corpus import (
     encode_corpus,
     load_corpus,
     random_windows,
     stdlib_files,
-    step_generator,
     text_files,
 )
+from dikkat.text import ByteTokenizer
 
 
 def test_stdlib_corpus_is_split_by_file_with_a_fixed_seed():

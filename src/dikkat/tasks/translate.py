@@ -1,8 +1,8 @@
-"""The built-in translation task: numbers in digits → numbers in English words, no download.
+"""The ``translate`` task: a Seq2Seq learns numbers in digits → the same numbers in English words.
 
-``"4721"`` → ``"four thousand seven hundred twenty-one"``, for 0 ≤ n ≤ 999,999 (American English,
-no "and"). A fixed held-out set and a validation set are drawn once from a seed; the training
-sampler never draws them, so exact match on the held-out numbers measures generalisation.
+No download: the pairs are generated (:mod:`dikkat.text.number_words`). A fixed held-out set and
+a validation set are drawn once from a seed; the training sampler never draws them, so exact
+match on the held-out numbers measures generalisation.
 
 Token layout: source = one token per digit; target = ``<bos>`` words ``<eos>``; both right-padded
 with ``<pad>`` = 0. Shapes: ``B`` batch, ``S`` source length, ``T`` target length.
@@ -10,142 +10,33 @@ with ``<pad>`` = 0. Shapes: ``B`` batch, ``S`` source length, ``T`` target lengt
 
 from __future__ import annotations
 
-import json
-import operator
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-MAX_NUMBER = 999_999
-
-# fmt: off
-_UNITS = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-    "nineteen",
+from dikkat.models.seq2seq import Seq2Seq, Seq2SeqConfig
+from dikkat.tasks.base import Task, TaskInfo, TaskSpec, new_model, register_task
+from dikkat.text.number_words import (
+    BOS_ID,
+    DIGIT0_ID,
+    EOS_ID,
+    GROUPS,
+    MAX_NUMBER,
+    PAD_ID,
+    PIECE,
+    SPECIALS,
+    TOKENS,
+    NumberTokenizer,
+    check_number,
+    number_to_words,
 )
-_TENS = ("twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
-# fmt: on
 
-SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-DIGITS = tuple("0123456789")
-WORDS = (*_UNITS, *_TENS, "hundred", "thousand", "-")
-TOKENS = (*SPECIALS, *DIGITS, *WORDS)  # id = position
-_DIGIT0_ID = len(SPECIALS)
-
-
-def _check_number(n: object, name: str = "n") -> int:
-    """``n`` as an ``int`` in 0..MAX_NUMBER; ``bool`` and ``float`` are refused, not coerced."""
-    if isinstance(n, bool):
-        raise TypeError(f"{name} must be an int, got bool {n}")
-    try:
-        i = operator.index(n)  # int, numpy and 0-d torch integers; not float or str
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}") from None
-    if not 0 <= i <= MAX_NUMBER:
-        raise ValueError(f"{name} must be in 0..{MAX_NUMBER:,}, got {i:,}")
-    return i
-
-
-def _group_words(k: int) -> str:
-    """0 ≤ k ≤ 999 in words; "zero" for 0 (callers drop it inside larger numbers)."""
-    hundreds, rest = divmod(k, 100)
-    parts = [f"{_UNITS[hundreds]} hundred"] if hundreds else []
-    if rest >= 20:
-        tens, units = divmod(rest, 10)
-        parts.append(_TENS[tens - 2] + (f"-{_UNITS[units]}" if units else ""))
-    elif rest or not hundreds:
-        parts.append(_UNITS[rest])
-    return " ".join(parts)
-
-
-_GROUPS = [_group_words(k) for k in range(1000)]  # a number is read as two such groups
-
-
-def number_to_words(n: int) -> str:
-    """``n`` (0..999,999) in American English words without "and".
-
-    >>> number_to_words(4721)
-    'four thousand seven hundred twenty-one'
-    """
-    thousands, rest = divmod(_check_number(n), 1000)
-    if not thousands:
-        return _GROUPS[rest]
-    head = f"{_GROUPS[thousands]} thousand"
-    return f"{head} {_GROUPS[rest]}" if rest else head
-
-
-# ------------------------------------------------------------------------------------ tokenizer
-
-_PIECE = re.compile(r"\d|-|[^\s\d-]+")  # one digit, one hyphen, or a word
-
-
-class NumberTokenizer:
-    """Word-level tokenizer of this task: digits, number words and "-" (45 tokens, fixed).
-
-    Same protocol as ``dikkat.text.ByteTokenizer``. ``encode`` adds no ``<bos>``/``<eos>`` (the
-    batch code does); unknown pieces become ``<unk>``.
-
-    >>> tok = NumberTokenizer()
-    >>> tok.decode(tok.encode("twenty-one")), tok.decode(tok.encode("4721"))
-    ('twenty-one', '4721')
-    """
-
-    type_name = "number-words"  # the "type" in tokenizer_config.json
-    tokens = TOKENS
-    vocab_size = len(TOKENS)
-    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
-    _ids: ClassVar[dict[str, int]] = {t: i for i, t in enumerate(TOKENS) if i >= len(SPECIALS)}
-
-    def encode(self, text: str) -> list[int]:
-        return [self._ids.get(p, UNK_ID) for p in _PIECE.findall(text)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        # Glue digits to digits and "-" to both neighbours, so "4721" and "twenty-one" survive
-        # a round trip; drop specials and out-of-range ids (a generated row may hold them).
-        out: list[str] = []
-        prev = ""
-        for i in ids:
-            if not len(SPECIALS) <= i < len(TOKENS):
-                continue
-            t = TOKENS[i]
-            glue = not out or t == "-" or prev == "-" or (t.isdigit() and prev.isdigit())
-            out.append(t if glue else " " + t)
-            prev = t
-        return "".join(out)
-
-    def save(self, directory: str | Path) -> None:
-        """Write ``tokenizer_config.json`` (type and token list) atomically into ``directory``."""
-        from dikkat.files import atomic_write
-
-        config = {"type": self.type_name, "tokens": list(TOKENS)}
-        path = Path(directory) / "tokenizer_config.json"
-        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(config)))
-
-    @classmethod
-    def from_config(
-        cls, config: dict[str, Any], source: str = "tokenizer config"
-    ) -> NumberTokenizer:
-        """The tokenizer a saved config describes; ``ValueError`` if its vocabulary differs."""
-        if config.get("type") != cls.type_name:
-            raise ValueError(f"{source} has type {config.get('type')!r}, not {cls.type_name!r}")
-        if tuple(config.get("tokens", ())) != TOKENS:
-            raise ValueError(
-                f"{source} holds a number-words vocabulary of {len(config.get('tokens', ()))} "
-                f"tokens that differs from this version's {len(TOKENS)}; it was saved by an "
-                "incompatible dikkat"
-            )
-        return cls()
-
-
-_WORD_IDS = [[TOKENS.index(w) for w in _PIECE.findall(g)] for g in _GROUPS]  # per 0..999
+_WORD_IDS = [[TOKENS.index(w) for w in PIECE.findall(g)] for g in GROUPS]  # per 0..999
 _THOUSAND_ID = TOKENS.index("thousand")
 MAX_SRC_LEN = len(str(MAX_NUMBER))  # 6 digits
 MAX_WORD_TOKENS = 2 * max(map(len, _WORD_IDS)) + 1  # 11: "seven hundred seventy-seven thousand …"
@@ -153,7 +44,7 @@ MAX_TGT_LEN = MAX_WORD_TOKENS + 2  # with <bos> and <eos>
 
 
 def _digit_ids(n: int) -> list[int]:
-    return [_DIGIT0_ID + int(c) for c in str(n)]
+    return [DIGIT0_ID + int(c) for c in str(n)]
 
 
 def _word_ids(n: int) -> list[int]:
@@ -173,7 +64,7 @@ def _as_numbers(numbers: Iterable[int], name: str = "numbers") -> list[int]:
     values = numbers.tolist() if isinstance(numbers, Tensor) else list(numbers)
     if not values:
         raise ValueError(f"{name} is empty")
-    return [_check_number(n, f"{name}[{i}]") for i, n in enumerate(values)]
+    return [check_number(n, f"{name}[{i}]") for i, n in enumerate(values)]
 
 
 def encode_numbers(numbers: Iterable[int]) -> Tensor:
@@ -352,3 +243,66 @@ def exact_match(
             clean = all(i >= len(SPECIALS) for i in body)
             right += int(clean and tokenizer.decode(body) == number_to_words(n))
     return right / len(ns)
+
+
+# ---------------------------------------------------------------------------------------- task
+
+
+class TranslateTask(Task):
+    """Seq2Seq: numbers in digits → English words, exact match on held-out numbers."""
+
+    def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
+        self.spec = spec
+        if tokenizer is not None and not isinstance(tokenizer, NumberTokenizer):
+            raise ValueError(
+                f"a translate run uses the number-words tokenizer, but its checkpoint holds a "
+                f"{type(tokenizer).__name__}"
+            )
+        self.tokenizer = tokenizer or NumberTokenizer()
+        split = make_splits(seed=spec.seed)
+        self.heldout, self.val_numbers = split.heldout, split.val
+        self.exclude = split.exclude  # a precomputed mask: never train on these numbers
+        V = self.tokenizer.vocab_size
+        overrides = {
+            "src_vocab_size": V,
+            "tgt_vocab_size": V,
+            "max_len": 64,
+            **spec.model_overrides,
+        }
+        torch.manual_seed(spec.seed)
+        self.model = new_model(Seq2Seq, Seq2SeqConfig.preset(spec.preset, **overrides))
+
+    def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
+        if split == "train":
+            src, tgt = sample_batch(batch_size, generator, self.exclude)
+        else:
+            pick = torch.randint(0, len(self.val_numbers), (batch_size,), generator=generator)
+            src, tgt = encode_pairs([self.val_numbers[i] for i in pick.tolist()])
+        return {"src": src, "tgt": tgt}
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+        src, tgt = batch["src"], batch["tgt"]
+        # targets are right-padded: the causal mask alone keeps real tokens off the padding
+        logits = model(src, tgt[:, :-1], src_valid=src != 0)
+        targets = tgt[:, 1:].masked_fill(tgt[:, 1:] == 0, -100)  # no loss on padding
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return loss, int((targets != -100).sum())
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {"heldout_exact_match": exact_match(model, self.heldout, self.tokenizer)}
+
+
+register_task(
+    TaskInfo(
+        name="translate",
+        build=lambda spec, tokenizer: TranslateTask(spec, tokenizer),
+        help="the 2017 encoder-decoder, numbers in digits → English words (exact match)",
+        recipe={"steps": 1200, "batch_size": 64, "lr": 2e-3},
+        size_flags={
+            "d_model": "d_model",
+            "heads": "n_heads",
+            "dropout": "dropout",
+            "layers": ("n_encoder_layers", "n_decoder_layers"),
+        },
+    )
+)

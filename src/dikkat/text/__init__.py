@@ -3,19 +3,21 @@
 A checkpoint folder records its tokenizer: ``tokenizer.json`` (any ``tokenizers`` tokenizer, e.g.
 a BPE trained on the data, or GPT-2's), GPT-2's ``vocab.json`` + ``merges.txt``, or a
 ``tokenizer_config.json`` naming a built-in one (``bytes``: raw UTF-8, vocabulary 256;
-``number-words``: the translation task's; ``none``: images). A folder with none of them has no
-tokenizer — :func:`load_tokenizer` says so instead of guessing one, since ids read with another
-tokenizer than the model's are wrong without any error.
+``number-words``: the translation task's, :mod:`dikkat.text.number_words`; ``none``: images).
+A folder with none of them has no tokenizer — :func:`load_tokenizer` says so instead of
+guessing one, since ids read with another tokenizer than the model's are wrong without any error.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from dikkat import runs
 from dikkat.files import atomic_write
+from dikkat.text.number_words import NumberTokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer_config.json")
 
@@ -115,15 +117,17 @@ def load_tokenizer(directory: str | Path, *, verify: bool = True) -> Tokenizer:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     kind = config.get("type") if isinstance(config, dict) else None
-    if kind == "bytes":
-        return ByteTokenizer()
-    if kind == NoTokenizer.type_name:
-        return NoTokenizer()  # type: ignore[return-value]
-    if kind == "number-words":
-        from dikkat.training.numbers import NumberTokenizer  # lazily: training imports us
+    if kind not in _SAVED_TYPES:
+        raise ValueError(
+            f"{config_path} names no tokenizer dikkat knows (type {kind!r}; expected one of "
+            f"{sorted(_SAVED_TYPES)})"
+        )
+    return _SAVED_TYPES[kind](config, str(config_path))
 
-        return NumberTokenizer.from_config(config, str(config_path))
-    raise ValueError(
-        f"{config_path} names no tokenizer dikkat knows (type {kind!r}; "
-        "expected 'bytes', 'number-words' or 'none')"
-    )
+
+# the built-in tokenizers a tokenizer_config.json can name, by its "type"
+_SAVED_TYPES: dict[str, Callable[[dict, str], Tokenizer]] = {
+    "bytes": lambda config, source: ByteTokenizer(),
+    NoTokenizer.type_name: lambda config, source: NoTokenizer(),  # type: ignore[dict-item]
+    NumberTokenizer.type_name: NumberTokenizer.from_config,
+}

@@ -1,4 +1,5 @@
-"""Text corpora that need no download, and random training windows over them.
+"""Text corpora that need no download, random training windows over them, and the base of the
+text tasks (``lm``, ``mlm``) that train on them.
 
 The default corpus is the Python standard library's own ``.py`` sources of the running
 interpreter: real, varied, plentiful text that every machine with Python has. Files are split
@@ -12,10 +13,14 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from dikkat.tasks.base import Task, TaskSpec
+from dikkat.text import ByteTokenizer, HFTokenizer
 
 TEXT_SUFFIXES = {
     ".py",
@@ -130,7 +135,39 @@ def random_windows(
     return window[:, :-1], window[:, 1:]
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The data generator of one training step: a pure function of (seed, step), so a resumed run
-    draws exactly the batches the uninterrupted run would have."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+def _train_bpe(text: str, vocab_size: int) -> HFTokenizer:
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    return HFTokenizer(tok)
+
+
+class CorpusTask(Task):
+    """Shared by ``lm`` and ``mlm``: a tokenized corpus split into train and validation ids."""
+
+    def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
+        self.spec = spec
+        corpus = load_corpus(spec.data, seed=spec.seed, max_bytes=spec.max_bytes)
+        if tokenizer is not None:  # a saved run's: it must be the kind the run was trained with
+            expected = ByteTokenizer if spec.tokenizer == "bytes" else HFTokenizer
+            if not isinstance(tokenizer, expected):
+                raise ValueError(
+                    f"this {spec.task} run was trained with the {spec.tokenizer!r} tokenizer, "
+                    f"but its checkpoint holds a {type(tokenizer).__name__}"
+                )
+        else:
+            tokenizer = (
+                ByteTokenizer()
+                if spec.tokenizer == "bytes"
+                else _train_bpe(corpus.train, spec.vocab_size)
+            )
+        self.tokenizer = tokenizer
+        self.corpus_source = corpus.source
+        self.ids = {
+            "train": encode_corpus(corpus.train, tokenizer),
+            "val": encode_corpus(corpus.val, tokenizer),
+        }
+        # nats/token → nats/byte: the loss per byte of text is comparable across tokenizers
+        bytes_per_token = len(corpus.val.encode("utf-8")) / max(1, self.ids["val"].numel())
+        self.report_scale = 1.0 / bytes_per_token

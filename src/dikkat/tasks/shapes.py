@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dikkat.tasks.base import BLOCK_SIZES, Task, TaskInfo, TaskSpec, new_model, register_task
 from dikkat.text import NoTokenizer
-from dikkat.training.tasks import Task, TaskSpec, new_model
 from dikkat.vision.detr import DETR, DETRConfig, DETROutput, detection_metrics, detr_loss
 from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
 
@@ -116,3 +116,14 @@ class ShapesTask(Task):
         metrics = detection_metrics(out.logits, out.boxes, labels, boxes)
         base = self.baseline()
         return {**metrics, "baseline_matching_accuracy": base["matching_accuracy"]}
+
+
+register_task(
+    TaskInfo(
+        name="shapes",
+        build=lambda spec, tokenizer: ShapesTask(spec, tokenizer),
+        help="DETR-style object queries find generated coloured shapes (Hungarian matching)",
+        recipe=SHAPES_TRAINING,
+        size_flags=BLOCK_SIZES,
+    )
+)

@@ -1,0 +1,65 @@
+"""What every ``dikkat`` command shares: one parser style, and where user errors stop.
+
+A command is added by :func:`add_command` — a one-line help, a description, examples (shown in
+its ``--help`` and, the first of them, in ``dikkat --help``) and the function that runs it.
+A *user* error — a bad argument, a missing or damaged file, an invalid config, raised as
+``ValueError`` or ``FileNotFoundError`` at the boundary — ends with one line on stderr and exit
+status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+RAW = argparse.RawDescriptionHelpFormatter
+
+# what a command may raise for bad input, printed as one line (a TypeError is not among them:
+# inputs reach the library as parsed strings, so one would be a bug)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    ModuleNotFoundError,  # an optional dependency that is not installed
+)
+
+Example = tuple[str, str]  # (the command line, what it does)
+
+
+class DikkatParser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported in one line instead of a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"dikkat: error: {message} (see `dikkat --help`)\n")
+
+
+def format_examples(examples: Sequence[Example]) -> str:
+    """``examples:`` and one aligned line per example."""
+    if not examples:
+        return ""
+    width = min(max(len(cmd) for cmd, _ in examples), 46)  # a longer one pushes its note right
+    lines = [f"  {cmd:<{width}}   {what}".rstrip() for cmd, what in examples]
+    return "examples:\n" + "\n".join(lines)
+
+
+def add_command(
+    sub: Any,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+    examples: Sequence[Example] = (),
+    notes: str = "",
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` to ``sub`` (the top-level or a group's subparsers), in the one
+    style every command shares; returns its parser, for its own arguments."""
+    epilog = "\n\n".join(part for part in (format_examples(examples), notes) if part)
+    parser = sub.add_parser(
+        name, help=help, description=description, epilog=epilog or None, formatter_class=RAW
+    )
+    parser.set_defaults(func=run)
+    parser.dikkat_examples = tuple(examples)  # type: ignore[attr-defined]
+    return parser

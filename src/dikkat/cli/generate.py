@@ -1,0 +1,153 @@
+"""``dikkat generate``, ``embed`` and ``similar``: use a trained or pretrained text model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
+from dikkat.cli.common import add_command
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Continue a prompt, printing tokens as they come."""
+    import torch
+
+    from dikkat.generation import iter_generate
+    from dikkat.text import load_tokenizer
+
+    if args.checkpoint is None and args.hf_gpt2 is None and Path(args.prompt).is_dir():
+        raise ValueError(f"no prompt given: dikkat generate {args.prompt} 'the text to continue'")
+    if (args.checkpoint is None) == (args.hf_gpt2 is None):
+        raise ValueError("give either a CHECKPOINT directory or --hf-gpt2 PATH")
+    if args.hf_gpt2 is not None:
+        from dikkat.interop import load_hf_gpt2_dir
+
+        model = load_hf_gpt2_dir(args.hf_gpt2)
+        tokenizer = load_tokenizer(args.hf_gpt2)
+    else:
+        from dikkat.models import GPT
+
+        model = GPT.load(args.checkpoint, verify=not args.no_verify)
+        tokenizer = _tokenizer_of(args.checkpoint, model.config.vocab_size, not args.no_verify)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
+            f"{model.config.vocab_size:,}: they do not belong together"
+        )
+    model.eval()
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError("the prompt encodes to no tokens")
+    room = model.config.max_len - len(prompt)
+    if room <= 0:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {room + len(prompt)}"
+        )
+    steps = min(args.max_new_tokens, room)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    new: list[int] = []
+    shown = ""
+    with torch.inference_mode():
+        for token in iter_generate(
+            model,
+            [prompt],
+            steps,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_id=args.eos_id,
+            seed=args.seed,
+        ):
+            new.append(int(token[0]))
+            text = tokenizer.decode(new)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+    sys.stdout.write(tokenizer.decode(new)[len(shown) :] + "\n")
+    return 0
+
+
+def _tokenizer_of(folder: str, vocab_size: int, verify: bool) -> Any:
+    """A model folder's or run's tokenizer. A model saved with ``save()`` alone has none; for a
+    byte-level model (256 ids) that can only mean bytes, any other size is an error."""
+    from dikkat import runs
+    from dikkat.text import ByteTokenizer, load_tokenizer
+
+    try:
+        return load_tokenizer(folder, verify=verify)
+    except FileNotFoundError:
+        if runs.folder_kind(folder) == "model" and vocab_size == ByteTokenizer.vocab_size:
+            return ByteTokenizer()
+        raise
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Print one JSON list per sentence: its 384-dim MiniLM embedding."""
+    import json
+
+    from dikkat.interop.pretrained import minilm
+
+    for row in minilm().encode(args.sentences).tolist():
+        print(json.dumps([round(x, args.digits) for x in row]))
+    return 0
+
+
+def cmd_similar(args: argparse.Namespace) -> int:
+    """Rank candidate sentences by cosine similarity to the query."""
+    from dikkat.interop.pretrained import minilm
+
+    for score, text in minilm().similar(args.query, args.candidates):
+        print(f"{score:7.4f}  {text}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    gen = add_command(
+        sub,
+        "generate",
+        cmd_generate,
+        help="continue a prompt with a GPT (streams tokens)",
+        description="Continue PROMPT with a dikkat GPT run or model folder, or a locally saved "
+        "Hugging Face GPT-2, one token at a time over a KV cache. Greedy unless --temperature > 0.",
+        examples=[
+            ('dikkat generate runs/gpt "import os" -n 100', "a GPT trained with dikkat train"),
+            ("dikkat generate --hf-gpt2 ./gpt2 'Hello, my name is' -n 40 --temperature 0.8", ""),
+        ],
+    )
+    gen.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
+    gen.add_argument("prompt", help="text to continue")
+    gen.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
+    gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=100)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=positive_int, default=None)
+    gen.add_argument("--top-p", type=probability, default=None)
+    gen.add_argument("--eos-id", type=int, default=None, help="stop at this token id")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_no_verify(gen)
+
+    embed = add_command(
+        sub,
+        "embed",
+        cmd_embed,
+        help="sentence embeddings from the real all-MiniLM-L6-v2",
+        description="Print each sentence's 384-dim, L2-normalised MiniLM embedding as a JSON list.",
+        examples=[("dikkat embed 'a cat sits on the mat' 'attention is all you need'", "")],
+    )
+    embed.add_argument("sentences", nargs="+")
+    embed.add_argument("--digits", type=positive_int, default=6, help="decimals to print")
+
+    similar = add_command(
+        sub,
+        "similar",
+        cmd_similar,
+        help="rank sentences by similarity to a query (MiniLM)",
+        description="Rank CANDIDATES by cosine similarity of their MiniLM embeddings to QUERY.",
+        examples=[("dikkat similar 'a feline on a rug' 'a cat on a mat' 'prices fell'", "")],
+    )
+    similar.add_argument("query")
+    similar.add_argument("candidates", nargs="+")

@@ -1,0 +1,87 @@
+"""The ``mlm`` task: a BERT learns masked-language modelling — 15 % of the tokens chosen, of those
+80 % replaced by a mask token, 10 % by a random token, 10 % left as they are; the loss is on the
+chosen ones (Devlin et al. 2019, arXiv:1810.04805)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dikkat.models.bert import BERT, BERTConfig
+from dikkat.tasks.base import BLOCK_SIZES, TaskInfo, TaskSpec, new_model, register_task
+from dikkat.tasks.corpus import CorpusTask, random_windows
+
+
+class MLMTask(CorpusTask):
+    """BERT masked-language modelling (15 %; 80/10/10)."""
+
+    unit = "nats/masked token"
+
+    def __init__(self, spec: TaskSpec, tokenizer: Any | None = None) -> None:
+        super().__init__(spec, tokenizer)
+        self.report_scale = 1.0
+        self.mask_id = self.tokenizer.vocab_size  # one extra id: [MASK]
+        overrides = {"vocab_size": self.tokenizer.vocab_size + 1, **spec.model_overrides}
+        config = BERTConfig.preset(spec.preset, **overrides)
+        if config.max_len < spec.seq_len:
+            config = BERTConfig.preset(spec.preset, **{**overrides, "max_len": spec.seq_len})
+        torch.manual_seed(spec.seed)
+        self.model = new_model(BERT, config)
+
+    def batch(self, split: str, generator: torch.Generator, batch_size: int) -> dict[str, Tensor]:
+        x, _ = random_windows(self.ids[split], batch_size, self.spec.seq_len, generator)
+        chosen = torch.rand(x.shape, generator=generator) < 0.15
+        roll = torch.rand(x.shape, generator=generator)
+        random_ids = torch.randint(0, self.tokenizer.vocab_size, x.shape, generator=generator)
+        inputs = torch.where(chosen & (roll < 0.8), self.mask_id, x)
+        inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
+        targets = x.masked_fill(~chosen, -100)  # only the chosen tokens count
+        return {"x": inputs, "y": targets}
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+        logits = model(batch["x"])  # (B, T, V + 1)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["y"].flatten(), ignore_index=-100
+        )
+        return loss, int((batch["y"] != -100).sum())
+
+    def tokens_in(self, batch: dict[str, Tensor]) -> int:
+        return batch["x"].numel()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Loss and accuracy on masked validation tokens, beside the best context-free guesses:
+        the unigram distribution's cross-entropy and always guessing the commonest token."""
+        g = torch.Generator().manual_seed(1234)
+        hits = total = 0
+        nats = 0.0
+        for _ in range(8):
+            b = self.batch("val", g, 16)
+            logits = model(b["x"])
+            keep = b["y"] != -100
+            hits += int((logits.argmax(-1)[keep] == b["y"][keep]).sum())
+            nats += float(F.cross_entropy(logits[keep].float(), b["y"][keep], reduction="sum"))
+            total += int(keep.sum())
+        counts = torch.bincount(self.ids["train"].long(), minlength=self.tokenizer.vocab_size)
+        p_train = (counts.double() + 1) / (counts.sum() + counts.numel())  # add-one smoothing
+        val = self.ids["val"].long()
+        return {
+            "masked_loss": nats / max(total, 1),
+            "unigram_loss": float(-p_train[val].log().mean()),
+            "masked_accuracy": hits / max(total, 1),
+            "most_common_token_accuracy": float((val == counts.argmax()).float().mean()),
+        }
+
+
+register_task(
+    TaskInfo(
+        name="mlm",
+        build=lambda spec, tokenizer: MLMTask(spec, tokenizer),
+        help="BERT, masked-language modelling on text (15 %; 80/10/10)",
+        recipe={},
+        size_flags=BLOCK_SIZES,
+    )
+)
