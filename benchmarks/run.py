@@ -1,5 +1,14 @@
-"""`make bench`: run every benchmark in turn; each prints a table and writes results/*.json."""
+"""`make bench`: run every benchmark in turn; each prints a table and writes results/NAME.json.
 
+    python benchmarks/run.py                  all of them (the attention sweep alone ≈ 30 min)
+    python benchmarks/run.py generation vision
+    python benchmarks/NAME.py --help          one benchmark's own options
+
+The training benchmark compares against nanoGPT only when given its checkout: run
+``python benchmarks/training.py --nanogpt DIR`` yourself for that.
+"""
+
+import argparse
 import sys
 from pathlib import Path
 
@@ -9,12 +18,31 @@ import attention
 import checkpoint
 import generation
 import training
+import vision
+
+BENCHMARKS = {
+    "attention": attention.main,
+    "generation": generation.main,
+    "training": training.main,
+    "vision": vision.main,
+    "checkpoint": checkpoint.main,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("names", nargs="*", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    for i, name in enumerate(args.names or BENCHMARKS):
+        if i:
+            print()
+        BENCHMARKS[name]([])
+
 
 if __name__ == "__main__":
-    attention.main([])
-    print()
-    generation.main([])
-    print()
-    training.main([])  # add --nanogpt DIR by running benchmarks/training.py yourself
-    print()
-    checkpoint.main([])
+    main()

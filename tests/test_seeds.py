@@ -1,6 +1,6 @@
-"""Every number the seeds state, reproduced by computation (S1–S4, S13).
+"""Every number docs/contract.md states, reproduced by computation (docs/contract.md §1–§4, §13).
 
-The seed's printed values appear here only as the claim under test, rounded as the seed rounds.
+The stated values appear here only as the claim under test, rounded as the contract rounds.
 """
 
 import math
@@ -37,7 +37,7 @@ def test_s2_worked_example():
     assert rounded(ex.scores[0], 3) == [0.707, 0.0]
     assert rounded(ex.weights[0]) == [0.67, 0.33]
     assert rounded(ex.outputs[0]) == [0.67, 0.33]
-    # the seed's arithmetic: e^0.707 ≈ 2.03, total ≈ 3.03
+    # the worked example's arithmetic: e^0.707 ≈ 2.03, total ≈ 3.03
     assert round(math.exp(ex.scores[0, 0].item()), 2) == 2.03
     # B: scores (0.141, 0.707) → weights (0.36, 0.64); o_B is closer to B's value [0, 1]
     assert rounded(ex.scores[1], 3) == [0.141, 0.707]
@@ -82,4 +82,4 @@ def test_s13_the_seed_script_through_from_torch():
     torch.testing.assert_close(w, f.causal_weights_torch, atol=1e-6, rtol=0)
     assert torch.equal(w, torch.tril(w))  # zeros above the diagonal, exactly
     assert rounded(w[0]) == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert rounded(w[1, :2]) == [0.31, 0.69]  # the seed's printed second row
+    assert rounded(w[1, :2]) == [0.31, 0.69]  # the stated second row

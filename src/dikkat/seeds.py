@@ -1,8 +1,8 @@
-"""The seed documents' examples, computed on real tensors (S2, S3, S4, S13).
+"""The seed documents' examples, computed on real tensors (docs/contract.md §2, §3, §4, §13).
 
-Each function returns the numbers; ``dikkat seeds`` prints them beside what the seed states, and
-the tests assert them. Nothing here types a seed number in as a result: the seed's values appear
-only in :data:`SEED_CLAIMS`, as the text to compare against.
+Each function returns the numbers; ``dikkat seeds`` prints them beside what docs/contract.md states,
+and the tests assert them. Nothing here types a contract number in as a result: the stated values
+appear only in :data:`SEED_CLAIMS`, as the text to compare against.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class WorkedExample:
 
 
 def worked_example() -> WorkedExample:
-    """The seed's tokens A (q = k = v = [1, 0]) and B (q = [0.2, 1], k = v = [0, 1])."""
+    """The worked example's tokens A (q = k = v = [1, 0]) and B (q = [0.2, 1], k = v = [0, 1])."""
     q = torch.tensor([[1.0, 0.0], [0.2, 1.0]], dtype=torch.float64)
     k = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     v = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
@@ -105,7 +105,7 @@ class TorchMHAFacts:
 
 
 def torch_mha_facts() -> TorchMHAFacts:
-    """Run the seed's script (seed 0, 5 tokens of 16 features, 2 heads) through both layers."""
+    """Run the §13 script (seed 0, 5 tokens of 16 features, 2 heads) through both layers."""
     torch.manual_seed(0)
     tokens = torch.randn(1, 5, 16)
     attn = torch.nn.MultiheadAttention(embed_dim=16, num_heads=2, batch_first=True)

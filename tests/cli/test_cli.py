@@ -1,5 +1,7 @@
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ def test_version(capsys):
 def test_seeds_prints_each_seed_number_beside_the_seed(capsys):
     assert main(["seeds"]) == 0
     out = capsys.readouterr().out
-    for section in ("S2", "S3", "S4", "S13"):
+    for section in ("§2", "§3", "§4", "§13"):
         assert section in out
     assert "(0.67, 0.33)" in out.split("A's weights")[1].splitlines()[0]
     assert "(0.36, 0.64)" in out.split("B's weights")[1].splitlines()[0]
@@ -154,3 +156,59 @@ def test_embed_prints_unit_vectors(capsys):
     assert [len(r) for r in rows] == [384, 384]
     for r in rows:
         assert math.isclose(math.sqrt(sum(x * x for x in r)), 1.0, abs_tol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mlm_run(tmp_path_factory):
+    import json as _json
+
+    from dikkat.tasks import TaskSpec
+    from dikkat.training.trainer import TrainConfig, train
+
+    text = tmp_path_factory.mktemp("text") / "corpus.txt"
+    text.write_text(Path(_json.__file__).read_text())
+    out = tmp_path_factory.mktemp("mlm") / "run"
+    spec = TaskSpec(
+        task="mlm",
+        seq_len=32,
+        data=str(text),
+        model_overrides={"d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 32},
+    )
+    train(spec, TrainConfig(steps=3, batch_size=4, warmup=1, eval_every=0), out, progress=False)
+    return out
+
+
+def test_fill_mask_fills_every_mask_with_ranked_guesses(mlm_run, tiny_checkpoint, capsys):
+    code = main(["fill-mask", str(mlm_run), "def f([MASK]): return [MASK]", "--top-k", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    text, guesses = "\n".join(out[:-2]), out[-2:]  # a guess may be a newline byte
+    assert "[MASK]" not in text and text.startswith("def f(") and "): return " in text
+    assert [line.split(":")[0] for line in guesses] == ["[MASK] 1", "[MASK] 2"]
+    for line in guesses:
+        probs = [float(p) for p in re.findall(r" (\d\.\d{3})(?:   |$)", line)]
+        assert len(probs) == 3 and probs == sorted(probs, reverse=True) and sum(probs) <= 1.0
+    assert main(["fill-mask", str(mlm_run), "no mask here"]) == 2
+    assert "has no [MASK]" in capsys.readouterr().err
+    path, _ = tiny_checkpoint
+    assert main(["fill-mask", str(path), "a [MASK]"]) == 2  # a GPT, not a BERT
+    assert "holds a 'GPT', not a BERT" in capsys.readouterr().err
+
+
+def test_device_is_checked_in_one_line(tiny_checkpoint, capsys):
+    import torch
+
+    path, _ = tiny_checkpoint
+    assert main(["generate", str(path), "ab", "-n", "2", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(path), "ab", "--device", "nope"]) == 2
+    assert "--device 'nope' is not a device torch knows" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", str(path), "ab", "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_generate_without_a_prompt_says_so(tiny_checkpoint, capsys):
+    path, _ = tiny_checkpoint
+    assert main(["generate", str(path)]) == 2
+    assert "no prompt given" in capsys.readouterr().err

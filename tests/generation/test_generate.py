@@ -1,5 +1,5 @@
 """Generation: cached decoding equals the full forward, batching equals one prompt at a time,
-sampling is seeded and filtered as documented (S7, S11, S17).
+sampling is seeded and filtered as documented (docs/contract.md §7, §11, §17).
 
 Notation: ``B`` batch, ``T`` tokens, ``V`` vocabulary.
 

@@ -1,4 +1,5 @@
-"""KVCache: in-place updates, views, length, reset, errors, and its size in bytes (S7, S17).
+"""KVCache: in-place updates, views, length, reset, errors, and its size in bytes (docs/contract.md
+§7, §17).
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``S_max`` capacity, ``T`` new
 tokens, ``D`` head dim.

@@ -1,4 +1,5 @@
-"""BERT: shapes, presets, bidirectional attention, padding that is truly ignored (S11).
+"""BERT: shapes, presets, bidirectional attention, padding that is truly ignored (docs/contract.md
+§11).
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``H`` heads, ``V`` vocabulary.
 """

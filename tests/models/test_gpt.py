@@ -1,4 +1,4 @@
-"""GPT: shapes, presets and parameter count, causality, argument checks (S11, S17).
+"""GPT: shapes, presets and parameter count, causality, argument checks (docs/contract.md §11, §17).
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
 """

@@ -1,4 +1,5 @@
-"""Seq2Seq: shapes, the original-base preset, a causal decoder, cached translation (S11, S14).
+"""Seq2Seq: shapes, the original-base preset, a causal decoder, cached translation (docs/contract.md
+§11, §14).
 
 Notation: ``B`` batch, ``S`` source tokens, ``T`` target tokens, ``C`` width, ``V`` vocabulary.
 

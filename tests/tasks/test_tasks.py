@@ -1,4 +1,5 @@
-"""Each model family learns its task (S11): short runs that must beat a baseline."""
+"""Each model family learns its task (docs/contract.md §11): short runs that must beat a
+baseline."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""S5: training without the causal mask gives a fake loss and a worse model."""
+"""docs/contract.md §5: training without the causal mask gives a fake loss and a worse model."""
 
 from dikkat.training.leak import leak_demo
 

@@ -1,11 +1,12 @@
-"""The seed's cost claim as numbers: what the n × n score matrix of attention weighs.
+"""The cost claim of docs/contract.md §6 as numbers: what the n × n score matrix of attention
+weighs.
 
 Each head scores every query against every key, so one head holds n² score cells, and softmax
-attention written out (the reference) keeps them all: at n = 32768 that is 4 GiB per head in
-fp32, 32 GiB for 8 heads, beside q, k and v of 3·n·D values per head (24 MiB). Tiled attention
-(S16) never holds the matrix; per head it keeps an fp32 output accumulator of n·D values and the
-log-sum-exp of each row (n values), and at any time one tile of at most ``tile_cells`` scores
-(its mask, in fp32 at most) for all heads together: O(n·D + tile).
+attention written out (the reference) keeps them all: at n = 32768 that is 4 GiB per head in fp32,
+32 GiB for 8 heads, beside q, k and v of 3·n·D values per head (24 MiB). Tiled attention
+(docs/contract.md §16) never holds the matrix; per head it keeps an fp32 output accumulator of n·D
+values and the log-sum-exp of each row (n values), and at any time one tile of at most
+``tile_cells`` scores (its mask, in fp32 at most) for all heads together: O(n·D + tile).
 
 Shapes: ``B`` batch, ``H`` heads, ``n`` tokens (queries = keys), ``D`` head dim.
 """

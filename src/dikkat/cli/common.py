@@ -13,6 +13,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 RAW = argparse.RawDescriptionHelpFormatter
 
 # what a command may raise for bad input, printed as one line (a TypeError is not among them:
@@ -63,3 +65,25 @@ def add_command(
     parser.set_defaults(func=run)
     parser.dikkat_examples = tuple(examples)  # type: ignore[attr-defined]
     return parser
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """The ``--device`` flag of every command that runs a model."""
+    parser.add_argument(
+        "--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, …"
+    )
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    """The ``torch.device`` that ``--device`` names, refused in one line if it is unusable."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {args.device!r} is not a device torch knows: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {args.device}: CUDA is not available (torch {torch.__version__})"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: dikkat's commands run on cpu or cuda")
+    return device

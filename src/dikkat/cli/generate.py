@@ -1,35 +1,38 @@
-"""``dikkat generate``, ``embed`` and ``similar``: use a trained or pretrained text model."""
+"""``dikkat generate``, ``fill-mask``, ``embed`` and ``similar``: use a trained or pretrained
+text model."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
-from dikkat.cli.common import add_command
+from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.generation import iter_generate
+from dikkat.interop import load_hf_gpt2_dir
+from dikkat.interop.pretrained import minilm
+from dikkat.models import BERT, GPT
+from dikkat.tasks.mlm import MASK, fill_mask
+from dikkat.text import ByteTokenizer, load_tokenizer
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Continue a prompt, printing tokens as they come."""
-    import torch
-
-    from dikkat.generation import iter_generate
-    from dikkat.text import load_tokenizer
-
+    device = device_of(args)
     if args.checkpoint is None and args.hf_gpt2 is None and Path(args.prompt).is_dir():
         raise ValueError(f"no prompt given: dikkat generate {args.prompt} 'the text to continue'")
     if (args.checkpoint is None) == (args.hf_gpt2 is None):
         raise ValueError("give either a CHECKPOINT directory or --hf-gpt2 PATH")
     if args.hf_gpt2 is not None:
-        from dikkat.interop import load_hf_gpt2_dir
-
         model = load_hf_gpt2_dir(args.hf_gpt2)
         tokenizer = load_tokenizer(args.hf_gpt2)
     else:
-        from dikkat.models import GPT
-
         model = GPT.load(args.checkpoint, verify=not args.no_verify)
         tokenizer = _tokenizer_of(args.checkpoint, model.config.vocab_size, not args.no_verify)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -37,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
             f"{model.config.vocab_size:,}: they do not belong together"
         )
-    model.eval()
+    model.to(device).eval()
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
@@ -75,9 +78,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _tokenizer_of(folder: str, vocab_size: int, verify: bool) -> Any:
     """A model folder's or run's tokenizer. A model saved with ``save()`` alone has none; for a
     byte-level model (256 ids) that can only mean bytes, any other size is an error."""
-    from dikkat import runs
-    from dikkat.text import ByteTokenizer, load_tokenizer
-
     try:
         return load_tokenizer(folder, verify=verify)
     except FileNotFoundError:
@@ -86,12 +86,20 @@ def _tokenizer_of(folder: str, vocab_size: int, verify: bool) -> Any:
         raise
 
 
+def cmd_fill_mask(args: argparse.Namespace) -> int:
+    """Print the text with each [MASK] filled, then the top guesses for each."""
+    model = BERT.load(args.run, verify=not args.no_verify).to(device_of(args))
+    tokenizer = load_tokenizer(args.run, verify=not args.no_verify)
+    filled = fill_mask(model, tokenizer, args.text, top_k=args.top_k)
+    print(filled.text)
+    for i, guesses in enumerate(filled.guesses):
+        shown = "   ".join(f"{text!r} {p:.3f}" for text, p in guesses)
+        print(f"{MASK} {i + 1}: {shown}")
+    return 0
+
+
 def cmd_embed(args: argparse.Namespace) -> int:
     """Print one JSON list per sentence: its 384-dim MiniLM embedding."""
-    import json
-
-    from dikkat.interop.pretrained import minilm
-
     for row in minilm().encode(args.sentences).tolist():
         print(json.dumps([round(x, args.digits) for x in row]))
     return 0
@@ -99,8 +107,6 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 def cmd_similar(args: argparse.Namespace) -> int:
     """Rank candidate sentences by cosine similarity to the query."""
-    from dikkat.interop.pretrained import minilm
-
     for score, text in minilm().similar(args.query, args.candidates):
         print(f"{score:7.4f}  {text}")
     return 0
@@ -128,7 +134,24 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--top-p", type=probability, default=None)
     gen.add_argument("--eos-id", type=int, default=None, help="stop at this token id")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_device(gen)
     add_no_verify(gen)
+
+    fill = add_command(
+        sub,
+        "fill-mask",
+        cmd_fill_mask,
+        help=f"fill each {MASK} in a text with a BERT trained by --task mlm",
+        description=f"Predict every {MASK} in TEXT (one token each) with a BERT run of "
+        "`dikkat train --task mlm`: the text with the best guesses, then the top guesses and "
+        "their probabilities for each mask.",
+        examples=[(f"dikkat fill-mask runs/mlm 'def f(x):\\n    return {MASK}'", "")],
+    )
+    fill.add_argument("run", help="run folder of `dikkat train --task mlm`")
+    fill.add_argument("text", help=f"text with one or more {MASK}")
+    fill.add_argument("--top-k", type=positive_int, default=5, help="guesses shown per mask")
+    add_device(fill)
+    add_no_verify(fill)
 
     embed = add_command(
         sub,

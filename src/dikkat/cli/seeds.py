@@ -1,4 +1,4 @@
-"""``dikkat seeds``: every number the seed documents give, computed on real tensors."""
+"""``dikkat seeds``: every number of docs/contract.md, computed on real tensors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _fmt(values, digits: int = 2) -> str:
 
 
 def cmd_seeds(args: argparse.Namespace) -> int:
-    """Print each seed number we compute beside the number the seed states."""
+    """Print each number we compute beside the number docs/contract.md states."""
     from dikkat.seeds import (
         SEED_CLAIMS,
         causal_exercise,
@@ -24,11 +24,11 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         worked_example,
     )
 
-    def row(label: str, ours: str, seed: str) -> None:
-        print(f"  {label:<28} {ours:<34} seed: {seed}")
+    def row(label: str, ours: str, stated: str) -> None:
+        print(f"  {label:<28} {ours:<34} stated: {stated}")
 
-    print("dikkat seeds — the seeds' numbers, computed\n")
-    print("S2  worked example, d_k = 2 (softmax(QKᵀ/√2)V, reference backend, float64)")
+    print("dikkat seeds — the numbers of docs/contract.md, computed\n")
+    print("§2  worked example, d_k = 2 (softmax(QKᵀ/√2)V, reference backend, float64)")
     ex = worked_example()
     row("A's scores (A←A, A←B)", _fmt(ex.scores[0], 3), SEED_CLAIMS["S2 A scores"])
     row("A's weights", _fmt(ex.weights[0]), SEED_CLAIMS["S2 A weights"])
@@ -37,7 +37,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
     row("B's weights", _fmt(ex.weights[1]), SEED_CLAIMS["S2 B weights"])
     row("o_B", _fmt(ex.outputs[1]), "closer to B's value [0, 1]")
 
-    print("\nS4  causal mask, 3 tokens: cells set to −∞ (x) — queries down, keys across")
+    print("\n§4  causal mask, 3 tokens: cells set to −∞ (x) — queries down, keys across")
     for i, r in enumerate(causal_exercise(3).tolist()):
         print(
             "  "
@@ -46,7 +46,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         )
 
     s = scaling_experiment(d_k=args.d_k)
-    print(f"\nS3  why divide by √d_k: d_k = {s.d_k}, {s.n_keys} keys, unit-variance q and k")
+    print(f"\n§3  why divide by √d_k: d_k = {s.d_k}, {s.n_keys} keys, unit-variance q and k")
     row(
         "score variance",
         f"unscaled {s.score_var_unscaled:.1f}, scaled {s.score_var_scaled:.2f}",
@@ -63,7 +63,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         f"uniform would be {math.log(s.n_keys):.2f}",
     )
 
-    print("\nS13 torch.nn.MultiheadAttention script, run through MultiHeadAttention.from_torch")
+    print("\n§13 torch.nn.MultiheadAttention script, run through MultiHeadAttention.from_torch")
     f = torch_mha_facts()
     row("weights shape", str(f.weights_shape), SEED_CLAIMS["S13 shape"])
     row("same outputs after shuffling", str(f.shuffle_equal), SEED_CLAIMS["S13 shuffle"])
@@ -74,7 +74,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
     )
     for r in f.causal_weights_ours.tolist():
         print("    " + " ".join(f"{x:.2f}" for x in r))
-    print(f"  {'':<28} {'':<34} seed: {SEED_CLAIMS['S13 causal']}")
+    print(f"  {'':<28} {'':<34} stated: {SEED_CLAIMS['S13 causal']}")
     return 0
 
 
@@ -83,10 +83,10 @@ def add_commands(sub: Any) -> None:
         sub,
         "seeds",
         cmd_seeds,
-        help="the seeds' numbers, computed on real tensors",
-        description="Walk through the seed documents' examples on real tensors: the worked "
+        help="the numbers of docs/contract.md, computed on real tensors",
+        description="Walk through the examples of docs/contract.md on real tensors: the worked "
         "example, the causal mask, √d_k scaling and the nn.MultiheadAttention facts, each "
-        "beside the number the documents state (docs/contract.md says what they are).",
+        "beside the number the contract states.",
         examples=[("dikkat seeds", "every number, computed"), ("dikkat seeds --d-k 128", "")],
     )
     p.add_argument("--d-k", type=positive_int, default=64, help="head dim for the scaling demo")

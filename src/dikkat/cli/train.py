@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
-from dikkat.cli.common import add_command
+from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.tasks import task_info, task_names
 
 DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces only its own
@@ -113,7 +113,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from dikkat.text import load_tokenizer
     from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
 
-    model = Seq2Seq.load(args.checkpoint, verify=not args.no_verify).eval()
+    model = Seq2Seq.load(args.checkpoint, verify=not args.no_verify).to(device_of(args)).eval()
     tokenizer = load_tokenizer(args.checkpoint, verify=not args.no_verify)
     if not isinstance(tokenizer, NumberTokenizer):
         raise ValueError(
@@ -147,7 +147,7 @@ def print_leak(result: Any) -> None:
     worse = u.causal_val_loss - m.causal_val_loss
     print(
         f"Without the mask the training loss is {ratio:.0f}× lower — and fake: evaluated causally "
-        f"it is {worse:+.2f} nats/byte worse than the honest model (S5: 'sahte kayıp')."
+        f"it is {worse:+.2f} nats/byte worse than the honest model (docs/contract.md §5)."
     )
 
 
@@ -215,7 +215,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )[0]
     print("   " + tokenizer.decode(ids).replace("\n", "\n   "))
 
-    print("\n3. The seed's warning (S5): the same kind of model trained without the causal mask.")
+    print(
+        "\n3. A fake loss (docs/contract.md §5): the same kind of model trained without the "
+        "causal mask."
+    )
     print_leak(leak_demo(steps=args.leak_steps, seed=0, progress=not args.no_progress))
 
     print(f"\nDone in {time.perf_counter() - t0:.0f} s. Checkpoint, log.jsonl and loss.png: {out}/")
@@ -308,6 +311,7 @@ def add_commands(sub: Any) -> None:
     )
     tr.add_argument("checkpoint")
     tr.add_argument("numbers", nargs="+")
+    add_device(tr)
     add_no_verify(tr)
 
     leak = add_command(

@@ -1,11 +1,13 @@
-"""A preallocated KV cache: keys and values of past tokens, written in place, never re-grown (S7).
+"""A preallocated KV cache: keys and values of past tokens, written in place, never re-grown
+(docs/contract.md §7).
 
 Notation: ``B`` batch, ``G`` key/value heads, ``S_max`` cache capacity, ``T`` new tokens,
 ``D`` head dim.
 
 Decoding one token with the cache costs one row of scores against the S cached keys instead of
-recomputing the whole (S, S) prefix; the prefill still pays the n² the seed warns about. With
-grouped-query attention only G of the H heads are stored, so the cache is H/G times smaller (S17).
+recomputing the whole (S, S) prefix; the prefill still pays the n² of docs/contract.md §6. With
+grouped-query attention only G of the H heads are stored, so the cache is H/G times smaller
+(docs/contract.md §17).
 """
 
 from __future__ import annotations

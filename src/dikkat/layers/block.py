@@ -1,4 +1,5 @@
-"""The Transformer block: attention and an MLP, each wrapped in a residual and a LayerNorm (S10).
+"""The Transformer block: attention and an MLP, each wrapped in a residual and a LayerNorm
+(docs/contract.md §10).
 
 Notation: ``B`` batch, ``T`` length, ``S`` context length, ``C`` model width.
 

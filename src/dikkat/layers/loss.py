@@ -35,9 +35,9 @@ class Scratch:
 
     A training step of GPT-2 small asks for the same four temporaries of 0.1–0.2 GB each (the
     cast weight, the chunk's logits, their log-softmax, its bf16 gradient) every step. Fresh ones
-    come from the operating system as zero-filled pages, one fault per 4 KiB, and on this machine
-    that made the loss's two casts cost 0.4 s a step — 6× the copy itself. Reused buffers cost
-    the copy only. The price is that memory stays held between calls; not for concurrent use.
+    come from the operating system as zero-filled pages, one fault per 4 KiB, which can make a
+    cast cost several times the copy itself (BENCHMARKS.md, Training). Reused buffers cost the
+    copy only. The price is that memory stays held between calls; not for concurrent use.
     """
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """LayerNorm over the feature axis: mean 0, variance 1, then a learned scale and shift.
 
-It stops the scale of x from drifting from layer to layer (the seed, S10).
+It stops the scale of x from drifting from layer to layer (docs/contract.md §10).
 """
 
 from __future__ import annotations

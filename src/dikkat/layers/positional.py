@@ -1,10 +1,10 @@
-"""Position information: without it attention cannot see order (S8).
+"""Position information: without it attention cannot see order (docs/contract.md §8).
 
 Notation: ``B`` batch, ``H`` heads, ``T`` length, ``D`` head dim, ``C`` model width.
 
-Two families, as the seed says: vectors *added* to x before the first layer (sinusoidal, learned),
-and position acting *inside* attention on q and k (RoPE rotates them; ALiBi adds a distance
-penalty to the scores). The second kind is injected into :class:`MultiHeadAttention`.
+Two families (docs/contract.md §8): vectors *added* to x before the first layer (sinusoidal,
+learned), and position acting *inside* attention on q and k (RoPE rotates them; ALiBi adds a
+distance penalty to the scores). The second kind is injected into :class:`MultiHeadAttention`.
 
 Positions are absolute token indices: an int ``offset`` (first position, for decoding with a KV
 cache) or an explicit integer tensor ``positions`` of shape (T,) or (B, T).

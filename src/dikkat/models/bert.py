@@ -1,4 +1,5 @@
-"""BERT: a bidirectional, post-norm encoder with a masked-language-model head (S11).
+"""BERT: a bidirectional, post-norm encoder with a masked-language-model head (docs/contract.md
+§11).
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
 

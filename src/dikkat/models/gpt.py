@@ -1,4 +1,4 @@
-"""GPT: a decoder-only, causal stack of pre-norm blocks (S11).
+"""GPT: a decoder-only, causal stack of pre-norm blocks (docs/contract.md §11).
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
 

@@ -1,4 +1,5 @@
-"""The original encoder-decoder translator ("Attention Is All You Need", 2017) (S11, S14).
+"""The original encoder-decoder translator ("Attention Is All You Need", 2017) (docs/contract.md
+§11, §14).
 
 Notation: ``B`` batch, ``S`` source tokens, ``T`` target tokens, ``C`` width, ``V`` vocabulary.
 

@@ -113,7 +113,7 @@ def available_memory() -> int | None:
 
 def new_model(cls: type[nn.Module], config: Any) -> nn.Module:
     """``cls(config)``, after checking on the meta device (no memory) that training it fits in
-    the memory this machine has: a size that does not fit is an error naming the parameter
+    the memory the machine has: a size that does not fit is an error naming the parameter
     count, not a crash of the allocator or a visit from the out-of-memory killer."""
     with torch.device("meta"):
         n = sum(p.numel() for p in cls(config).parameters())

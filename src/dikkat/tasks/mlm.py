@@ -4,6 +4,7 @@ chosen ones (Devlin et al. 2019, arXiv:1810.04805)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 from dikkat.models.bert import BERT, BERTConfig
 from dikkat.tasks.base import BLOCK_SIZES, TaskInfo, TaskSpec, new_model, register_task
 from dikkat.tasks.corpus import CorpusTask, random_windows
+from dikkat.validate import check_int
 
 
 class MLMTask(CorpusTask):
@@ -74,6 +76,60 @@ class MLMTask(CorpusTask):
             "masked_accuracy": hits / max(total, 1),
             "most_common_token_accuracy": float((val == counts.argmax()).float().mean()),
         }
+
+
+MASK = "[MASK]"  # how a hidden token is written in the text given to fill_mask
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What :func:`fill_mask` found: the text with each mask replaced by its best guess, and
+    for each mask the top guesses with their probabilities."""
+
+    text: str
+    guesses: list[list[tuple[str, float]]]
+
+
+@torch.no_grad()
+def fill_mask(model: BERT, tokenizer: Any, text: str, *, top_k: int = 5) -> Filled:
+    """Predict every ``[MASK]`` in ``text`` with a BERT trained by the ``mlm`` task.
+
+    The task's mask token is the id one past the tokenizer's vocabulary, so the model must have
+    exactly one more id than the tokenizer. Each ``[MASK]`` stands for one token.
+    """
+    check_int("top_k", top_k)
+    if MASK not in text:
+        raise ValueError(f"the text has no {MASK} to fill: {text!r}")
+    mask_id = tokenizer.vocab_size
+    if model.config.vocab_size != mask_id + 1:
+        raise ValueError(
+            f"this BERT has {model.config.vocab_size} ids; a masked-LM run of this tokenizer "
+            f"({tokenizer.vocab_size} tokens) has {mask_id + 1} (its extra id is {MASK})"
+        )
+    pieces = text.split(MASK)
+    ids: list[int] = []
+    at: list[int] = []  # the positions of the masks
+    for i, piece in enumerate(pieces):
+        ids += tokenizer.encode(piece)
+        if i < len(pieces) - 1:
+            at.append(len(ids))
+            ids.append(mask_id)
+    device = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    logits = model(torch.tensor([ids], device=device))[0, at, :mask_id]  # no guessing [MASK]
+    model.train(was)
+    probs = logits.float().softmax(-1)
+    top = probs.topk(min(top_k, mask_id), dim=-1)
+    guesses = [
+        [(tokenizer.decode([int(i)]), float(p)) for p, i in zip(ps, idx, strict=True)]
+        for ps, idx in zip(top.values, top.indices, strict=True)
+    ]
+    filled = [int(row[0]) for row in top.indices]
+    out = list(ids)
+    for pos, token in zip(at, filled, strict=True):
+        out[pos] = token
+    return Filled(tokenizer.decode(out), guesses)
 
 
 register_task(

@@ -1,4 +1,4 @@
-"""``dikkat train --task shapes``: a small DETR learns to find coloured shapes (S14).
+"""The ``shapes`` task: a small DETR learns to find coloured shapes (docs/contract.md §14).
 
 Training images are drawn fresh at every step (an endless stream from the training seed); the
 validation images are a fixed set from the validation stream, never seen in training.

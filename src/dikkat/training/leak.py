@@ -1,4 +1,4 @@
-"""The seed's warning made visible (S5): train a language model without the causal mask.
+"""Training without the causal mask, made visible (docs/contract.md §5): a fake loss.
 
 Without the mask, position t attends to position t + 1 — the very token it is asked to predict —
 so the model learns to copy it: the training loss falls far below what any honest model reaches.

@@ -1,4 +1,5 @@
-"""DETR-style detection: learned object queries cross-attend to image features (S14).
+"""DETR-style detection: learned object queries cross-attend to image features (docs/contract.md
+§14).
 
 Notation: ``B`` batch, ``N`` object queries, ``C`` model width, ``h``/``w`` the feature grid,
 ``S = h·w`` feature tokens, ``K`` object classes (class ``K`` is "no object"), ``M`` padded
