@@ -26,7 +26,7 @@ def _tokens(n: int) -> str:
 def _grid(
     result: dict[str, Any], key: str, scale: float, ylabel: str, title: str, path: Path
 ) -> Path:
-    import matplotlib
+    import matplotlib  # lazily: slow to import, and only pictures need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

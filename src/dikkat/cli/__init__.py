@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dikkat import __version__
 from dikkat.cli import bench, generate, seeds, train, vision
 from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
+from dikkat.training.trainer import DivergedError, TrainingInterrupted
 
 # the families of commands, in the order `dikkat --help` lists them
 COMMANDS = (train, generate, vision, bench, seeds)
@@ -36,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dikkat.training.trainer import DivergedError, TrainingInterrupted
 
     parser = build_parser()
     args = parser.parse_args(argv)

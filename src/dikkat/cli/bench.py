@@ -9,6 +9,18 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dikkat.bench.attention import (
+    BACKENDS,
+    DTYPES,
+    QUICK,
+    AttentionBenchConfig,
+    parse_mask,
+    run_attention_benchmark,
+    save_results,
+)
+from dikkat.bench.cost import DEFAULT_NS, format_cost_table
 from dikkat.cli.args import positive_float, positive_int
 from dikkat.cli.common import add_command, format_examples
 from dikkat.core.tiled import CELLS
@@ -63,7 +75,6 @@ def _choice(options: tuple[str, ...], what: str) -> Callable[[str], str]:
 
 def add_attention_arguments(parser: argparse.ArgumentParser, default_out: str | Path) -> None:
     """The flags of ``dikkat bench attention`` (and of ``benchmarks/attention.py``)."""
-    from dikkat.bench.attention import BACKENDS, DTYPES, parse_mask
 
     def mask_name(item: str) -> str:
         parse_mask(item)
@@ -96,7 +107,6 @@ def add_attention_arguments(parser: argparse.ArgumentParser, default_out: str | 
 
 def attention_config(args: argparse.Namespace) -> Any:
     """The :class:`AttentionBenchConfig` the parsed flags ask for."""
-    from dikkat.bench.attention import QUICK, AttentionBenchConfig
 
     base = QUICK if args.quick else AttentionBenchConfig()
     given = {
@@ -117,9 +127,6 @@ def attention_config(args: argparse.Namespace) -> Any:
 
 def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the flags describe, print it, write its files; returns the results."""
-    import torch
-
-    from dikkat.bench.attention import run_attention_benchmark, save_results
 
     config = attention_config(args)
     if args.threads is not None:
@@ -136,7 +143,6 @@ def _cmd_attention(args: argparse.Namespace) -> int:
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
-    from dikkat.bench.cost import format_cost_table
 
     print(format_cost_table(tuple(args.n), args.heads, args.head_dim, args.batch, args.tile_cells))
     return 0
@@ -144,7 +150,6 @@ def _cmd_cost(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register ``bench attention`` and ``bench cost``."""
-    from dikkat.bench.cost import DEFAULT_NS
 
     bench = add_command(
         sub,

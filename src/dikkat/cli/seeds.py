@@ -8,6 +8,13 @@ from typing import Any
 
 from dikkat.cli.args import positive_int
 from dikkat.cli.common import add_command
+from dikkat.seeds import (
+    SEED_CLAIMS,
+    causal_exercise,
+    scaling_experiment,
+    torch_mha_facts,
+    worked_example,
+)
 
 
 def _fmt(values, digits: int = 2) -> str:
@@ -16,13 +23,6 @@ def _fmt(values, digits: int = 2) -> str:
 
 def cmd_seeds(args: argparse.Namespace) -> int:
     """Print each number we compute beside the number docs/contract.md states."""
-    from dikkat.seeds import (
-        SEED_CLAIMS,
-        causal_exercise,
-        scaling_experiment,
-        torch_mha_facts,
-        worked_example,
-    )
 
     def row(label: str, ours: str, stated: str) -> None:
         print(f"  {label:<28} {ours:<34} stated: {stated}")

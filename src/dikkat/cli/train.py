@@ -12,9 +12,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
 from dikkat.cli.common import add_command, add_device, device_of
-from dikkat.tasks import task_info, task_names
+from dikkat.models.seq2seq import Seq2Seq
+from dikkat.tasks import TaskSpec, build_task, task_info, task_names
+from dikkat.tasks.translate import encode_numbers
+from dikkat.text import load_tokenizer
+from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
+from dikkat.training.checkpoint import check_out_dir
+from dikkat.training.leak import leak_demo
+from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
 DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces only its own
 SIZE_FLAGS = ("d_model", "layers", "heads", "kv_heads", "position", "dropout")
@@ -61,9 +69,6 @@ def _summary(result: Any, task: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dikkat.tasks import TaskSpec, build_task
-    from dikkat.training.checkpoint import check_out_dir
-    from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
     out = Path(args.out or f"runs/{args.task}")
     if args.resume:
@@ -108,10 +113,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from dikkat.models.seq2seq import Seq2Seq
-    from dikkat.tasks.translate import encode_numbers
-    from dikkat.text import load_tokenizer
-    from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
 
     model = Seq2Seq.load(args.checkpoint, verify=not args.no_verify).to(device_of(args)).eval()
     tokenizer = load_tokenizer(args.checkpoint, verify=not args.no_verify)
@@ -152,7 +153,6 @@ def print_leak(result: Any) -> None:
 
 
 def cmd_leak_demo(args: argparse.Namespace) -> int:
-    from dikkat.training.leak import leak_demo
 
     print("The same tiny GPT, the same batches, trained with and without the causal mask.")
     result = leak_demo(
@@ -164,11 +164,6 @@ def cmd_leak_demo(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small GPT on the standard library, show the leak, sample with the KV cache."""
-    from dikkat import runs
-    from dikkat.tasks import TaskSpec, build_task
-    from dikkat.training.checkpoint import check_out_dir
-    from dikkat.training.leak import leak_demo
-    from dikkat.training.trainer import TrainConfig, Trainer
 
     t0 = time.perf_counter()
     out = Path(args.out)

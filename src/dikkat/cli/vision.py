@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dikkat import runs
 from dikkat.cli.args import add_no_verify, positive_int
 from dikkat.cli.common import add_command
+from dikkat.tasks.digits import SIDE, load_digits_split
+from dikkat.training.checkpoint import TASK_FILE
+from dikkat.vision.cost import format_cost_table, vision_cost
+from dikkat.vision.detr import DETR
+from dikkat.vision.detr_plot import plot_detections
+from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
+from dikkat.vision.vit import ViT
+from dikkat.vision.vit_plot import plot_attention_maps
 
 
 def _run_seed(path: str) -> int:
     """The data seed a run was trained with (0 for a model folder, which records none)."""
-    import json
-
-    from dikkat import runs
-    from dikkat.training.checkpoint import TASK_FILE
 
     task_file = runs.checkpoint_dir(path) / TASK_FILE
     if not task_file.is_file():
@@ -27,11 +35,6 @@ def _run_seed(path: str) -> int:
 
 def cmd_vit_attention(args: Any) -> int:
     """Draw a trained digits ViT's class-token attention for a few held-out digits."""
-    import torch
-
-    from dikkat.tasks.digits import SIDE, load_digits_split
-    from dikkat.vision.vit import ViT
-    from dikkat.vision.vit_plot import plot_attention_maps
 
     model = ViT.load(args.run, verify=not args.no_verify).eval()
     seed = args.seed
@@ -64,7 +67,6 @@ def cmd_vit_attention(args: Any) -> int:
 
 def cmd_vision_cost(args: Any) -> int:
     """Print attention's cost per detector stride beside a 3×3 convolution's."""
-    from dikkat.vision.cost import format_cost_table, vision_cost
 
     rows = vision_cost(args.imgsz, args.width, args.heads)
     print(format_cost_table(rows, args.imgsz))
@@ -73,11 +75,6 @@ def cmd_vision_cost(args: Any) -> int:
 
 def cmd_detect(args: Any) -> int:
     """Draw a shapes DETR's boxes and each object query's cross-attention on validation images."""
-    import torch
-
-    from dikkat.vision.detr import DETR
-    from dikkat.vision.detr_plot import plot_detections
-    from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
 
     model = DETR.load(args.run, verify=not args.no_verify).eval()
     c, data = model.config, ShapesConfig()

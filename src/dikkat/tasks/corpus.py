@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import ByteLevelBPETokenizer
 from torch import Tensor
 
 from dikkat.tasks.base import Task, TaskSpec
@@ -116,7 +117,6 @@ def load_corpus(
 
 def encode_corpus(text: str, tokenizer: object) -> Tensor:
     """Token ids of ``text`` as one 1-D tensor (uint8 for bytes, else int32)."""
-    from dikkat.text import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return torch.from_numpy(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy())
@@ -136,8 +136,6 @@ def random_windows(
 
 
 def _train_bpe(text: str, vocab_size: int) -> HFTokenizer:
-    from tokenizers import ByteLevelBPETokenizer
-
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False)
     return HFTokenizer(tok)

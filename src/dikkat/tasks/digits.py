@@ -60,7 +60,7 @@ def stratified_split(labels: Tensor, test_fraction: float, seed: int) -> tuple[T
     scikit-learn's ``train_test_split(..., stratify=labels, random_state=seed)``: the split the
     issue's 1-NN figure (98.3 % at seed 0) was measured on.
     """
-    from sklearn.model_selection import train_test_split
+    from sklearn.model_selection import train_test_split  # lazily: scikit-learn is slow to import
 
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
@@ -73,7 +73,7 @@ def stratified_split(labels: Tensor, test_fraction: float, seed: int) -> tuple[T
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsSplit:
     """scikit-learn's digits with a seeded, stratified held-out part."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazily: scikit-learn is slow to import
 
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / MAX_PIXEL  # (N,1,8,8)

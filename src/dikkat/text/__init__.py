@@ -15,6 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from tokenizers import ByteLevelBPETokenizer
+from tokenizers import Tokenizer as _Tokenizer
+
 from dikkat import runs
 from dikkat.files import atomic_write
 from dikkat.text.number_words import NumberTokenizer
@@ -70,8 +73,6 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> HFTokenizer:
-        from tokenizers import Tokenizer as _Tokenizer
-
         try:
             return cls(_Tokenizer.from_file(str(path)))
         except Exception as e:  # the library raises its own Exception subclass for bad files
@@ -103,8 +104,6 @@ def load_tokenizer(directory: str | Path, *, verify: bool = True) -> Tokenizer:
     if (d / "tokenizer.json").is_file():
         return HFTokenizer.from_file(d / "tokenizer.json")
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
-        from tokenizers import ByteLevelBPETokenizer
-
         try:
             return HFTokenizer(ByteLevelBPETokenizer(str(d / "vocab.json"), str(d / "merges.txt")))
         except Exception as e:  # the tokenizers library's own error type

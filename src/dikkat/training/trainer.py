@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from dikkat.files import atomic_write
 from dikkat.tasks import Task, TaskSpec, build_task, step_generator
+from dikkat.text import load_tokenizer
 from dikkat.training.checkpoint import (
     LOG_FILE,
     PLOT_FILE,
@@ -43,6 +45,7 @@ from dikkat.training.checkpoint import (
     write_log,
 )
 from dikkat.validate import check_bool, check_float, check_int
+from dikkat.viz.curves import plot_losses
 
 __all__ = [
     "LOG_FILE",
@@ -260,7 +263,6 @@ class Trainer:
         ``until`` stops early at that step and saves, as an interruption would (Ctrl-C also saves
         before it stops); the schedule stays the one planned for ``config.steps``.
         """
-        from tqdm import tqdm
 
         c, task = self.config, self.task
         end = c.steps if until is None else min(until, c.steps)
@@ -373,7 +375,6 @@ class Trainer:
         """Training and validation loss against step, as ``loss.png``."""
         if self.out_dir is None:
             return None
-        from dikkat.viz.curves import plot_losses
 
         path = self.out_dir / PLOT_FILE
         title = f"{self.task.spec.task} · {self.task.spec.preset}"
@@ -414,7 +415,6 @@ def resume_trainer(
     fewer steps than are done, or resuming a finished run without more steps, is refused
     before anything is written.
     """
-    from dikkat.text import load_tokenizer
 
     d = Path(out_dir)
     saved = read_checkpoint(d, verify=verify)

@@ -35,7 +35,7 @@ def plot_detections(
     images (B, 3, H, W) in [0, 1]; ``output`` from ``model(images, return_attention=True)``;
     labels (B, M) and boxes (B, M, 4), −1 = padding, optional.
     """
-    import matplotlib
+    import matplotlib  # lazily: slow to import, and only pictures need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -28,7 +28,7 @@ def plot_attention_maps(
         labels, predicted: (B,) class indices to write above each row's image.
         layer: show this layer's heads instead of every layer.
     """
-    import matplotlib
+    import matplotlib  # lazily: slow to import, and only pictures need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

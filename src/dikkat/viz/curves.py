@@ -14,7 +14,7 @@ def plot_losses(
 
     ``history`` holds records with ``step`` and ``loss`` and/or ``val_loss`` (the trainer's log).
     """
-    import matplotlib
+    import matplotlib  # lazily: slow to import, and only pictures need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
