@@ -1,6 +1,6 @@
-"""The PSA family against a plain fp64 re-derivation of Ultralytics' math, written here from the
-issue's text (convolutions as sums over kernel offsets, attention as explicit per-head loops),
-and against Ultralytics' state-dict layout (key names and shapes typed out from the issue)."""
+"""The PSA family against a plain fp64 re-derivation of Ultralytics' math (convolutions as sums
+over kernel offsets, attention as explicit per-head loops) and its state-dict layout (key names
+and shapes typed out). tests/vision/test_psa_ultralytics.py runs Ultralytics' own modules."""
 
 from __future__ import annotations
 
