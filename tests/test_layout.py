@@ -1,0 +1,116 @@
+"""The shape of the source tree: imports between packages flow one way, files stay small.
+
+The order (README, "Layout"): core → layers → generation → models → interop / vision → tasks →
+training → cli, with bench and viz beside, and the one-file utilities (files, runs, validate,
+presets, seeds, text) where their imports put them. A package may import only packages before
+it — counting imports inside functions, which hide a circle without removing it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "dikkat"
+MAX_LINES = 450
+
+
+def _unit(module: str) -> str:
+    """dikkat.core.tiled.plan → core; dikkat.files → files; dikkat → dikkat."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dikkat"
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _exists(module: str) -> bool:
+    base = SRC.parent / module.replace(".", "/")
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """unit → {imported unit: ["file:line", …]}, for every import of one dikkat unit by another."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(SRC.rglob("*.py")):
+        here = _unit(_module_of(path))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if not name.startswith("dikkat."):
+                    continue
+                while name and not _exists(name):
+                    name = name.rpartition(".")[0]
+                there = _unit(name) if name else None
+                if there and there not in (here, "dikkat") and here != "dikkat":
+                    graph[here][there].append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected components with more than one unit (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_between_packages():
+    graph = import_graph()
+    circles = cycles(graph)
+    where = {
+        tuple(c): {f"{a} → {b}": graph[a][b][:2] for a in c for b in c if b in graph.get(a, {})}
+        for c in circles
+    }
+    assert not circles, where
+
+
+def test_the_core_imports_nothing_above_it():
+    graph = import_graph()
+    assert set(graph.get("core", {})) <= {"validate"}, dict(graph["core"])
+
+
+def test_no_source_file_holds_two_ideas():
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def test_the_checker_finds_a_circle():
+    graph = {"a": {"b": ["x.py:1"]}, "b": {"c": ["y.py:2"]}, "c": {"a": ["z.py:3"]}, "d": {}}
+    assert cycles(graph) == [["a", "b", "c"]]
