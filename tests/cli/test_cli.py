@@ -212,3 +212,27 @@ def test_generate_without_a_prompt_says_so(tiny_checkpoint, capsys):
     path, _ = tiny_checkpoint
     assert main(["generate", str(path)]) == 2
     assert "no prompt given" in capsys.readouterr().err
+
+
+def test_every_help_example_is_a_valid_command_line():
+    """Each command's examples (shown by its --help and by dikkat --help) parse as written."""
+    import argparse
+    import shlex
+
+    from dikkat.cli import build_parser
+
+    parser = build_parser()
+
+    def commands(p):
+        for action in p._actions:  # argparse has no public walk over subcommands
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in dict.fromkeys(action.choices.values()):
+                    yield sub
+                    yield from commands(sub)
+
+    examples = [cmd for sub in commands(parser) for cmd, _ in sub.dikkat_examples]
+    assert len(examples) >= 20
+    for example in examples:
+        assert example.startswith("dikkat "), example
+        args = parser.parse_args(shlex.split(example)[1:])
+        assert args.command is not None, example
