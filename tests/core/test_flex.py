@@ -1,22 +1,29 @@
 """The flex backend: every mask kind against the fp64 reference, the block-mask cache, and auto
 never paying a compile.
 
-Short calls run flex eagerly (see ``flex.EAGER_MAX_CELLS``), so these tests stay fast; one test
-compiles a kernel, on purpose. ``test_backends.py`` runs flex under the 2× error rule too.
+Short calls run flex eagerly (see ``flex_eager_max_cells`` in ``dikkat.core.tuning``), so these
+tests stay fast; one test compiles a kernel, on purpose. ``test_backends.py`` runs flex under the
+2× error rule too.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import sys
 
 import pytest
 import torch
 
 import dikkat
 from dikkat import masks
-from dikkat.core import flex
+from dikkat.core import cache_sizes, clear_caches, flex, tuning
 from dikkat.core.masks import Mask
 from helpers import Case, oracle, run
 
-pytestmark = pytest.mark.skipif(flex._flex is None, reason="torch has no flex_attention")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch.nn.attention.flex_attention") is None,
+    reason="torch has no flex_attention",
+)
 
 IDS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3], [0, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3]])
 MASKS = {
@@ -72,29 +79,35 @@ def test_block_masks_are_cached_per_mask_and_shape() -> None:
     torch.testing.assert_close(out, dikkat.attention(q, k, v, docs, backend="reference"))
 
 
-def test_short_explicit_calls_never_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flex, "_warm", set())
+def test_short_explicit_calls_never_compile() -> None:
+    flex.compiled.clear()
     q = k = v = torch.randn(1, 2, 16, 8)
     dikkat.attention(q, k, v, masks.sliding_window(4), backend="flex")
-    assert flex._warm == set()
+    assert len(flex.compiled) == 0
 
 
-def test_auto_never_picks_a_cold_flex(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flex, "_warm", set())
-    q = k = v = torch.randn(1, 1, 1024, 8)
+def test_auto_never_picks_a_cold_flex() -> None:
+    flex.compiled.clear()
+    q = k = v = torch.randn(1, 1, 1024, 8)  # exactly the eager bound: 1 Mi cells
+    assert tuning.for_device("cpu").flex_eager_max_cells == 1024 * 1024
     window = masks.sliding_window(16)
     text = dikkat.explain(q, k, v, window)  # SDPA passed by: most cells are masked
     assert text.startswith("tiled (not sdpa:")
     assert "not flex: the call is too short" in text
-    monkeypatch.setattr(flex, "EAGER_MAX_CELLS", 0)
+    assert "Depends on this process" not in text  # too short: no compile would change it
+    q = k = v = torch.randn(1, 1, 2048, 8)  # past it: flex would compile
     text = dikkat.explain(q, k, v, window)
     assert text.startswith("tiled (") and "not flex: flex is not yet compiled" in text
+    assert text.endswith(
+        "Depends on this process: auto takes flex once a call with backend='flex' has compiled "
+        "it for this signature."
+    )
     assert dikkat.explain(q, k, v, masks.causal()).startswith("sdpa (the first choice)")
 
 
-def test_a_compiled_kernel_is_exact_and_then_used_by_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    # One compile (about 15–30 s on 2 CPU cores): GQA, a sliding window and rows with no key.
-    monkeypatch.setattr(flex, "_warm", set())
+def test_a_compiled_kernel_is_exact_and_then_used_by_auto() -> None:
+    # One compile (tens of seconds on a small CPU): GQA, a sliding window and rows with no key.
+    clear_caches()
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 2, 1024, 16, generator=g)
     k, v = (torch.randn(1, 1, 1024, 16, generator=g) for _ in range(2))
@@ -104,13 +117,20 @@ def test_a_compiled_kernel_is_exact_and_then_used_by_auto(monkeypatch: pytest.Mo
     want = dikkat.attention(q.double(), k.double(), v.double(), mask, backend="reference")
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     assert (out[:, :, 575:] == 0).all()
-    # a new mask object with the same parameters hits the same kernel: auto may now take flex
+    # a new mask object with the same parameters hits the same kernel: auto may now take flex,
+    # and explain says that this depends on the compile
     same = masks.sliding_window(64) & masks.padding(torch.tensor([700]))
-    assert dikkat.explain(q, k, v, same).startswith("flex (not sdpa:")
+    text = dikkat.explain(q, k, v, same)
+    assert text.startswith("flex (not sdpa:")
+    assert "Depends on this process: flex is taken because this process has compiled it" in text
     torch.testing.assert_close(
         dikkat.attention(q, k, v, same), dikkat.attention(q, k, v, same, backend="flex")
     )
     assert not dikkat.explain(q, k, v, masks.sliding_window(32)).startswith("flex")
+    assert cache_sizes()["flex compiled signatures"] == 1
+    # forgetting the compile (the graph itself stays in torch's cache): auto passes flex by
+    clear_caches()
+    assert dikkat.explain(q, k, v, same).startswith("tiled (")
 
 
 class _Threshold(Mask):
@@ -143,8 +163,39 @@ def test_a_mask_vmap_cannot_run_is_a_clear_error() -> None:
 def test_torch_without_flex_is_a_reason_not_an_import_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(flex, "_flex", None)
+    # a torch without FlexAttention: importing torch.nn.attention.flex_attention fails
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)
     q = k = v = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=r"has no torch.nn.attention.flex_attention"):
         dikkat.attention(q, k, v, backend="flex")
     assert not dikkat.explain(q, k, v, masks.sliding_window(2)).startswith("flex")
+
+
+def test_a_dynamo_failure_falls_back_to_tiled_without_resetting_dynamo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dynamo has been seen to fail with a TypeError inside torch while explaining a recompile.
+    That call then runs on the tiled backend, with a warning; dynamo is never reset (that would
+    drop every graph the process has compiled)."""
+    api = importlib.import_module("torch.nn.attention.flex_attention")
+
+    def broken(*args, **kwargs):
+        raise TypeError("'NoneType' object is not iterable")
+
+    def no_reset() -> None:
+        raise AssertionError("dikkat reset dynamo")
+
+    monkeypatch.setattr(api, "flex_attention", broken)
+    monkeypatch.setattr(torch._dynamo, "reset", no_reset)
+    q = k = v = torch.randn(1, 2, 16, 8)
+    window = masks.sliding_window(4)
+    with pytest.warns(RuntimeWarning, match=r"dynamo failed .*ran on the tiled backend"):
+        out = dikkat.attention(q, k, v, window, backend="flex")
+    torch.testing.assert_close(out, dikkat.attention(q, k, v, window, backend="tiled"))
+
+    def other(*args, **kwargs):
+        raise TypeError("an error of another kind")
+
+    monkeypatch.setattr(api, "flex_attention", other)
+    with pytest.raises(TypeError, match="another kind"):
+        dikkat.attention(q, k, v, window, backend="flex")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import dikkat
 from dikkat import masks
-from dikkat.core import tiled
+from dikkat.core import cache_sizes, clear_caches, tiled, tuning
 from dikkat.core.masks import as_mask
 from helpers import Case, attention_cases, oracle
 
@@ -26,6 +26,7 @@ def run_tiled(
     key_tile: int = 4096,
     cells: int = 1 << 22,
     windows: bool | None = None,
+    fused: bool | None = None,
 ):
     q, k, v = (inputs[n].clone().requires_grad_() for n in "qkv")
     mask = None if case.mask is None else as_mask(case.mask, case.q_offset)
@@ -43,6 +44,7 @@ def run_tiled(
         key_tile=key_tile,
         cells=cells,
         windows=windows,
+        fused=fused,
     )
     grads = torch.autograd.grad(out, (q, k, v), inputs["dout"])
     return out.detach(), lse, grads
@@ -54,19 +56,15 @@ def run_tiled(
     key_tile=st.sampled_from([1, 5, 16, 4096]),
     cells=st.sampled_from([1, 50, 400, 1 << 22]),
     windows=st.sampled_from([None, False, True]),
-    fused=st.booleans(),
+    fused=st.sampled_from([None, False]),
 )
 def test_many_tiles_equal_the_fp64_reference(case, block, key_tile, cells, windows, fused):
     """Every way of cutting the work — rows or gathered windows, one or many key tiles, one
-    or many blocks per tile, each tile in the fused kernel or in plain tensor ops — gives the
-    reference's output, gradients and lse."""
+    or many blocks per tile, each tile in the fused kernel (where it can run) or in plain
+    tensor ops — gives the reference's output, gradients and lse."""
     inputs = case.inputs()
     exact = oracle(case, inputs, torch.float64)
-    saved, tiled.FUSED_TILES = tiled.FUSED_TILES, fused
-    try:
-        out, lse, (dq, dk, dv) = run_tiled(case, inputs, block, key_tile, cells, windows)
-    finally:
-        tiled.FUSED_TILES = saved
+    out, lse, (dq, dk, dv) = run_tiled(case, inputs, block, key_tile, cells, windows, fused)
     for got, want in ((out, exact.out), (dq, exact.dq), (dk, exact.dk), (dv, exact.dv)):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     # the log-sum-exp of each row, -inf where no key is allowed
@@ -89,16 +87,13 @@ def test_many_tiles_equal_the_fp64_reference(case, block, key_tile, cells, windo
 def computed_cells(mask, T: int, S: int, block: int, key_tile: int, windows=None) -> int:
     """Score cells the forward pass computes under the plan (skipped key tiles excluded), with
     tiles of block × key_tile cells."""
-    total = 0
-    for item in tiled._plan(mask, (1, 1, T, S), 0, block, block * key_tile, key_tile, windows):
-        if isinstance(item, tiled._Windows):
-            total += item.starts.numel() * block * item.width
-            continue
-        for k0 in tiled._key_tiles(item, key_tile):
-            k1 = min(k0 + key_tile, item.k1)
-            if tiled._tile_mask(mask, 1, 1, 1, item.r0, item.r1, k0, k1, "cpu") is not False:
-                total += (item.r1 - item.r0) * (k1 - k0)
-    return total
+    q = k = torch.empty(1, 1, max(T, S), 1)
+    summary = tiled.plan_summary(
+        q[:, :, :T], k[:, :, :S], mask, block=block, key_tile=key_tile, cells=block * key_tile,
+        windows=windows, plans=tiled.PlanCache(),
+    )  # fmt: skip
+    assert summary.total_cells == T * S
+    return summary.computed_cells
 
 
 def test_hidden_work_is_skipped():
@@ -118,15 +113,32 @@ def test_hidden_work_is_skipped():
     assert computed_cells(masks.sliding_window(64), n, n, b, 256, windows=False) < n * n / 4
 
 
+def test_masked_key_tiles_are_skipped_not_computed():
+    """A causal plan of rows skips the key tiles above the diagonal: the summary counts them,
+    and its cells are what the skipped tiles leave."""
+    n, b, kt = 1024, 64, 128
+    q = torch.empty(1, 1, n, 1)
+    full = tiled.plan_summary(q, q, None, block=b, key_tile=kt, cells=b * kt)
+    causal = tiled.plan_summary(q, q, masks.causal(), block=b, key_tile=kt, cells=b * kt)
+    assert full.skipped_tiles == 0 and full.computed_fraction == 1.0
+    assert causal.kind == full.kind == "rows"
+    assert causal.skipped_tiles == 0  # kv_range already stops each run of rows at its diagonal
+    prefix = tiled.plan_summary(q, q, ~masks.causal(), block=b, key_tile=kt, cells=b * kt)
+    assert prefix.skipped_tiles > 0  # ~causal reports no key range: its hidden tiles are skipped
+    assert prefix.computed_cells + prefix.skipped_tiles * b * kt == n * n
+    empty = tiled.plan_summary(q[:, :, :0], q, masks.causal())
+    assert empty.kind == "empty" and empty.tiles == 0 and empty.computed_fraction == 0.0
+
+
 def test_plans_choose_windows_only_for_sliding_ranges():
     def kinds(mask, n=1024):
-        plan = tiled._plan(mask, (1, 8, n, n), 0, 128, 1 << 22, 4096, None)
-        return {type(item).__name__ for item in plan}
+        q = torch.empty(1, 8, n, 1)
+        return tiled.plan_summary(q, q, mask, block=128, cells=1 << 22, key_tile=4096).kind
 
-    assert kinds(None) == kinds(masks.causal()) == {"_Rows"}
-    assert kinds(masks.sliding_window(256)) == {"_Windows"}
-    assert kinds(masks.document(torch.arange(1024) // 128)) == {"_Windows"}
-    assert kinds(masks.sliding_window(1000)) == {"_Rows"}  # windows would not save half
+    assert kinds(None) == kinds(masks.causal()) == "rows"
+    assert kinds(masks.sliding_window(256)) == "windows"
+    assert kinds(masks.document(torch.arange(1024) // 128)) == "windows"
+    assert kinds(masks.sliding_window(1000)) == "rows"  # windows would not save half
 
 
 def test_extra_memory_stays_linear():
@@ -226,18 +238,18 @@ def _qkv(n: int, seed: int = 0, heads: int = 2, dim: int = 8):
 def test_masks_are_prepared_once_and_rebuilt_when_they_change():
     """A repeated call with an equal mask reuses the plan and its tile masks; a mask tensor
     changed in place, or a mask type of the caller's own, is evaluated again."""
-    tiled._prepared.clear()
+    plans = tiled.PlanCache()
     n = 512
     q, k, v = _qkv(n)
     ids = torch.arange(n) // 100
     docs = masks.document(ids)
-    first = tiled.tiled_attention(q, k, v, docs, scale=0.3, block=32)[0]
-    builds = tiled._prepared.builds
-    again = tiled.tiled_attention(q, k, v, masks.document(ids), scale=0.3, block=32)[0]
-    assert tiled._prepared.builds == builds and torch.equal(first, again)
+    first = tiled.tiled_attention(q, k, v, docs, scale=0.3, block=32, plans=plans)[0]
+    assert (plans.builds, plans.hits) == (1, 0)
+    again = tiled.tiled_attention(q, k, v, masks.document(ids), scale=0.3, block=32, plans=plans)
+    assert (plans.builds, plans.hits) == (1, 1) and torch.equal(first, again[0])
     ids.copy_(torch.arange(n) // 50)  # the same tensor, new documents
-    changed = tiled.tiled_attention(q, k, v, docs, scale=0.3, block=32)[0]
-    assert tiled._prepared.builds == builds + 1
+    changed = tiled.tiled_attention(q, k, v, docs, scale=0.3, block=32, plans=plans)[0]
+    assert plans.builds == 2
     ref = dikkat.attention(q, k, v, masks.document(ids.clone()), backend="reference", scale=0.3)
     torch.testing.assert_close(changed, ref, rtol=1e-10, atol=1e-10)
 
@@ -245,41 +257,57 @@ def test_masks_are_prepared_once_and_rebuilt_when_they_change():
         def predicate(self, b, h, q_idx, kv_idx):
             return kv_idx <= q_idx
 
-    builds = tiled._prepared.builds
     lower = Lower()
     for _ in range(2):
-        tiled.tiled_attention(q, k, v, lower, scale=0.3, block=32)
-    assert tiled._prepared.builds == builds + 2
+        tiled.tiled_attention(q, k, v, lower, scale=0.3, block=32, plans=plans)
+    assert plans.builds == 4 and len(plans) == 2
+
+
+def test_the_shared_plan_cache_and_clear_caches():
+    """Without ``plans=`` calls share :data:`tiled.plans`; ``clear_caches`` empties it (and
+    every other cache dikkat keeps) without changing a result."""
+    q, k, v = _qkv(256)
+    window = masks.sliding_window(32)
+    first = tiled.tiled_attention(q, k, v, window, scale=0.3)[0]
+    assert cache_sizes()["tiled plans"] >= 1
+    clear_caches()
+    assert tiled.plans.builds == 0 and set(cache_sizes().values()) == {0}
+    assert torch.equal(tiled.tiled_attention(q, k, v, window, scale=0.3)[0], first)
+    assert tiled.plans.builds == 1
 
 
 def test_window_tiles_keep_one_block_pattern():
     """Every block of a sliding window sees the same pattern over its own window: the kept
     masks hold one block's worth per tile, not one per block."""
-    tiled._prepared.clear()
     n, w = 4096, 256
     q, k, v = _qkv(n)
-    tiled.tiled_attention(q, k, v, masks.sliding_window(w), scale=0.3)
-    ((_, prepared),) = tiled._prepared._entries.values()
-    block = prepared.block
-    assert block == tiled.BLOCK // 2  # a narrow band: half-size blocks compute fewer cells
-    one_block_each = sum(block * item.width * 8 for item in prepared.plan)  # fp64
-    assert sum(item.starts.numel() for item in prepared.plan) == n // block
-    assert 0 < prepared.masks.nbytes <= one_block_each < n * w * 8 / 8
+    plans = tiled.PlanCache()
+    tiled.tiled_attention(q, k, v, masks.sliding_window(w), scale=0.3, plans=plans)
+    summary = tiled.plan_summary(q, k, masks.sliding_window(w), plans=plans)
+    assert plans.hits == 1  # the summary reports the plan the call ran
+    block = summary.block
+    assert summary.kind == "windows" and block == tiled.BLOCK // 2  # narrow band: small blocks
+    assert summary.windows == n // block  # every block has its own window, in some tile
+    one_block_each = summary.tiles * block * (w + block) * 8  # fp64, widths ≤ w − 1 + block
+    assert 0 < summary.kept_mask_bytes <= one_block_each < n * w * 8 / 8
 
 
 @pytest.mark.parametrize("kept", [0, 1 << 30])
-def test_unkept_masks_give_the_same_result(monkeypatch, kept: int):
+def test_unkept_masks_give_the_same_result(kept: int):
     """Tile masks rebuilt at every use (nothing kept) or all kept: bit-identical results."""
     n = 300
     q, k, v = (t.requires_grad_() for t in _qkv(n, seed=3))
     dout = torch.randn(1, 2, n, 8, dtype=torch.float64)
     runs = []
     for limit in (kept, 16 << 20):
-        tiled._prepared.clear()
-        monkeypatch.setattr(tiled, "KEPT_MASK_BYTES", limit)
+        plans = tiled.PlanCache(kept_mask_bytes=limit)
         for mask in (masks.sliding_window(40), masks.causal(), masks.prefix_lm(70)):
-            out, _ = tiled.tiled_attention(q, k, v, mask, scale=0.3, block=16, key_tile=64)
+            out, _ = tiled.tiled_attention(
+                q, k, v, mask, scale=0.3, block=16, key_tile=64, plans=plans
+            )
             runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+        kept_bytes = tiled.plan_summary(q, k, masks.causal(), block=16, key_tile=64, plans=plans)
+        assert (kept_bytes.kept_mask_bytes == 0) == (limit == 0)
     half = len(runs) // 2
     for a, b in zip(runs[:half], runs[half:], strict=True):
         for x, y in zip(a, b, strict=True):
@@ -287,12 +315,35 @@ def test_unkept_masks_give_the_same_result(monkeypatch, kept: int):
 
 
 def test_block_size_follows_the_cells_it_saves():
-    """Windows pick the block size with the least kernel time (cells over the kernel's speed at
-    that many rows): small blocks for a narrow band, large ones for 1024-token documents."""
-    choose = tiled._choose_block
+    """On CPU, windows pick the block size with the least kernel time (cells over the kernel's
+    measured speed at that many rows, ``tuning.CPU.rows_speed``): small blocks for a narrow
+    band, large ones for 1024-token documents."""
     n = 8192
-    args = (8, n, n, 0, tiled.CELLS, tiled.KEY_TILE, None)
-    assert choose(masks.sliding_window(256), *args) == tiled.BLOCK // 2
-    assert choose(masks.document(torch.arange(n) // 1024), *args) == 2 * tiled.BLOCK
-    assert choose(masks.causal(), *args) == choose(None, *args) == tiled.BLOCK
-    assert choose(masks.sliding_window(256), *args[:-1], False) == tiled.BLOCK
+    q = torch.empty(1, 8, n, 1)
+
+    def block(mask, **kwargs) -> int:
+        return tiled.plan_summary(q, q, mask, plans=tiled.PlanCache(), **kwargs).block
+
+    assert tuning.for_device(q.device) is tuning.CPU
+    assert block(masks.sliding_window(256)) == tiled.BLOCK // 2
+    assert block(masks.document(torch.arange(n) // 1024)) == 2 * tiled.BLOCK
+    assert block(masks.causal()) == block(None) == tiled.BLOCK
+    assert block(masks.sliding_window(256), windows=False) == tiled.BLOCK
+    assert block(masks.sliding_window(256), block=32) == 32  # a given block is kept
+
+
+def test_fused_is_an_argument():
+    """fused=False runs plain tensor ops, None the fused CPU kernel where it can run, True
+    insists on it: an error naming the reason where it cannot (here Dv ≠ D)."""
+    q, k, v = _qkv(64)
+    window = masks.sliding_window(8)
+    outs = [
+        tiled.tiled_attention(q, k, v, window, scale=0.3, fused=f)[0] for f in (None, True, False)
+    ]
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-12, atol=1e-12)
+    wide = torch.randn(1, 2, 64, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"fused=True.*Dv = 5 and q D = 8"):
+        tiled.tiled_attention(q, k, wide, window, scale=0.3, fused=True)
+    plain = tiled.tiled_attention(q, k, wide, window, scale=0.3)[0]  # None: plain ops here
+    assert plain.shape == (1, 2, 64, 5)

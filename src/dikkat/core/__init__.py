@@ -2,22 +2,29 @@
 
 from dikkat.core import masks
 from dikkat.core.attention import (
+    AUTO_ORDER,
     AttentionRequest,
     Backend,
     attention,
+    auto_order,
     available_backends,
     explain,
     register_backend,
 )
+from dikkat.core.caches import cache_sizes, clear_caches
 from dikkat.core.reference import reference_attention, repeat_kv
 from dikkat.core.weights import attention_weights
 
 __all__ = [
+    "AUTO_ORDER",
     "AttentionRequest",
     "Backend",
     "attention",
     "attention_weights",
+    "auto_order",
     "available_backends",
+    "cache_sizes",
+    "clear_caches",
     "explain",
     "masks",
     "reference_attention",

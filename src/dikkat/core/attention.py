@@ -3,9 +3,11 @@
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (G divides H; G = H is plain
 multi-head, G = 1 multi-query), ``T`` query length, ``S`` key length, ``D`` head dim.
 
-A backend is a function ``run(request) -> (out, weights | None, lse | None)`` with a
-``supports(request)`` that returns None when it can serve the request and otherwise the reason it
-cannot. ``auto`` walks the backends in order of preference and takes the first that can.
+A backend (:class:`~dikkat.core.backends.Backend`) is a function ``run(request) -> (out,
+weights | None, lse | None)`` with a ``supports(request)`` that returns None when it can serve
+the request and otherwise the reason it cannot. ``auto`` walks the backends in order of
+preference (:data:`AUTO_ORDER`, then where ``register_backend`` puts others) and takes the first
+that can and has no reason to pass it by; :func:`explain` says which and why.
 
 NaN and infinity, one rule for every backend (linear attention included). Output row i *reaches*
 its query q_i, each key/value row j that its mask allows, and each bias cell (i, j) that its mask
@@ -25,22 +27,18 @@ cannot branch on values, the check is skipped and the kernel's own behaviour sta
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from dikkat.core import flex
+from dikkat.core.backends import BUILTIN, AttentionRequest, Backend
 from dikkat.core.checks import (
-    AttentionShape,
     check_bias,
     check_dropout,
     check_mask,
     check_qkv,
     check_scale,
 )
-from dikkat.core.linear import linear_attention
 from dikkat.core.masks import Mask
 from dikkat.core.nonfinite import (
     bias_finite_part,
@@ -49,54 +47,29 @@ from dikkat.core.nonfinite import (
     poison_rows,
     reached_rows,
 )
-from dikkat.core.reference import reference_attention
-from dikkat.core.sdpa import sdpa_attention
-from dikkat.core.tiled import tiled_attention
 
 __all__ = [
+    "AUTO_ORDER",
     "AttentionRequest",
     "Backend",
     "attention",
+    "auto_order",
     "available_backends",
     "check_backend_name",
     "explain",
     "register_backend",
 ]
 
-
-@dataclass(frozen=True)
-class AttentionRequest:
-    """One validated attention call, as every backend receives it."""
-
-    q: Tensor  # (B, H, T, D)
-    k: Tensor  # (B, G, S, D)
-    v: Tensor  # (B, G, S, Dv)
-    mask: Mask | None  # True = may attend; None = every key
-    bias: Tensor | None  # additive, broadcastable to (B, H, T, S)
-    scale: float
-    q_offset: int  # absolute position of query 0 (decoding with a cache)
-    dropout: float
-    return_weights: bool
-    shape: AttentionShape
-    return_lse: bool = False  # also the log-sum-exp of each row's scores (B, H, T), fp32
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A named attention implementation."""
-
-    name: str
-    run: Callable[[AttentionRequest], tuple[Tensor, Tensor | None, Tensor | None]]
-    supports: Callable[[AttentionRequest], str | None]
-    doc: str
-    # auto passes this backend by (though it could serve) when this returns a reason
-    avoid: Callable[[AttentionRequest], str | None] | None = None
-    exact: bool = True  # computes softmax attention (checked against the reference)
-
+# auto's preference among the built-in backends, first choice first:
+AUTO_ORDER: tuple[str, ...] = (
+    "sdpa",  # PyTorch's fused kernels: fastest where the scores fit, unless the mask hides most
+    "flex",  # compiled FlexAttention: only for a signature already compiled (never a compile)
+    "tiled",  # exact in O(n) memory, skipping what the mask hides
+    "reference",  # serves everything (the weights too), so it is last
+)  # "linear" is another model: never auto
 
 _BACKENDS: dict[str, Backend] = {}
-# Preference order for "auto": fastest first; the reference can serve everything, so it is last.
-_AUTO_ORDER: list[str] = []
+_auto: list[str] = []  # auto's order now: AUTO_ORDER, then where register_backend put others
 
 
 def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
@@ -111,10 +84,16 @@ def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
                 f"auto_rank must be non-negative (0 = auto's first choice), got {auto_rank}"
             )
     _BACKENDS[backend.name] = backend
-    if backend.name in _AUTO_ORDER:
-        _AUTO_ORDER.remove(backend.name)
+    if backend.name in _auto:
+        _auto.remove(backend.name)
     if auto_rank is not None:
-        _AUTO_ORDER.insert(auto_rank, backend.name)
+        _auto.insert(auto_rank, backend.name)
+
+
+def auto_order() -> tuple[str, ...]:
+    """The backends ``auto`` tries, first choice first: :data:`AUTO_ORDER` as
+    :func:`register_backend` has changed it."""
+    return tuple(_auto)
 
 
 def _check_backend(backend: Backend) -> None:
@@ -133,11 +112,13 @@ def _check_backend(backend: Backend) -> None:
                 f"backend {backend.name!r}: {field} must be callable, got "
                 f"{type(getattr(backend, field)).__name__}"
             )
-    if backend.avoid is not None and not callable(backend.avoid):
-        raise TypeError(
-            f"backend {backend.name!r}: avoid must be callable or None, got "
-            f"{type(backend.avoid).__name__}"
-        )
+    for field in ("avoid", "note"):
+        value = getattr(backend, field)
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"backend {backend.name!r}: {field} must be callable or None, got "
+                f"{type(value).__name__}"
+            )
 
 
 def check_backend_name(name: str, value: object, *, exact_only: bool = False) -> str:
@@ -155,18 +136,24 @@ def available_backends(*, exact_only: bool = False) -> list[str]:
     return sorted(name for name, b in _BACKENDS.items() if b.exact or not exact_only)
 
 
-def _choose(request: AttentionRequest) -> tuple[Backend, str]:
+def _choose(request: AttentionRequest) -> tuple[Backend, list[tuple[str, str]]]:
+    """auto's choice, and the backends it passed by on the way with the reason for each."""
     refused = []
-    for name in _AUTO_ORDER:
+    for name in _auto:
         backend = _BACKENDS[name]
         reason = backend.supports(request)
         if reason is None and backend.avoid is not None:
             reason = backend.avoid(request)
         if reason is None:
-            why = "; ".join(refused) if refused else "the first choice"
-            return _BACKENDS[name], why
-        refused.append(f"not {name}: {reason}")
-    raise RuntimeError("no attention backend can serve this request: " + "; ".join(refused))
+            return backend, refused
+        refused.append((name, reason))
+    reasons = "; ".join(f"not {name}: {reason}" for name, reason in refused)
+    raise RuntimeError("no attention backend can serve this request: " + reasons)
+
+
+for _builtin in BUILTIN:
+    register_backend(_builtin)
+_auto.extend(AUTO_ORDER)
 
 
 def _request(
@@ -284,169 +271,18 @@ def explain(
     q_offset: int = 0,
     return_weights: bool = False,
 ) -> str:
-    """Say which backend ``auto`` would pick for this call, and why."""
+    """Say which backend ``auto`` would pick for this call, and why: ``"name (reasons): doc"``,
+    the reasons being why auto passed each earlier backend by. When the verdict on a backend
+    depends on the state of this process — flex is taken only for a signature already compiled
+    here — a last sentence says so."""
     request = _request(q, k, v, mask, None, bias, q_offset, 0.0, return_weights)
-    chosen, why = _choose(request)
-    return f"{chosen.name} ({why}): {chosen.doc}"
-
-
-# --- the built-in backends ------------------------------------------------------------------------
-
-
-def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor, Tensor | None]:
-    result = reference_attention(
-        r.q,
-        r.k,
-        r.v,
-        r.mask,
-        scale=r.scale,
-        bias=r.bias,
-        q_offset=r.q_offset,
-        dropout=r.dropout,
-        return_lse=r.return_lse,
-    )
-    return (*result, None) if len(result) == 2 else result  # type: ignore[return-value]
-
-
-def _run_sdpa(r: AttentionRequest) -> tuple[Tensor, None, None]:
-    out = sdpa_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset, dropout=r.dropout
-    )
-    return out, None, None
-
-
-def _sdpa_supports(r: AttentionRequest) -> str | None:
-    if r.return_weights:
-        return "it cannot return the weights"
-    if r.return_lse:
-        return "it cannot return the log-sum-exp"
-    return None
-
-
-def visible_fraction(mask: Mask, T: int, S: int, q_offset: int = 0, block: int = 128) -> float:
-    """The fraction of the T × S score cells inside the key ranges the mask reports per block of
-    queries (an upper bound on what it lets through)."""
-    seen = 0
-    for q0 in range(0, T, block):
-        q1 = min(q0 + block, T)
-        lo, hi = mask.kv_range(q0 + q_offset, q1 + q_offset, S)
-        seen += (q1 - q0) * max(0, hi - lo)
-    return seen / (T * S)
-
-
-def _sdpa_avoid(r: AttentionRequest) -> str | None:
-    """With a mask that hides most score cells, SDPA computes them all (through a dense mask)
-    while the tiled backend never visits them: on large calls auto prefers the tiled one."""
-    if r.mask is None or r.mask.is_causal or r.shape.T * r.shape.S < 1 << 20:
-        return None
-    if _tiled_supports(r) is not None:
-        return None
-    fraction = visible_fraction(r.mask, r.shape.T, r.shape.S, r.q_offset)
-    if fraction > 0.25:
-        return None
-    return f"the mask leaves at most {fraction:.0%} of the score cells, which tiled alone skips"
-
-
-def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
-    out, lse = tiled_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
-    )
-    return out, None, lse
-
-
-def _tiled_supports(r: AttentionRequest) -> str | None:
-    if r.return_weights:
-        return "it never holds the full weights (use return_lse)"
-    if r.dropout > 0:
-        return "it has no dropout"
-    return None
-
-
-register_backend(
-    Backend(
-        "reference",
-        _run_reference,
-        lambda r: None,
-        "the seed's formula, full (B, H, T, S) score matrix, returns weights",
-    ),
-    auto_rank=0,
-)
-register_backend(
-    Backend(
-        "sdpa",
-        _run_sdpa,
-        _sdpa_supports,
-        "torch.nn.functional.scaled_dot_product_attention (fused kernels; masks made dense)",
-        avoid=_sdpa_avoid,
-    ),
-    auto_rank=0,
-)
-
-
-def _run_linear(r: AttentionRequest) -> tuple[Tensor, None, None]:
-    return linear_attention(r.q, r.k, r.v, causal=r.mask is not None), None, None
-
-
-def _linear_supports(r: AttentionRequest) -> str | None:
-    if r.mask is not None and not r.mask.is_causal:
-        return "linear attention takes no mask or causal() (other masks do not factorise)"
-    if r.mask is not None and r.q_offset + r.shape.T != r.shape.S:
-        return (
-            f"causal linear attention needs the queries to be the last keys: q_offset + T = "
-            f"{r.q_offset + r.shape.T}, S = {r.shape.S}"
-        )
-    for flag, what in (
-        (r.bias is not None, "bias"),
-        (r.dropout > 0, "dropout"),
-        (r.return_weights, "weights"),
-        (r.return_lse, "log-sum-exp"),
-    ):
-        if flag:
-            return f"linear attention has no {what}"
-    return None
-
-
-register_backend(
-    Backend(
-        "linear",
-        _run_linear,
-        _linear_supports,
-        "linear attention, φ(x) = elu(x) + 1: another model, O(n); never chosen by auto",
-        exact=False,
-    ),
-)
-register_backend(
-    Backend(
-        "tiled",
-        _run_tiled,
-        _tiled_supports,
-        "exact attention over tiles with the online softmax: O(n) memory, masked tiles skipped",
-    ),
-    auto_rank=1,  # after SDPA (faster when the scores fit), before the reference
-)
-
-
-def _run_flex(r: AttentionRequest) -> tuple[Tensor, None, Tensor | None]:
-    out, lse = flex.flex_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset,
-        return_lse=r.return_lse,
-    )  # fmt: skip
-    return out, None, lse
-
-
-def _flex_avoid(r: AttentionRequest) -> str | None:
-    return flex.auto_avoid(r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset)
-
-
-register_backend(
-    Backend(
-        "flex",
-        _run_flex,
-        lambda r: flex.flex_supports(
-            r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse
-        ),
-        "torch's FlexAttention with a cached block mask (compiled; auto: only once compiled)",
-        avoid=_flex_avoid,
-    ),
-    auto_rank=1,  # after SDPA, before tiled; its `avoid` keeps auto from paying a compile
-)
+    chosen, refused = _choose(request)
+    why = "; ".join(f"not {name}: {reason}" for name, reason in refused) or "the first choice"
+    notes = []
+    for name in [*(name for name, _ in refused), chosen.name]:
+        backend = _BACKENDS[name]
+        if backend.note is not None and backend.supports(request) is None:
+            note = backend.note(request)  # only where it could serve: its verdict is auto's
+            notes += [] if note is None else [note]
+    text = f"{chosen.name} ({why}): {chosen.doc}"
+    return text + (f". Depends on this process: {'; '.join(notes)}." if notes else "")

@@ -74,7 +74,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
 
 
 def check_scale(scale: float | None, D: int) -> float:
-    """Default 1/√D (the seed's √d_k); otherwise a positive finite number."""
+    """Default 1/√D (the 1/√d_k of Vaswani et al. 2017, eq. 1); else a positive finite number."""
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -132,7 +132,9 @@ def check_dropout(dropout: float) -> float:
     return float(dropout)
 
 
-def dense_mask(mask: Mask | None, shape: AttentionShape, q_offset: int, device: torch.device):
+def dense_mask(
+    mask: Mask | None, shape: AttentionShape, q_offset: int, device: torch.device
+) -> Tensor | None:
     """The mask as a bool tensor broadcastable to (B, H, T, S), or None."""
     if mask is None:
         return None

@@ -3,18 +3,26 @@
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T``/``S`` query/key length,
 ``D``/``Dv`` head dims.
 
-A dikkat mask becomes flex's ``mask_mod`` by one shift: flex numbers the queries 0 … T − 1 while
-dikkat's predicates take absolute positions, so ``mask_mod(b, h, i, j) = predicate(b, h,
-i + q_offset, j)``. From it ``create_block_mask`` finds the 128 × 128 blocks with no allowed pair
-(skipped) and those with every pair allowed (run unmasked). That costs a pass over the T × S grid,
-so block masks are cached (:data:`block_masks`). A bias becomes a ``score_mod`` adding its entry.
+A dikkat mask becomes flex's ``mask_mod`` and a cached block mask (:mod:`dikkat.core.flex_masks`);
+a bias becomes a ``score_mod`` adding its entry.
 
 Compiling: flex is fast only compiled, and a compile costs seconds to a minute per signature
 (shapes, dtype, mask structure). An explicit ``backend="flex"`` compiles (that is the caller's
-choice) except for calls of at most :data:`EAGER_MAX_CELLS` score cells, which run flex eagerly
-(it then materialises the scores, harmless at that size). ``auto`` never compiles silently: it
-takes flex only for a signature already compiled here, or on CUDA for a call so long that the
-compile pays for itself (:func:`auto_avoid`).
+choice) except for short calls (``flex_eager_max_cells`` in :mod:`dikkat.core.tuning`), which run
+flex eagerly (it then materialises the scores, harmless at that size). ``auto`` never compiles
+silently: it takes flex only for a signature this process has compiled (:data:`compiled`), or
+where the device's tuning says a compile pays for itself (:func:`auto_verdict`). So auto's
+choice depends on what has been compiled already, and ``dikkat.explain`` says so.
+
+State: the block masks (:data:`block_masks`) and the record of compiled signatures
+(:data:`compiled`) are objects of this module that ``dikkat.core.clear_caches()`` empties. The
+compiled graphs themselves live in torch's dynamo cache, which belongs to the whole process:
+dikkat never resets it (``torch._dynamo.reset()`` would drop every compiled graph the user has).
+Dynamo has been seen to fail with a ``TypeError`` inside torch (torch 2.13,
+``recompilation_reason_for_no_tensor_aliasing_guard``) while explaining a recompile, when one
+tensor came as both q and k after graphs for other signatures: flex passes such a tensor as
+distinct views, which avoids it. Should dynamo fail so on a call anyway, that call runs on the
+tiled backend instead — the same attention, exact up to rounding — with a ``RuntimeWarning``.
 
 What differs from the reference: no weights, no dropout. Rows with every key masked give 0 (and
 lse −inf). On CPU torch (2.13) gives flex neither a backward nor, compiled, a log-sum-exp: there
@@ -27,60 +35,39 @@ backend's: zeros, and lse −inf.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dikkat.core.masks import Mask, is_builtin
-from dikkat.core.masks import describe as _describe
-from dikkat.core.masks import tensor_identity as _contents
+from dikkat.core import tuning
+from dikkat.core.flex_masks import BlockMaskCache, block_masks, flex_module
+from dikkat.core.mask_keys import describe, is_builtin
+from dikkat.core.masks import Mask
 from dikkat.core.tiled import tiled_attention
 
-try:  # torch ≥ 2.5
-    from torch.nn.attention import flex_attention as _flex
-except ImportError:  # pragma: no cover — older torch: the backend says so in ``supports``
-    _flex = None
-
 __all__ = [
-    "AUTO_COMPILE_MIN_CELLS",
-    "EAGER_MAX_CELLS",
     "BlockMaskCache",
+    "CompiledFlex",
+    "auto_verdict",
     "block_masks",
+    "compiled",
     "flex_attention",
     "flex_supports",
     "is_warm",
 ]
 
-# Calls with at most this many score cells (B·H·T·S) run flex eagerly, never compiled: a compile
-# (tens of seconds on CPU) would cost more than any such call, and eager scores take ≤ 4 MiB.
-EAGER_MAX_CELLS = 1 << 20
-# On CUDA, auto may compile flex for a call with at least this many score cells per batch and
-# head (T·S): a few seconds of compiling against a call that masks most of a 4096² grid.
-AUTO_COMPILE_MIN_CELLS = 1 << 24
 # Dynamo stops compiling a function after this many signatures (its default is 8, too few for a
 # benchmark sweeping n, dtypes and masks) and would then run flex eagerly, without warning.
 MAX_COMPILED_SIGNATURES = 64
 _DEVICES = ("cuda", "cpu", "xpu", "hpu", "mps")
 
 
-# --- the mask as flex sees it -------------------------------------------------------------------
-
-
 def _layout(t: Tensor) -> tuple:
     # What a compiled kernel is specialised on: dynamo guards on a captured tensor's layout, not
     # on its values (new document ids of the same shape reuse the kernel).
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def _mask_mod(mask: Mask, q_offset: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return mask.predicate(b, h, q_idx + q_offset, kv_idx)
-
-    return mask_mod
 
 
 def _score_mod(bias: Tensor) -> Callable[..., Tensor]:
@@ -96,64 +83,39 @@ def _score_mod(bias: Tensor) -> Callable[..., Tensor]:
     return score_mod
 
 
-class BlockMaskCache:
-    """Least-recently-used flex ``BlockMask``s, keyed on the mask (built-in masks by their
-    parameters and tensors, others by identity), the grid (B, H, T, S), ``q_offset`` and device.
-
-    A cached block mask is reused only for a mask that allows exactly the same pairs: equal
-    parameters, the very same tensors, unchanged since (their in-place version is in the key).
-    """
-
-    def __init__(self, maxsize: int = 16) -> None:
-        self.maxsize = maxsize
-        self.builds = 0  # block masks built (cache misses)
-        self.hits = 0
-        self._entries: OrderedDict[tuple, tuple[Mask, object]] = OrderedDict()
-
-    def get(self, mask: Mask, B: int, H: int, T: int, S: int, q_offset: int, device) -> object:
-        key = (_describe(mask, _contents), B, H, T, S, q_offset, torch.device(device))
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return self._entries[key][1]
-        try:
-            # Grid dimensions the predicate does not index stay 1 in the block mask (flex
-            # broadcasts them).
-            probe = mask.evaluate(
-                torch.arange(B, device=device),
-                torch.arange(H, device=device),
-                torch.arange(q_offset, q_offset + 1, device=device),
-                torch.arange(1, device=device),
-            )
-            Bm, Hm = (None if n == 1 else n for n in probe.shape[:2])
-            block_mask = _flex.create_block_mask(_mask_mod(mask, q_offset), Bm, Hm, T, S, device)
-        except Exception as e:  # a predicate of the caller's own that torch.vmap cannot run
-            raise ValueError(
-                f"flex cannot build a block mask from {type(mask).__name__}: its predicate must "
-                f"run under torch.vmap on 0-d index tensors ({type(e).__name__}: {e})"
-            ) from e
-        self.builds += 1
-        self._entries[key] = (mask, block_mask)  # the mask is held: see ``_contents``
-        if len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
-        return block_mask
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.builds = self.hits = 0
-
-
-block_masks = BlockMaskCache()
-
-
 # --- compiled and eager kernels -----------------------------------------------------------------
 
-_warm: set[tuple] = set()  # signatures this process has compiled flex for
+
+class CompiledFlex:
+    """``flex_attention`` under ``torch.compile`` (wrapped on first use), and the signatures this
+    process has run it for: what ``auto`` reads to take flex only where no compile is due."""
+
+    def __init__(self) -> None:
+        self._fn: Callable | None = None
+        self._signatures: set[tuple] = set()
+
+    def __call__(self, signature: tuple, *args: object, **kwargs: object) -> object:
+        if self._fn is None:
+            self._fn = torch.compile(flex_module().flex_attention, dynamic=False)  # type: ignore[union-attr]
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SIGNATURES):
+            result = self._fn(*args, **kwargs)
+        self._signatures.add(signature)
+        return result
+
+    def __contains__(self, signature: tuple) -> bool:
+        return signature in self._signatures
+
+    def __len__(self) -> int:
+        return len(self._signatures)
+
+    def clear(self) -> None:
+        """Forget the compiled signatures (auto then passes flex by until a call with
+        ``backend="flex"`` runs each again). The graphs stay in torch's dynamo cache, which is
+        the process's: clearing never resets it."""
+        self._signatures.clear()
 
 
-@functools.cache
-def _compiled() -> Callable:
-    return torch.compile(_flex.flex_attention, dynamic=False)
+compiled = CompiledFlex()
 
 
 def _signature(
@@ -163,8 +125,8 @@ def _signature(
     """What a compiled flex kernel is specialised on (a superset of dynamo's guards)."""
     return (
         *(_layout(t) for t in (q, k, v)),
-        _describe(mask, _layout),
-        _describe(bias, _layout),
+        describe(mask, _layout),
+        describe(bias, _layout),
         scale,
         q_offset,
         grad,
@@ -177,29 +139,21 @@ def _cells(q: Tensor, k: Tensor) -> int:
 
 def is_warm(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None = None, *, scale: float,
             bias: Tensor | None = None, q_offset: int = 0) -> bool:  # fmt: skip
-    """Whether flex has already been compiled here for a call like this one."""
+    """Whether flex has already been compiled in this process for a call like this one."""
     if mask is not None and not is_builtin(mask):
         return False  # a mask of the caller's own type: dynamo's guards on it are unknown here
     grad = _needs_grad(q, k, v) and q.device.type != "cpu"
-    return _signature(q, k, v, mask, bias, scale, q_offset, grad) in _warm
+    return _signature(q, k, v, mask, bias, scale, q_offset, grad) in compiled
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _retrying(fn: Callable, *args: object, **kwargs: object) -> object:
-    """``fn(*args, **kwargs)``, once more after resetting dynamo if dynamo itself fails while
-    explaining a recompile (a TypeError inside torch seen after many mask signatures in one
-    process); the reset drops every compiled kernel, so none counts as warm any more."""
-    try:
-        return fn(*args, **kwargs)
-    except TypeError as e:
-        if "NoneType" not in str(e):
-            raise
-        torch._dynamo.reset()
-        _warm.clear()
-        return fn(*args, **kwargs)
+def _dynamo_failed(error: TypeError) -> bool:
+    """Whether a TypeError is dynamo's own failure (an operation on None inside torch), not the
+    caller's: their inputs are checked before flex runs."""
+    return "NoneType" in str(error)
 
 
 def _call(
@@ -208,6 +162,11 @@ def _call(
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     B, H, T, _ = q.shape
     S = k.shape[2]
+    # dynamo guards that the tensors it was compiled for are distinct objects: one tensor passed
+    # as q and k fails that guard, and explaining that recompile can crash inside torch (the
+    # TypeError below). Distinct views of it (no copy) pass the guard.
+    k = k.view_as(k) if k is q else k
+    v = v.view_as(v) if v is q or v is k else v
     block_mask = None if mask is None else block_masks.get(mask, B, H, T, S, q_offset, q.device)
     kwargs: dict = {
         "score_mod": None if bias is None else _score_mod(bias),
@@ -215,20 +174,32 @@ def _call(
         "scale": scale,
         "enable_gqa": k.shape[1] != H,
     }
+    api = flex_module()
     if return_lse:
-        if hasattr(_flex, "AuxRequest"):  # torch ≥ 2.9; return_lse is deprecated there
-            kwargs["return_aux"] = _flex.AuxRequest(lse=True)
+        if hasattr(api, "AuxRequest"):  # torch ≥ 2.9; return_lse is deprecated there
+            kwargs["return_aux"] = api.AuxRequest(lse=True)  # type: ignore[union-attr]
         else:  # pragma: no cover
             kwargs["return_lse"] = True
-    if _cells(q, k) <= EAGER_MAX_CELLS:
-        with warnings.catch_warnings():  # flex warns that eager is slow: here it is deliberate
-            warnings.simplefilter("ignore", UserWarning)
-            result = _retrying(_flex.flex_attention, q, k, v, **kwargs)
-    else:
-        signature = _signature(q, k, v, mask, bias, scale, q_offset, _needs_grad(q, k, v))
-        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SIGNATURES):
-            result = _retrying(_compiled(), q, k, v, **kwargs)
-        _warm.add(signature)
+    try:
+        if _cells(q, k) <= tuning.for_device(q.device).flex_eager_max_cells:
+            with warnings.catch_warnings():  # flex warns that eager is slow: here it is meant
+                warnings.simplefilter("ignore", UserWarning)
+                result = api.flex_attention(q, k, v, **kwargs)  # type: ignore[union-attr]
+        else:
+            signature = _signature(q, k, v, mask, bias, scale, q_offset, _needs_grad(q, k, v))
+            result = compiled(signature, q, k, v, **kwargs)
+    except TypeError as e:
+        if not _dynamo_failed(e):
+            raise
+        warnings.warn(
+            f"flex: torch's dynamo failed ({type(e).__name__}: {e}); this call ran on the tiled "
+            "backend instead (the same attention). dikkat does not reset dynamo, which would "
+            "drop every compiled graph in the process.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        out, lse = tiled_attention(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset)
+        return out, (lse.to(torch.promote_types(q.dtype, torch.float32)) if return_lse else None)
     if not return_lse:
         return result, None
     out, aux = result
@@ -241,7 +212,10 @@ class _FlexTiledBackward(torch.autograd.Function):
     that needs a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, mask, scale, q_offset, return_lse):
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Mask | None,
+        scale: float, q_offset: int, return_lse: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         ctx.save_for_backward(q, k, v, bias)
         ctx.args = (mask, scale, q_offset)
         # flex refuses CPU inputs that require grad, even with grad mode off
@@ -254,7 +228,7 @@ class _FlexTiledBackward(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse=None):
+    def backward(ctx, dout: Tensor, _dlse: Tensor | None = None) -> tuple[Tensor | None, ...]:
         q, k, v, bias = ctx.saved_tensors
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         if bias is not None and ctx.needs_input_grad[3]:
@@ -313,7 +287,7 @@ def flex_supports(
     return_lse: bool = False,
 ) -> str | None:
     """None when flex can serve a call like this, else the reason it cannot."""
-    if _flex is None:
+    if flex_module() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs ≥ 2.5)"
     if return_weights:
         return "it never holds the full weights (use return_lse and dikkat.attention_weights)"
@@ -326,19 +300,25 @@ def flex_supports(
     return None
 
 
-def auto_avoid(
+def auto_verdict(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float, bias: Tensor | None,
     q_offset: int,
-) -> str | None:  # fmt: skip
-    """Why ``auto`` passes flex by for a call it could serve (None: auto takes it)."""
+) -> tuple[str | None, str | None]:  # fmt: skip
+    """``auto``'s verdict on flex for a call it could serve: (why auto passes flex by, or None
+    when it takes it; a note for ``explain`` when that verdict depends on what this process has
+    compiled, else None)."""
     if mask is None or mask.is_causal:
-        return "SDPA's fused kernels serve no mask and causal"
-    if _cells(q, k) <= EAGER_MAX_CELLS:
-        return "the call is too short for flex to pay (it would run eagerly)"
+        return "SDPA's fused kernels serve no mask and causal", None
+    tune = tuning.for_device(q.device)
+    if _cells(q, k) <= tune.flex_eager_max_cells:
+        return "the call is too short for flex to pay (it would run eagerly)", None
     if bias is not None:
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    long = tune.flex_auto_compile_min_cells
+    if long is not None and q.shape[2] * k.shape[2] >= long:
+        return None, None  # long enough that a compile pays for itself (dikkat.core.tuning)
     if is_warm(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset):
-        return None
-    if q.device.type == "cuda" and q.shape[2] * k.shape[2] >= AUTO_COMPILE_MIN_CELLS:
-        return None  # long enough on a GPU that a compile of a few seconds pays for itself
-    return "flex is not yet compiled for this signature (backend='flex' compiles it)"
+        note = "flex is taken because this process has compiled it for this signature"
+        return None, note + " (before that compile, auto passed it by)"
+    note = "auto takes flex once a call with backend='flex' has compiled it for this signature"
+    return "flex is not yet compiled for this signature (backend='flex' compiles it)", note

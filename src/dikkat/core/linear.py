@@ -1,4 +1,7 @@
-"""Linear attention: a kernel feature map instead of the softmax, O(n) time and memory (S18).
+"""Linear attention: a kernel feature map instead of the softmax, O(n) time and memory.
+
+The model of Katharopoulos et al. 2020, "Transformers are RNNs" (arXiv:2006.16236), with their
+feature map φ(x) = elu(x) + 1.
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T``/``S`` query/key length,
 ``D``/``Dv`` head dims, ``C`` chunk length.
@@ -29,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CHUNK = 64  # causal: keys of a chunk are summed among themselves, C × C
-SEGMENT = 4096  # causal: rows per pass, small enough to stay in cache
+from dikkat.core import tuning
 
 
 def feature_map(x: Tensor) -> Tensor:
@@ -64,11 +66,24 @@ def linear_attention_quadratic(q: Tensor, k: Tensor, v: Tensor, *, causal: bool)
 
 
 def linear_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, chunk: int = CHUNK, segment: int = SEGMENT
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    chunk: int | None = None,
+    segment: int | None = None,
 ) -> Tensor:
-    """Linear attention, (B, H, T, Dv). Causal needs the queries to be the last T of the S keys."""
+    """Linear attention, (B, H, T, Dv). Causal needs the queries to be the last T of the S keys.
+
+    ``chunk`` (C: keys of a chunk summed among themselves, C × C) and ``segment`` (rows per
+    pass) shape only the causal computation, not its result; None: the device's values in
+    :mod:`dikkat.core.tuning`."""
     B, H, T, _ = q.shape
     S = k.shape[2]
+    tune = tuning.for_device(q.device)
+    chunk = tune.linear_chunk if chunk is None else chunk
+    segment = tune.linear_segment if segment is None else segment
     if chunk <= 0 or segment <= 0:
         raise ValueError(f"chunk and segment must be positive, got {chunk} and {segment}")
     if not causal:
@@ -85,7 +100,7 @@ def linear_attention(
     norm = k_first.sum(-2)  # (B, G, 1, D)
     if T == 0:  # no queries: an empty output that still reaches k and v through the graph
         return (qg @ state).reshape(B, H, T, v.shape[-1])
-    # segments of SEGMENT rows keep the working set in cache (the feature map included, and
+    # segments of ``segment`` rows keep the working set small (the feature map included, and
     # each segment's output written in place), so the cost per token stays flat
     out = torch.empty(*qg.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     for s0 in range(0, T, segment):
@@ -141,7 +156,14 @@ class LinearState:
 
     @classmethod
     def empty(
-        cls, B: int, G: int, D: int, Dv: int, *, dtype=torch.float32, device=None
+        cls,
+        B: int,
+        G: int,
+        D: int,
+        Dv: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> LinearState:
         return cls(
             torch.zeros(B, G, 1, D, Dv, dtype=dtype, device=device),

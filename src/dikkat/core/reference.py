@@ -1,4 +1,5 @@
-"""The seed's formula written out: ``softmax(Q Kᵀ / √d_k) V``. This is the oracle.
+"""Scaled dot-product attention written out: ``softmax(Q Kᵀ / √d_k) V`` (Vaswani et al. 2017,
+"Attention Is All You Need", arXiv:1706.03762, eq. 1). This is the oracle.
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query length, ``S`` key
 length, ``D`` head dim, ``Dv`` value head dim.
@@ -43,7 +44,7 @@ def reference_attention(
     Args:
         q: (B, H, T, D); k: (B, G, S, D); v: (B, G, S, Dv), G dividing H.
         mask: True = may attend; masked scores become −inf, so exp(−inf) = 0.
-        scale: multiplies the scores (1/√D in the seed).
+        scale: multiplies the scores (1/√D in eq. 1 of the paper).
         bias: additive scores, broadcastable to (B, H, T, S); the scores are cast to its dtype
             before it is added (so an fp32 bias with bf16 q is added, and softmaxed, in fp32).
         q_offset: absolute position of the first query (for masks, when decoding with a cache).

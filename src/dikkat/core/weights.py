@@ -17,7 +17,9 @@ from dikkat.core.checks import check_bias, check_mask, check_qkv, check_scale
 from dikkat.core.masks import Mask
 
 
-def _indices(name: str, value: Sequence[int] | Tensor | None, n: int, device) -> Tensor:
+def _indices(
+    name: str, value: Sequence[int] | Tensor | None, n: int, device: torch.device
+) -> Tensor:
     if value is None:
         return torch.arange(n, device=device)
     idx = torch.as_tensor(value, device=device).long().flatten()

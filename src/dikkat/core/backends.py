@@ -1,0 +1,235 @@
+"""What a backend is, and dikkat's own: reference, sdpa, tiled, flex and linear.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (G divides H), ``T`` query
+length, ``S`` key length, ``D`` head dim, ``Dv`` value head dim.
+
+A backend is a function ``run(request) -> (out, weights | None, lse | None)`` with a
+``supports(request)`` that returns None when it can serve the request and otherwise the reason it
+cannot, and optionally an ``avoid(request)``: the reason ``auto`` passes it by although it could
+serve. The registry, ``auto`` and the NaN rule around every backend are in
+:mod:`dikkat.core.attention`; the numbers ``auto``'s reasons rest on in :mod:`dikkat.core.tuning`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dikkat.core import flex, tuning
+from dikkat.core.checks import AttentionShape
+from dikkat.core.linear import linear_attention
+from dikkat.core.masks import Mask
+from dikkat.core.reference import reference_attention
+from dikkat.core.sdpa import sdpa_attention
+from dikkat.core.tiled import BLOCK, tiled_attention
+
+__all__ = ["BUILTIN", "AttentionRequest", "Backend", "visible_fraction"]
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """One validated attention call, as every backend receives it."""
+
+    q: Tensor  # (B, H, T, D)
+    k: Tensor  # (B, G, S, D)
+    v: Tensor  # (B, G, S, Dv)
+    mask: Mask | None  # True = may attend; None = every key
+    bias: Tensor | None  # additive, broadcastable to (B, H, T, S)
+    scale: float
+    q_offset: int  # absolute position of query 0 (decoding with a cache)
+    dropout: float
+    return_weights: bool
+    shape: AttentionShape
+    return_lse: bool = False  # also the log-sum-exp of each row's scores (B, H, T), fp32
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named attention implementation."""
+
+    name: str
+    run: Callable[[AttentionRequest], tuple[Tensor, Tensor | None, Tensor | None]]
+    supports: Callable[[AttentionRequest], str | None]
+    doc: str
+    # auto passes this backend by (though it could serve) when this returns a reason
+    avoid: Callable[[AttentionRequest], str | None] | None = None
+    exact: bool = True  # computes softmax attention (checked against the reference)
+    # for explain: a sentence when auto's verdict on this backend depends on the state of the
+    # process (what it has compiled), else None
+    note: Callable[[AttentionRequest], str | None] | None = None
+
+
+# --- reference -----------------------------------------------------------------------------------
+
+
+def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor, Tensor | None]:
+    result = reference_attention(
+        r.q,
+        r.k,
+        r.v,
+        r.mask,
+        scale=r.scale,
+        bias=r.bias,
+        q_offset=r.q_offset,
+        dropout=r.dropout,
+        return_lse=r.return_lse,
+    )
+    return (*result, None) if len(result) == 2 else result  # type: ignore[return-value]
+
+
+REFERENCE = Backend(
+    "reference",
+    _run_reference,
+    lambda r: None,
+    "the formula of Vaswani et al. 2017, full (B, H, T, S) score matrix, returns weights",
+)
+
+
+# --- sdpa ----------------------------------------------------------------------------------------
+
+
+def _run_sdpa(r: AttentionRequest) -> tuple[Tensor, None, None]:
+    out = sdpa_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset, dropout=r.dropout
+    )
+    return out, None, None
+
+
+def _sdpa_supports(r: AttentionRequest) -> str | None:
+    if r.return_weights:
+        return "it cannot return the weights"
+    if r.return_lse:
+        return "it cannot return the log-sum-exp"
+    return None
+
+
+def visible_fraction(mask: Mask, T: int, S: int, q_offset: int = 0, block: int = BLOCK) -> float:
+    """The fraction of the T × S score cells inside the key ranges the mask reports per block of
+    queries (an upper bound on what it lets through)."""
+    seen = 0
+    for q0 in range(0, T, block):
+        q1 = min(q0 + block, T)
+        lo, hi = mask.kv_range(q0 + q_offset, q1 + q_offset, S)
+        seen += (q1 - q0) * max(0, hi - lo)
+    return seen / (T * S)
+
+
+def _sdpa_avoid(r: AttentionRequest) -> str | None:
+    """With a mask that hides most score cells, SDPA computes them all (through a dense mask)
+    while the tiled backend never visits them: on large calls auto prefers the tiled one (where
+    the line lies is the device's: :mod:`dikkat.core.tuning`)."""
+    tune = tuning.for_device(r.q.device)
+    cells = r.shape.T * r.shape.S
+    if r.mask is None or r.mask.is_causal or cells < tune.sdpa_avoid_min_cells:
+        return None
+    if _tiled_supports(r) is not None:
+        return None
+    fraction = visible_fraction(r.mask, r.shape.T, r.shape.S, r.q_offset)
+    if fraction > tune.sdpa_avoid_max_visible:
+        return None
+    return f"the mask leaves at most {fraction:.0%} of the score cells, which tiled alone skips"
+
+
+SDPA = Backend(
+    "sdpa",
+    _run_sdpa,
+    _sdpa_supports,
+    "torch.nn.functional.scaled_dot_product_attention (fused kernels; masks made dense)",
+    avoid=_sdpa_avoid,
+)
+
+
+# --- tiled ---------------------------------------------------------------------------------------
+
+
+def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
+    out, lse = tiled_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
+    )
+    return out, None, lse
+
+
+def _tiled_supports(r: AttentionRequest) -> str | None:
+    if r.return_weights:
+        return "it never holds the full weights (use return_lse)"
+    if r.dropout > 0:
+        return "it has no dropout"
+    return None
+
+
+TILED = Backend(
+    "tiled",
+    _run_tiled,
+    _tiled_supports,
+    "exact attention over tiles with the online softmax: O(n) memory, masked tiles skipped",
+)
+
+
+# --- flex ----------------------------------------------------------------------------------------
+
+
+def _run_flex(r: AttentionRequest) -> tuple[Tensor, None, Tensor | None]:
+    out, lse = flex.flex_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset,
+        return_lse=r.return_lse,
+    )  # fmt: skip
+    return out, None, lse
+
+
+def _flex_supports(r: AttentionRequest) -> str | None:
+    return flex.flex_supports(
+        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse
+    )
+
+
+def _flex_verdict(r: AttentionRequest) -> tuple[str | None, str | None]:
+    return flex.auto_verdict(r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset)
+
+
+FLEX = Backend(
+    "flex",
+    _run_flex,
+    _flex_supports,
+    "torch's FlexAttention with a cached block mask (compiled; auto: only once compiled)",
+    avoid=lambda r: _flex_verdict(r)[0],
+    note=lambda r: _flex_verdict(r)[1],
+)
+
+
+# --- linear --------------------------------------------------------------------------------------
+
+
+def _run_linear(r: AttentionRequest) -> tuple[Tensor, None, None]:
+    return linear_attention(r.q, r.k, r.v, causal=r.mask is not None), None, None
+
+
+def _linear_supports(r: AttentionRequest) -> str | None:
+    if r.mask is not None and not r.mask.is_causal:
+        return "linear attention takes no mask or causal() (other masks do not factorise)"
+    if r.mask is not None and r.q_offset + r.shape.T != r.shape.S:
+        return (
+            f"causal linear attention needs the queries to be the last keys: q_offset + T = "
+            f"{r.q_offset + r.shape.T}, S = {r.shape.S}"
+        )
+    for flag, what in (
+        (r.bias is not None, "bias"),
+        (r.dropout > 0, "dropout"),
+        (r.return_weights, "weights"),
+        (r.return_lse, "log-sum-exp"),
+    ):
+        if flag:
+            return f"linear attention has no {what}"
+    return None
+
+
+LINEAR = Backend(
+    "linear",
+    _run_linear,
+    _linear_supports,
+    "linear attention, φ(x) = elu(x) + 1: another model, O(n); never chosen by auto",
+    exact=False,
+)
+
+BUILTIN: tuple[Backend, ...] = (REFERENCE, SDPA, TILED, FLEX, LINEAR)

@@ -1,0 +1,192 @@
+"""Exact attention over tiles with the online softmax: the T×S score matrix never exists.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (``g = H / G`` query heads per
+key/value head), ``T``/``S`` query/key length, ``D``/``Dv`` head dims, ``W`` window width.
+
+The queries are cut into blocks, and the mask's ``kv_range`` bounds the keys each block can
+see. A *plan* (:mod:`~dikkat.core.tiled.plan`) groups the work into tiles of at most ``cells``
+score cells, either runs of query rows in key tiles of at most ``key_tile`` keys — the online
+softmax (Milakov & Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022,
+arXiv:2205.14135) carries each row's maximum and sum across them, a key tile the mask hides is
+skipped and one it shows entirely runs unmasked — or, when the key ranges slide (a sliding
+window, packed documents), one key window per block, the windows of many blocks in one kernel
+call (:mod:`~dikkat.core.tiled.gather`), so a band of width w costs O(T·w).
+
+The mask is evaluated once per tile into an additive 0/−inf tensor and kept
+(:mod:`~dikkat.core.tiled.tile_masks`); a plan cache keyed on the mask's parameters (built-in
+masks only; :mod:`~dikkat.core.tiled.cache`) keeps the plan and its tile masks across calls, as
+flex keeps its block masks. Each tile (:mod:`~dikkat.core.tiled.kernel`) runs on CPU in
+PyTorch's fused flash kernel, elsewhere in plain tensor ops; the backward pass
+(:mod:`~dikkat.core.tiled.autograd`) recomputes each tile from the saved log-sum-exp.
+
+Extra memory is O((T + S)·D + cells), never O(T·S), plus the kept tile masks (at most
+``PlanCache.kept_mask_bytes`` per plan, for the few plans the cache holds); training memory is
+O(n) too.
+
+What differs from the reference: the sum runs in a different order (so results differ by
+rounding), matmuls run in the input dtype but the softmax statistics and accumulators in fp32
+(fp64 for fp64 inputs), and there is no dropout. Rows with every key masked give output 0 and
+``lse = −inf``; a call with no score cells (B, T or S = 0) gives zeros. A bias is added in fp32
+(fp64 for fp64 inputs), and it is differentiable: a tile whose bias needs a gradient runs the
+plain-ops backward, which also gives the scores' gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dikkat.core.masks import Mask
+from dikkat.core.tiled.autograd import TiledAttention
+from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
+from dikkat.core.tiled.kernel import fused_unavailable
+from dikkat.core.tiled.plan import BLOCK, CELLS, KEY_TILE, Windows, windows_cells
+
+__all__ = [
+    "BLOCK",
+    "CELLS",
+    "KEPT_MASK_BYTES",
+    "KEY_TILE",
+    "PlanCache",
+    "PlanSummary",
+    "plan_summary",
+    "plans",
+    "tiled_attention",
+]
+
+
+def _prepared(
+    q: Tensor, k: Tensor, mask: Mask | None, bias: Tensor | None, q_offset: int,
+    block: int | None, key_tile: int, cells: int, windows: bool | None, cache: PlanCache | None,
+) -> Prepared:  # fmt: skip
+    for name, value in (("block", block), ("key_tile", key_tile), ("cells", cells)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    B, H, T, _ = q.shape
+    G, S = k.shape[1], k.shape[2]
+    windows = False if bias is not None else windows  # gathered windows carry no bias
+    cache = plans if cache is None else cache
+    return prepare(mask, (B, H, G, T, S), q_offset, block, cells, key_tile, windows, q.dtype,
+                   q.device, cache)  # fmt: skip
+
+
+def _fused(q: Tensor, v: Tensor, fused: bool | None) -> bool:
+    reason = fused_unavailable(q, v)
+    if fused and reason is not None:
+        raise ValueError(f"fused=True, but the fused kernel cannot run this call: {reason}")
+    return reason is None if fused is None else fused
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | None = None,
+    *,
+    scale: float,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+    block: int | None = None,
+    key_tile: int = KEY_TILE,
+    cells: int = CELLS,
+    windows: bool | None = None,
+    fused: bool | None = None,
+    plans: PlanCache | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact attention in tiles: ``(out (B, H, T, Dv), lse (B, H, T))``, lse in fp32 (fp64 for
+    fp64 inputs). Differentiable in q, k, v and the bias.
+
+    Args:
+        q, k, v, mask, scale, bias, q_offset: as in :func:`dikkat.attention` (``mask`` a
+            :class:`~dikkat.core.masks.Mask` or None, ``bias`` broadcastable to (B, H, T, S)).
+        block: query rows per block; None: :data:`BLOCK`, or for windows the size the plan
+            finds fastest on this device (:func:`~dikkat.core.tiled.plan.choose_block`).
+        key_tile: keys per tile in a run of rows; cells: score cells per tile, over batch and
+            heads.
+        windows: force (True) or forbid (False) gathered key windows, which need a mask and no
+            bias (with a bias the plan is of rows); None: the mask's key ranges decide.
+        fused: run each tile in PyTorch's fused CPU flash kernel (True: fail if this call cannot,
+            e.g. off the CPU or with Dv ≠ D), in plain tensor ops (False), or None: the kernel
+            wherever it can run.
+        plans: the plan cache to use; None: the shared :data:`plans`.
+    """
+    prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
+    use_fused = _fused(q, v, fused)
+    if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
+        bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    if q.shape[0] > 1 and any(isinstance(item, Windows) for item in prepared.plan):
+        # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
+        # those two dims are laid out contiguously (one copy of k and v here, not one per tile)
+        k, v = k.contiguous(), v.contiguous()
+    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused)
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What a tiled call computes: its plan in numbers (:func:`plan_summary`)."""
+
+    kind: str  # "rows", "windows", or "empty" (no score cells)
+    block: int  # query rows per block
+    tiles: int  # kernel calls of the forward pass (key tiles the mask hides not counted)
+    skipped_tiles: int  # key tiles of rows the mask hides entirely: never computed
+    windows: int  # query blocks given a key window of their own (0 for a plan of rows)
+    computed_cells: int  # score cells the forward pass computes, over batch and heads
+    total_cells: int  # B·H·T·S, what the reference or SDPA computes
+    kept_mask_bytes: int  # tile masks the plan keeps, shared by forward and backward
+
+    @property
+    def computed_fraction(self) -> float:
+        """The share of the score matrix computed (0 for a call with no score cells)."""
+        return self.computed_cells / self.total_cells if self.total_cells else 0.0
+
+
+def plan_summary(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask | None = None,
+    *,
+    bias: Tensor | None = None,
+    q_offset: int = 0,
+    block: int | None = None,
+    key_tile: int = KEY_TILE,
+    cells: int = CELLS,
+    windows: bool | None = None,
+    plans: PlanCache | None = None,
+) -> PlanSummary:
+    """The plan :func:`tiled_attention` runs for these arguments, in numbers: its shape, block
+    size, tiles, the cells it computes and the tile masks it keeps. Only the shapes, dtype and
+    device of q and k matter. It prepares the plan exactly as the call does — through the same
+    plan cache, building every tile mask — so a call after it reuses the work."""
+    prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
+    B, H, _, T, S = prepared.masks.shape
+    block_ = prepared.block
+    tiles = skipped = computed = n_windows = 0
+    for i, item in enumerate(prepared.plan):
+        if isinstance(item, Windows):
+            prepared.masks.windows(i, item, q.device)
+            tiles += 1
+            n_windows += item.starts.numel()
+            computed += windows_cells([item], block_)
+            continue
+        for k0 in range(item.k0, item.k1, key_tile):
+            k1 = min(k0 + key_tile, item.k1)
+            if prepared.masks.rows(i, item, k0, k1, q.device) is False:
+                skipped += 1
+            else:
+                tiles += 1
+                computed += (item.r1 - item.r0) * (k1 - k0)
+    if not prepared.plan:  # no score cells
+        kind = "empty"
+    else:
+        kind = "windows" if isinstance(prepared.plan[0], Windows) else "rows"
+    return PlanSummary(
+        kind=kind,
+        block=block_,
+        tiles=tiles,
+        skipped_tiles=skipped,
+        windows=n_windows,
+        computed_cells=computed * B * H,
+        total_cells=B * H * T * S,
+        kept_mask_bytes=prepared.masks.nbytes,
+    )

@@ -1,0 +1,133 @@
+"""One tile: softmax(q kᵀ·scale + additive) v with its log-sum-exp, and its gradients.
+
+Notation: ``B`` batch, ``X`` heads (or query blocks) of the call, ``R`` query rows and ``K`` keys
+of a tile, ``D``/``Dv`` head dims; ``G`` key/value heads and ``g`` query heads per key/value head
+(``H = G·g``) where a tile's rows stack the query heads of a key/value head.
+
+A tile is q (B, X, R, D), k (B, X, K, D), v (B, X, K, Dv) and an additive mask (B|1, X|1, R, K)
+or None. When the call allows it (``fused``) the tile runs in PyTorch's fused CPU flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``, which takes an additive mask and returns the
+log-sum-exp) and its backward; otherwise in plain tensor ops, written out here.
+
+The plain backward recomputes the tile's weights from the whole attention's log-sum-exp,
+P = exp(s − lse), and with dP = dO Vᵀ the gradient of the scores is dS = P ∘ (dP − rowsum(dO ∘ O))
+(FlashAttention-2, Dao 2023, arXiv:2307.08691, Algorithm 2). The bias enters the scores
+additively, so dS is its gradient too, summed over the dimensions the bias broadcasts along
+(:func:`add_bias_grad`). The fused backward returns dq, dk and dv but not dS: a tile whose bias
+needs a gradient runs the plain backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# PyTorch's fused CPU flash kernel (absent from some builds: then every tile runs plain ops)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and accumulators: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fused_unavailable(q: Tensor, v: Tensor) -> str | None:
+    """None when the fused CPU kernel can run this call's tiles, else the reason it cannot."""
+    if q.device.type != "cpu":
+        return f"q is on {q.device.type}, and the fused kernel is PyTorch's CPU one"
+    if v.shape[-1] != q.shape[-1]:
+        return (
+            f"v has head dim Dv = {v.shape[-1]} and q D = {q.shape[-1]}: the fused kernel "
+            "takes one head dim for queries, keys and values"
+        )
+    if _FLASH_CPU is None:
+        return f"torch {torch.__version__} has no _scaled_dot_product_flash_attention_for_cpu"
+    return None
+
+
+def tile_forward(
+    q: Tensor, k: Tensor, v: Tensor, additive: Tensor | None, scale: float, fused: bool
+) -> tuple[Tensor, Tensor]:
+    """(out (B, X, R, Dv) in the accumulator dtype, lse (B, X, R)); rows whose every key is
+    masked get out 0 and an arbitrary lse (the caller sets −inf there)."""
+    acc = acc_dtype(q.dtype)
+    if fused:
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=additive, scale=scale)
+        return out.to(acc), lse.to(acc)
+    s = (q @ k.transpose(-2, -1)).to(acc).mul_(scale)
+    if additive is not None:
+        s = s.add_(additive.to(acc))
+    m = s.amax(-1)
+    m = m.masked_fill(torch.isneginf(m), 0.0)
+    p = s.sub_(m.unsqueeze(-1)).exp_()
+    l = p.sum(-1)  # noqa: E741 — the softmax denominator, as in the papers
+    out = (p.to(v.dtype) @ v).to(acc) / l.clamp(min=torch.finfo(acc).tiny).unsqueeze(-1)
+    return out, m + torch.log(l)
+
+
+def tile_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    additive: Tensor | None,
+    scale: float,
+    fused: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The tile's share of (dq, dk, dv) given the *whole* attention's out and lse (rows with no
+    visible key must carry a finite lse; their weights are 0 through the mask)."""
+    if fused:
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.to(acc_dtype(q.dtype)),
+            0.0,
+            False,
+            attn_mask=additive,
+            scale=scale,
+        )
+    return plain_tile_backward(dout, q, k, v, out, lse, additive, scale)[:3]
+
+
+def plain_tile_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    additive: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dS) of one tile: q (B, X, R, D), k (B, X, K, D), v (B, X, K, Dv), additive
+    (B|1, X|1, R, K) or None; dS (B, X, R, K) in the accumulator dtype. ``out`` and ``lse`` are
+    the whole attention's (a row with no visible key must carry a finite lse: its weights are 0
+    through the mask)."""
+    acc = acc_dtype(q.dtype)
+    s = (q @ k.transpose(-2, -1)).to(acc).mul_(scale)
+    if additive is not None:
+        s = s.add_(additive.to(acc))
+    p = s.sub_(lse.to(acc).unsqueeze(-1)).exp_()  # the weights, recomputed from the lse
+    delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    dv = p.to(dout.dtype).transpose(-2, -1) @ dout
+    ds = p.mul_((dout @ v.transpose(-2, -1)).to(acc).sub_(delta))  # dS = P ∘ (dP − delta)
+    dsq = (ds * scale).to(q.dtype)  # the scores are q kᵀ · scale
+    return dsq @ k, dsq.transpose(-2, -1) @ q, dv, ds
+
+
+def add_bias_grad(dbias: Tensor, ds: Tensor, g: int, r0: int, r1: int, k0: int, k1: int) -> None:
+    """Add the dS (B, G, g·R, K) of query rows r0:r1 against keys k0:k1 into ``dbias`` (B|1, H|1,
+    T|1, S|1), summed over the dimensions where the bias has size 1."""
+    B, G = ds.shape[:2]
+    R, K = r1 - r0, k1 - k0
+    ds = ds.reshape(B, G * g, R, K)  # (B, G, g·R, K) → (B, H, R, K): head h = G-group · g + i
+    Bb, Hb, Tb, Sb = dbias.shape
+    rows = slice(r0, r1) if Tb > 1 else slice(None)
+    cols = slice(k0, k1) if Sb > 1 else slice(None)
+    dbias[:, :, rows, cols] += ds.sum_to_size(Bb, Hb, R if Tb > 1 else 1, K if Sb > 1 else 1)
