@@ -1,4 +1,5 @@
-"""BERT.from_hf: Hugging Face BERT weights give HF's hidden states and MLM logits (S11).
+"""bert_from_hf: Hugging Face BERT weights give HF's hidden states and MLM logits (docs/contract.md
+§11).
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dikkat.models import BERT, BERTConfig
+from dikkat.interop import bert_from_hf
+from dikkat.models import BERTConfig
 from helpers import scramble
 
 transformers = pytest.importorskip("transformers")
@@ -58,7 +60,7 @@ def batch(size: tuple, seed: int) -> tuple[Tensor, Tensor, Tensor]:
 def test_hidden_states_equal_bert_model(size):
     torch.manual_seed(0)
     hf = scramble(transformers.BertModel(hf_config(size)), seed=1)
-    ours = BERT.from_hf(hf).eval()
+    ours = bert_from_hf(hf).eval()
     assert ours.mlm is None
     ids, mask, types = batch(size, seed=2)
     with torch.no_grad():
@@ -73,7 +75,7 @@ def test_hidden_states_equal_bert_model(size):
 def test_mlm_logits_equal_bert_for_masked_lm(size):
     torch.manual_seed(0)
     hf = scramble(transformers.BertForMaskedLM(hf_config(size)), seed=3)
-    ours = BERT.from_hf(hf).eval()
+    ours = bert_from_hf(hf).eval()
     assert ours.mlm is not None
     ids, mask, types = batch(size, seed=4)
     with torch.no_grad():
@@ -94,7 +96,7 @@ def test_from_a_state_dict_and_config():
     ids, mask, types = batch(size, seed=6)
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-        a = BERT.from_hf(hf.state_dict(), hf.config).eval()(ids, mask.bool(), types)
+        a = bert_from_hf(hf.state_dict(), hf.config).eval()(ids, mask.bool(), types)
         V, C, L, H, F, P, n_types, _ = size
         cfg = BERTConfig(
             vocab_size=V,
@@ -105,7 +107,7 @@ def test_from_a_state_dict_and_config():
             d_ff=F,
             type_vocab_size=n_types,
         )
-        b = BERT.from_hf(hf.state_dict(), cfg).eval()(ids, mask.bool(), types)
+        b = bert_from_hf(hf.state_dict(), cfg).eval()(ids, mask.bool(), types)
     real = mask.bool()
     torch.testing.assert_close(a[real], expected[real], rtol=0, atol=1e-5)
     torch.testing.assert_close(b[real], expected[real], rtol=0, atol=1e-5)
@@ -115,7 +117,7 @@ def test_without_token_types_equals_hf_defaults():
     size = SIZES[0]
     torch.manual_seed(0)
     hf = scramble(transformers.BertModel(hf_config(size)), seed=7)
-    ours = BERT.from_hf(hf).eval()
+    ours = bert_from_hf(hf).eval()
     ids, _, _ = batch(size, seed=8)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -127,7 +129,7 @@ def test_bad_inputs_are_rejected():
     torch.manual_seed(0)
     hf = transformers.BertModel(hf_config(SIZES[0]))
     with pytest.raises(ValueError, match="config"):
-        BERT.from_hf(hf.state_dict())
+        bert_from_hf(hf.state_dict())
     gpt2 = transformers.GPT2Model(
         transformers.GPT2Config(
             vocab_size=30,
@@ -140,12 +142,12 @@ def test_bad_inputs_are_rejected():
         )
     )
     with pytest.raises(ValueError, match="BERT"):
-        BERT.from_hf(gpt2.state_dict(), hf.config)
+        bert_from_hf(gpt2.state_dict(), hf.config)
     relative = hf_config(SIZES[0])
     relative.position_embedding_type = "relative_key"
     with pytest.raises(ValueError, match="absolute"):
-        BERT.from_hf(hf.state_dict(), relative)
+        bert_from_hf(hf.state_dict(), relative)
     wider = hf_config(SIZES[0])
     wider.hidden_size = 64  # same layers, other width
     with pytest.raises(ValueError, match="does not fit the model's config"):
-        BERT.from_hf(hf.state_dict(), wider)
+        bert_from_hf(hf.state_dict(), wider)

@@ -1,4 +1,5 @@
-"""GPT.from_hf: Hugging Face GPT-2 weights give HF's logits and HF's greedy tokens (S11).
+"""gpt_from_hf: Hugging Face GPT-2 weights give HF's logits and HF's greedy tokens (docs/contract.md
+§11).
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary.
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dikkat.models import GPT, GPTConfig
+from dikkat.interop import gpt_from_hf
+from dikkat.models import GPTConfig
 from helpers import scramble as scramble_weights
 
 transformers = pytest.importorskip("transformers")
@@ -62,7 +64,7 @@ def random_ids(V: int, B: int, T: int, seed: int) -> Tensor:
 @pytest.mark.parametrize("size", SIZES, ids=[f"C{s[1]}-L{s[2]}-H{s[3]}" for s in SIZES])
 def test_logits_equal_hugging_face(size):
     hf = hf_gpt2(size, seed=1)
-    ours = GPT.from_hf(hf).eval()
+    ours = gpt_from_hf(hf).eval()
     V, C, L, H, P = size[:5]
     assert (ours.config.vocab_size, ours.config.d_model, ours.config.n_layers) == (V, C, L)
     assert (ours.config.n_heads, ours.config.max_len) == (H, P)
@@ -82,7 +84,7 @@ def test_from_a_state_dict_and_config(size):
     with torch.no_grad():
         expected = hf(ids).logits
         # with the HF config, and with a hand-made GPTConfig
-        a = GPT.from_hf(hf.state_dict(), hf.config).eval()(ids)
+        a = gpt_from_hf(hf.state_dict(), hf.config).eval()(ids)
         cfg = GPTConfig(
             vocab_size=size[0],
             max_len=size[4],
@@ -91,7 +93,7 @@ def test_from_a_state_dict_and_config(size):
             n_heads=size[3],
             d_ff=size[5],
         )
-        b = GPT.from_hf(hf.state_dict(), cfg).eval()(ids)
+        b = gpt_from_hf(hf.state_dict(), cfg).eval()(ids)
     torch.testing.assert_close(a, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(b, expected, rtol=0, atol=1e-5)
 
@@ -99,7 +101,7 @@ def test_from_a_state_dict_and_config(size):
 def test_from_a_gpt2_model_without_head():
     hf_lm = hf_gpt2(SIZES[0], seed=5)
     hf = hf_lm.transformer  # GPT2Model: keys without the "transformer." prefix
-    ours = GPT.from_hf(hf).eval()
+    ours = gpt_from_hf(hf).eval()
     ids = random_ids(SIZES[0][0], 2, 12, seed=6)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -111,7 +113,7 @@ def test_from_a_gpt2_model_without_head():
 def test_an_untied_lm_head_loads_untied():
     hf = hf_gpt2(SIZES[0], seed=7, tie_word_embeddings=False)
     assert hf.lm_head.weight is not hf.transformer.wte.weight
-    ours = GPT.from_hf(hf).eval()
+    ours = gpt_from_hf(hf).eval()
     assert not ours.config.tie_embeddings
     assert ours.lm_head.weight is not ours.tok_emb.weight
     torch.testing.assert_close(ours.lm_head.weight, hf.lm_head.weight, rtol=0, atol=0)
@@ -122,7 +124,7 @@ def test_an_untied_lm_head_loads_untied():
 
 def test_loaded_weights_are_copies():
     hf = hf_gpt2(SIZES[0], seed=9)
-    ours = GPT.from_hf(hf)
+    ours = gpt_from_hf(hf)
     with torch.no_grad():
         hf.transformer.wte.weight.zero_()
     assert ours.tok_emb.weight.abs().amax() > 0
@@ -146,7 +148,7 @@ def hf_greedy(hf, ids: Tensor, steps: int, attention_mask: Tensor | None = None)
 @pytest.mark.parametrize("size", SIZES[:3], ids=["C32", "C48", "C64"])
 def test_greedy_generate_returns_hugging_faces_tokens(size):
     hf = hf_gpt2(size, seed=10)
-    ours = GPT.from_hf(hf)
+    ours = gpt_from_hf(hf)
     ids = random_ids(size[0], 2, 6, seed=11)
     steps = 20
     expected = hf_greedy(hf, ids, steps)
@@ -160,7 +162,7 @@ def test_greedy_generate_until_eos_matches_hugging_face():
     """A model whose greedy path meets eos: both stop there."""
     size = SIZES[0]
     hf = hf_gpt2(size, seed=12)
-    ours = GPT.from_hf(hf)
+    ours = gpt_from_hf(hf)
     ids = random_ids(size[0], 1, 4, seed=13)
     free = ours.generate(ids, 30)[0, 4:].tolist()
     eos = free[5]  # make a token it produces the eos
@@ -175,7 +177,7 @@ def test_greedy_generate_until_eos_matches_hugging_face():
 def test_left_padded_batch_generates_hugging_faces_tokens():
     size = SIZES[1]
     hf = hf_gpt2(size, seed=14)
-    ours = GPT.from_hf(hf)
+    ours = gpt_from_hf(hf)
     V = size[0]
     prompts = [random_ids(V, 1, n, seed=15 + n)[0].tolist() for n in (6, 2, 4)]
     steps = 12
@@ -224,15 +226,15 @@ def test_a_bert_state_dict_is_rejected():
     )
     gpt_config = tiny_gpt2_config()
     with pytest.raises(ValueError, match="GPT-2"):
-        GPT.from_hf(bert.state_dict(), gpt_config)
+        gpt_from_hf(bert.state_dict(), gpt_config)
     with pytest.raises(ValueError):
-        GPT.from_hf(bert.state_dict())
+        gpt_from_hf(bert.state_dict())
 
 
 def test_a_state_dict_without_config_is_rejected():
     hf = hf_gpt2(SIZES[0], seed=16)
     with pytest.raises(ValueError, match="config"):
-        GPT.from_hf(hf.state_dict())
+        gpt_from_hf(hf.state_dict())
 
 
 def test_a_config_that_does_not_fit_the_weights_is_rejected():
@@ -240,7 +242,7 @@ def test_a_config_that_does_not_fit_the_weights_is_rejected():
     V, C, L, H, P = SIZES[0][:5]
     wrong = GPTConfig(vocab_size=V, max_len=P, d_model=C, n_layers=L, n_heads=H, d_ff=3 * C)
     with pytest.raises(ValueError, match="does not fit the model's config"):
-        GPT.from_hf(hf.state_dict(), wrong)
+        gpt_from_hf(hf.state_dict(), wrong)
 
 
 @pytest.mark.parametrize(
@@ -256,4 +258,4 @@ def test_configs_without_an_equivalent_are_rejected(flag):
     config = tiny_gpt2_config(**flag)
     hf = transformers.GPT2LMHeadModel(config)
     with pytest.raises(ValueError):
-        GPT.from_hf(hf)
+        gpt_from_hf(hf)

@@ -8,6 +8,6 @@ from dikkat.generation.generate import (
     prefill,
     sample,
 )
-from dikkat.generation.kv_cache import KVCache
+from dikkat.layers.kv_cache import KVCache
 
 __all__ = ["KVCache", "decode_step", "generate", "iter_generate", "left_pad", "prefill", "sample"]

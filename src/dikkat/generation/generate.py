@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from dikkat.core.masks import Mask, causal, padding
-from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.inputs import check_token_id, check_token_ids
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import packed_for_inference
 from dikkat.validate import check_float, check_int, is_int
 

@@ -2,6 +2,7 @@
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear, packed_for_inference, release_packed
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP
@@ -21,6 +22,7 @@ __all__ = [
     "Block",
     "BlockConfig",
     "BlockWeights",
+    "KVCache",
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "Linear",

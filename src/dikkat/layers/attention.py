@@ -10,8 +10,6 @@ head (grouped-query attention, S17), which shrinks the keys and values to cache 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -19,12 +17,10 @@ from torch import Tensor, nn
 from dikkat.core.attention import attention, check_backend_name
 from dikkat.core.masks import Mask
 from dikkat.layers.inputs import check_meets
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
 from dikkat.validate import check_bool, check_int, check_probability
-
-if TYPE_CHECKING:  # layers only call the cache; generation owns it
-    from dikkat.generation.kv_cache import KVCache
 
 
 class MultiHeadAttention(nn.Module):

@@ -22,13 +22,14 @@ only through a product of layer Jacobians.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from torch import Tensor, nn
 
 from dikkat.core.masks import Mask
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.inputs import check_meets
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.mlp import ACTIVATIONS, MLP, Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import ALiBi, RotaryEmbedding
@@ -41,9 +42,6 @@ from dikkat.validate import (
     check_probability,
     check_sizes,
 )
-
-if TYPE_CHECKING:
-    from dikkat.generation.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

@@ -178,10 +178,3 @@ class BERT(SaveLoad, nn.Module):
         if self.mlm is None:
             raise ValueError("this BERT has no MLM head (mlm_head=False); use encode()")
         return self.mlm(self.encode(ids, valid, token_type_ids))
-
-    @classmethod
-    def from_hf(cls, model_or_state_dict: object, config: object = None) -> BERT:
-        """Build from a Hugging Face ``BertModel``/``BertForMaskedLM`` or its state dict."""
-        from dikkat.interop.hf_bert import bert_from_hf
-
-        return bert_from_hf(model_or_state_dict, config)

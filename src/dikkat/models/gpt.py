@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, causal
 from dikkat.generation.generate import generate
-from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_ids
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import Activation
@@ -220,13 +220,6 @@ class GPT(SaveLoad, nn.Module):
         return linear_cross_entropy(
             hidden, self.lm_head.weight, targets, scratch=self._loss_scratch
         )
-
-    @classmethod
-    def from_hf(cls, model_or_state_dict: object, config: object = None) -> GPT:
-        """Build from a Hugging Face ``GPT2LMHeadModel``/``GPT2Model`` or its state dict."""
-        from dikkat.interop.hf_gpt2 import gpt_from_hf
-
-        return gpt_from_hf(model_or_state_dict, config)
 
     @torch.no_grad()
     def generate(

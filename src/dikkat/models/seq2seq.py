@@ -27,9 +27,9 @@ from dikkat.generation.generate import (
     left_pad,
     sample,
 )
-from dikkat.generation.kv_cache import KVCache
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_id, check_token_ids
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear, packed_for_inference
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
