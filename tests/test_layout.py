@@ -33,13 +33,19 @@ def _exists(module: str) -> bool:
 
 
 def import_graph() -> dict[str, dict[str, list[str]]]:
-    """unit → {imported unit: ["file:line", …]}, for every import of one dikkat unit by another."""
+    """unit → {imported unit: ["file:line", …]}, for every import of one dikkat unit by another
+    (the package itself, ``dikkat``, is a unit too: its ``__init__`` imports every part, so a
+    part that imports a name from it closes a circle)."""
     graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for path in sorted(SRC.rglob("*.py")):
         here = _unit(_module_of(path))
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                # `from a import b`: module a.b if there is one, else a name defined in a
+                names = [
+                    f"{node.module}.{a.name}" if _exists(f"{node.module}.{a.name}") else node.module
+                    for a in node.names
+                ]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
@@ -50,7 +56,7 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
                 while name and not _exists(name):
                     name = name.rpartition(".")[0]
                 there = _unit(name) if name else None
-                if there and there not in (here, "dikkat") and here != "dikkat":
+                if there and there != here:
                     graph[here][there].append(f"{path.relative_to(SRC)}:{node.lineno}")
     return graph
 

@@ -5,8 +5,6 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-__version__ = "0.1.0"
-
 from dikkat import masks
 from dikkat.core import (
     attention,
@@ -33,6 +31,7 @@ from dikkat.layers import (
 from dikkat.models import BERT, GPT, BERTConfig, GPTConfig, Seq2Seq, Seq2SeqConfig
 from dikkat.tasks import TaskSpec
 from dikkat.training.trainer import TrainConfig, Trainer, train
+from dikkat.version import __version__
 
 __all__ = [
     "BERT",

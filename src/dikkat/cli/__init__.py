@@ -11,10 +11,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dikkat import __version__
 from dikkat.cli import bench, generate, seeds, train, vision
 from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
 from dikkat.training.trainer import DivergedError, TrainingInterrupted
+from dikkat.version import __version__
 
 # the families of commands, in the order `dikkat --help` lists them
 COMMANDS = (train, generate, vision, bench, seeds)

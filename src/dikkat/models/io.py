@@ -25,6 +25,7 @@ from torch import nn
 
 from dikkat import runs
 from dikkat.files import atomic_write_all, record, verify
+from dikkat.version import __version__
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -140,8 +141,6 @@ class SaveLoad:
 
 def write_model(model: SaveLoad, folder: Path) -> None:
     """Write ``model``'s two files into ``folder`` (no checks of what is there: see ``save``)."""
-    from dikkat import __version__
-
     tensors = _state_for_saving(model)  # type: ignore[arg-type]
     written: dict[str, Any] = {}
 
