@@ -1,4 +1,4 @@
-"""The CPU fast path for weights: oneDNN-packed inference."""
+"""The CPU fast path for weights: oneDNN-packed inference; row blocks of a Linear (LinearRows)."""
 
 import pytest
 import torch
@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from dikkat.layers.linear import (
     Linear,
+    LinearRows,
     _onednn_linear_available,
     packed_for_inference,
     release_packed,
@@ -56,3 +57,52 @@ def test_packed_path_is_off_while_autograd_records():
         y = m(x)  # grad enabled: the plain, differentiable path
     y.sum().backward()
     assert x.grad is not None and m._packed is None
+
+
+@needs_onednn
+@pytest.mark.parametrize(("start", "stop"), [(0, 16), (16, 24), (24, 40), (0, 40)])
+def test_packed_rows_equal_the_plain_rows(start, stop):
+    torch.manual_seed(1)
+    m = Linear(24, 40)
+    rows = LinearRows(m, start, stop)
+    x = torch.randn(3, 24)
+    expected = F.linear(x.double(), m.weight[start:stop].double(), m.bias[start:stop].double())
+    with torch.no_grad():
+        plain = rows(x)
+        with packed_for_inference(m):
+            packed = rows(x)
+            assert set(m._packed_rows) == {(start, stop)}
+    torch.testing.assert_close(plain.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_packed_rows_follow_weight_updates_and_are_released():
+    torch.manual_seed(2)
+    m = Linear(16, 12, bias=False)
+    k = LinearRows(m, 4, 8)
+    x = torch.randn(1, 16)
+    with torch.no_grad(), packed_for_inference(m):
+        first = k(x)
+        kept = m.packed_rows(4, 8)
+        assert m.packed_rows(4, 8) is kept
+        m.weight[4:8].mul_(3.0)  # an in-place update of those rows
+        second = k(x)
+    torch.testing.assert_close(second, 3 * first, atol=1e-5, rtol=1e-5)
+    release_packed(m)
+    assert m._packed_rows is None
+
+
+def test_linear_rows_own_nothing_and_track_their_source():
+    m = Linear(6, 9)
+    rows = LinearRows(m, 3, 6)
+    assert list(rows.parameters()) == [] and rows.state_dict() == {}
+    assert (rows.in_features, rows.out_features) == (6, 3)
+    assert rows.weight.data_ptr() == m.weight[3:].data_ptr()
+    assert torch.equal(rows.bias, m.bias[3:6])
+    m.double()  # a conversion replaces the source's tensors; the rows read them afresh
+    assert rows.weight.dtype == torch.float64
+    x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    rows(x).sum().backward()
+    assert m.weight.grad[:3].eq(0).all() and m.weight.grad[3:6].ne(0).any()
+    assert "rows 3:6 of Linear(6, 9)" in repr(rows)

@@ -284,14 +284,19 @@ def test_block_gradients_reach_every_parameter():
     out = block(x, masks.causal(), context=ctx)
     out.square().mean().backward()
     params = dict(block.named_parameters())
-    assert len(params) == 4 * 2 * 2 + 3 * 2 + 2 * 2  # 2 attentions × 4 linears, 3 norms, MLP
+    # 2 attentions × 2 linears (fused q/k/v, output), 3 norms, MLP; the state dict names 4 linears
+    assert len(params) == 2 * 2 * 2 + 3 * 2 + 2 * 2
+    assert len(block.state_dict()) == 4 * 2 * 2 + 3 * 2 + 2 * 2
     for name, p in params.items():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
     for t in (x, ctx):
         assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
-    # the bulk of every weight matrix gets signal (key biases alone may be ~0: softmax is
-    # invariant to adding the same score to a whole row)
+    # the bulk of every weight matrix gets signal, each of q, k and v on its own (key biases
+    # alone may be ~0: softmax is invariant to adding the same score to a whole row)
+    for attn in (block.attn, block.cross_attn):
+        for block_grad in attn.qkv_proj.weight.grad.split(attn.qkv_sizes):
+            assert block_grad.abs().sum() > 0
     for name, p in params.items():
         if name.endswith("weight"):
             assert p.grad.abs().sum() > 0, name

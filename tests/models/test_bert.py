@@ -37,7 +37,7 @@ def test_shapes_of_hidden_states_logits_and_weights():
     assert hidden.shape == (2, 9, C)
     assert logits.shape == (2, 9, V)
     assert len(weights) == 2 and all(w.shape == (2, H, 9, 9) for w in weights)
-    torch.testing.assert_close(hidden_w, hidden, rtol=0, atol=1e-6)
+    torch.testing.assert_close(hidden_w, hidden, rtol=0, atol=2e-6)  # another backend
     for w in weights:
         torch.testing.assert_close(w.sum(-1), torch.ones(2, H, 9), rtol=0, atol=1e-5)
 

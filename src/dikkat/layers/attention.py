@@ -6,19 +6,30 @@ length, ``D`` head dim, ``C`` model width (``d_model``), ``Cc`` context width (c
 h heads each see d_k = C/h features of their own projections; their outputs are concatenated and
 mapped back to C by W_O (S9). With ``n_kv_heads = G < H`` several query heads share one key/value
 head (grouped-query attention, S17), which shrinks the keys and values to cache by H/G.
+
+The q/k/v projection is one matrix, rows [q | k | v] of shape ((H + 2G)·D, C), as gpt-fast's
+``wqkv`` (pytorch-labs/gpt-fast, ``model.py``), HF GPT-2's ``c_attn`` and torch's
+``MultiheadAttention.in_proj_weight``: self-attention runs one product, in training and
+inference alike (and one packed product in generation). State dicts keep the three names
+``q_proj``/``k_proj``/``v_proj`` (state-dict hooks split and fuse them, as gpt-fast fuses ``wqkv``
+at load), so checkpoints and ported weights load unchanged. With a context of another width
+(``context_dim != d_model``) the layer is cross-attention only and the three stay separate, as in
+torch's ``MultiheadAttention`` with ``kdim != embed_dim``.
 """
 
 from __future__ import annotations
 
+from itertools import pairwise
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dikkat.core.attention import attention, check_backend_name
 from dikkat.core.masks import Mask
 from dikkat.layers.inputs import check_meets
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import Linear
+from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
 from dikkat.validate import check_bool, check_int, check_probability
 
@@ -31,11 +42,18 @@ class MultiHeadAttention(nn.Module):
         n_heads: query heads H.
         n_kv_heads: key/value heads G (divides H); None → H (plain multi-head attention).
         head_dim: D; None → C / H.
-        context_dim: width of the cross-attention context; None → C.
+        context_dim: width of the cross-attention context; None → C. Another width makes the
+            layer cross-attention only, with three separate projections.
         bias: biases in the four projections.
         dropout: dropout on the attention weights during training.
         rope, alibi: position information acting inside attention (self-attention only).
         backend: the :func:`dikkat.attention` backend.
+
+    Parameters (``context_dim == d_model``): ``qkv_proj`` ((H + 2G)·D, C), rows [q | k | v],
+    and ``out_proj``; ``q_proj``, ``k_proj`` and ``v_proj`` are
+    :class:`~dikkat.layers.linear.LinearRows` views of its blocks (the names the state dict
+    uses). Self-attention multiplies by ``qkv_proj`` once; cross-attention by ``q_proj`` on x
+    and by ``k_proj`` and ``v_proj`` on the context.
 
     >>> mha = MultiHeadAttention(16, 2)
     >>> y, w = mha(torch.randn(1, 5, 16), return_weights=True)
@@ -82,10 +100,26 @@ class MultiHeadAttention(nn.Module):
         self.head_dim, self.context_dim = head_dim, context_dim
         self.dropout, self.backend = dropout, backend
         self.rope, self.alibi = rope, alibi
-        self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = Linear(context_dim, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = Linear(context_dim, n_kv_heads * head_dim, bias=bias)
-        self.out_proj = Linear(n_heads * head_dim, d_model, bias=bias)
+        q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+        self.qkv_sizes: tuple[int, int, int] = (q_size, kv_size, kv_size)  # rows of q, k, v
+        # Fused: q/k/v_proj are views of qkv_proj's row blocks. Separate: three Linears.
+        self.qkv_proj: Linear | None = None
+        self.q_proj: Linear | LinearRows
+        self.k_proj: Linear | LinearRows
+        self.v_proj: Linear | LinearRows
+        if context_dim == d_model:
+            self.qkv_proj = _fused_linear(d_model, self.qkv_sizes, bias)
+            starts = (0, q_size, q_size + kv_size, q_size + 2 * kv_size)
+            self.q_proj, self.k_proj, self.v_proj = (
+                LinearRows(self.qkv_proj, a, b) for a, b in pairwise(starts)
+            )
+            self.register_state_dict_post_hook(_split_qkv_state)
+            self.register_load_state_dict_pre_hook(_fuse_qkv_state)
+        else:
+            self.q_proj = Linear(d_model, q_size, bias=bias)
+            self.k_proj = Linear(context_dim, kv_size, bias=bias)
+            self.v_proj = Linear(context_dim, kv_size, bias=bias)
+        self.out_proj = Linear(q_size, d_model, bias=bias)
 
     @property
     def backend(self) -> str:
@@ -160,17 +194,14 @@ class MultiHeadAttention(nn.Module):
         return (y, weights) if return_weights else y
 
     def _project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values of x. While training, one product with the three weights
-        stacked: one wide matrix product instead of three narrow ones, and under autocast one
-        weight cast instead of three (the weights stay three parameters, as in the state dict).
-        Without autograd each projection runs alone, so that generation's packed weights apply."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if torch.is_grad_enabled():
-            weight = torch.cat([p.weight for p in projections])
-            bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projections])
-            q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projections], -1)
-        else:
-            q, k, v = (p(x) for p in projections)
+        """Queries, keys and values of x: one product with the fused weight, then a split."""
+        if self.qkv_proj is None:
+            raise ValueError(
+                f"this layer projects keys and values from a context of width "
+                f"{self.context_dim} (context_dim), not from x of width {self.d_model}: "
+                "pass a context (it is cross-attention only)"
+            )
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # (B, T, H·D), (B, T, G·D) × 2
         return (
             self._heads(q, self.n_heads),
             self._heads(k, self.n_kv_heads),
@@ -198,7 +229,10 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must have shape (B, L, {width}), got {tuple(t.shape)}")
-        weight = self.q_proj.weight if name == "x" else self.k_proj.weight
+        if self.qkv_proj is not None:
+            weight = self.qkv_proj.weight
+        else:
+            weight = (self.q_proj if name == "x" else self.k_proj).weight
         check_meets(name, t, weight, "MultiHeadAttention")
 
     @classmethod
@@ -223,22 +257,116 @@ class MultiHeadAttention(nn.Module):
             context_dim=m.kdim,
             bias=has_bias,
             dropout=m.dropout,
-        )
+        ).to(device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
         E = m.embed_dim
-        with torch.no_grad():
-            if m._qkv_same_embed_dim:
-                wq, wk, wv = m.in_proj_weight.split(E, dim=0)
+        if m._qkv_same_embed_dim:
+            wq, wk, wv = m.in_proj_weight.split(E, dim=0)
+        else:
+            wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+        state = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv}
+        state["out_proj.weight"] = m.out_proj.weight
+        if has_bias:
+            bq, bk, bv = m.in_proj_bias.split(E)
+            state |= {"q_proj.bias": bq, "k_proj.bias": bk, "v_proj.bias": bv}
+            state["out_proj.bias"] = m.out_proj.bias
+        layer.load_state_dict(state)  # our state-dict names, fused on load where fused
+        return layer
+
+
+def _fused_linear(in_features: int, sizes: tuple[int, ...], bias: bool) -> Linear:
+    """One Linear whose row blocks hold what ``nn.Linear(in_features, n)`` for each n of
+    ``sizes``, built in turn, would hold: the same random draws, so a seeded layer starts from
+    the same weights as with three separate projections."""
+    parts = [nn.Linear(in_features, n, bias=bias) for n in sizes]
+    fused = Linear(in_features, sum(sizes), bias=bias, device="meta", dtype=parts[0].weight.dtype)
+    fused = fused.to_empty(device=parts[0].weight.device)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _split_qkv_state(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict post-hook: ``qkv_proj.weight`` ((H + 2G)·D, C) → ``q_proj.weight`` (H·D, C),
+    ``k_proj.weight`` and ``v_proj.weight`` (G·D, C), biases alike, in the order that three
+    separate Linears would give them. Views of the fused tensors, as a state dict's entries are
+    of the parameters."""
+    fused = prefix + "qkv_proj."
+    if fused + "weight" not in state_dict:
+        return
+    keys = list(state_dict)
+    own = keys[keys.index(fused + "weight") :]  # this layer's entries from qkv_proj on
+    entries = {k: state_dict.pop(k) for k in own}
+    sizes = module.qkv_sizes
+    for key, value in entries.items():
+        if key == fused + "bias":
+            continue  # written together with the weight
+        if key != fused + "weight":
+            state_dict[key] = value
+            continue
+        bias = entries.get(fused + "bias")
+        biases = bias.split(sizes) if bias is not None else (None,) * len(sizes)
+        for name, w, b in zip(_QKV, value.split(sizes), biases, strict=True):
+            state_dict[f"{prefix}{name}.weight"] = w
+            if b is not None:
+                state_dict[f"{prefix}{name}.bias"] = b
+
+
+def _fuse_qkv_state(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load pre-hook: ``q_proj``/``k_proj``/``v_proj`` weights (and biases) → ``qkv_proj``.
+
+    A block that is absent keeps its current value and is reported missing (an error when
+    ``strict``), a block of the wrong shape is reported by its own name, as ``load_state_dict``
+    reports a separate Linear's. A state dict that already holds ``qkv_proj`` loads as it is.
+    """
+    qkv = module.qkv_proj
+    for kind in ("weight", "bias"):
+        names = [f"{prefix}{name}.{kind}" for name in _QKV]
+        current = getattr(qkv, kind)
+        given = {n: state_dict.pop(n) for n in names if n in state_dict}
+        if current is None or not given:
+            state_dict |= given  # no such parameter here: load_state_dict reports them unexpected
+            continue
+        blocks = current.detach().split(module.qkv_sizes)
+        for name, block in zip(names, blocks, strict=True):
+            t = given.get(name)
+            if t is None:
+                missing_keys.append(name)
+            elif not isinstance(t, Tensor) or t.shape != block.shape:
+                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                error_msgs.append(
+                    f"size mismatch for {name}: copying a param with shape {shape} from "
+                    f"checkpoint, the shape in current model is {tuple(block.shape)}."
+                )
+                del given[name]
+        if not given:
+            continue  # nothing loadable: the errors above say why
+        # in the given tensors' dtype and device (a model on "meta" may load with assign=True)
+        like = next(iter(given.values()))
+        parts = []
+        for name, block in zip(names, blocks, strict=True):
+            if name in given:
+                parts.append(given[name].to(like))
+            elif block.is_meta:
+                parts.append(torch.empty(block.shape, dtype=like.dtype, device=like.device))
             else:
-                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
-            for proj, w in ((layer.q_proj, wq), (layer.k_proj, wk), (layer.v_proj, wv)):
-                proj.weight.copy_(w)
-            layer.out_proj.weight.copy_(m.out_proj.weight)
-            if has_bias:
-                bq, bk, bv = m.in_proj_bias.split(E)
-                for proj, b in ((layer.q_proj, bq), (layer.k_proj, bk), (layer.v_proj, bv)):
-                    proj.bias.copy_(b)
-                layer.out_proj.bias.copy_(m.out_proj.bias)
-        return layer.to(m.out_proj.weight.dtype).to(m.out_proj.weight.device)
+                parts.append(block.to(like))
+        state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat(parts)
 
 
 def _check_position_modules(

@@ -6,6 +6,9 @@ row reads them at about 20 GB/s on this machine; the same product through oneDNN
 reordered into oneDNN's blocked layout reads them at about 32 GB/s (of ≈ 34 GB/s measured for a
 plain sum). :func:`packed_for_inference` switches that path on for a ``with`` block (generation
 uses it); the reordered copy is rebuilt whenever the weight changes, so it is never stale.
+
+:class:`LinearRows` is a block of a ``Linear``'s output features used on its own, e.g. the
+queries of a fused q/k/v projection applied to x alone (cross-attention); it owns no parameters.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Linear(nn.Linear):
     use_packed: bool = False
     _packed: Tensor | None = None
     _packed_key: tuple[int, int, torch.dtype] | None = None
+    # packed copies of row blocks (LinearRows), keyed by (start, stop)
+    _packed_rows: dict[tuple[int, int], tuple[tuple[int, int, torch.dtype], Tensor]] | None = None
 
     def __init__(
         self,
@@ -55,24 +60,108 @@ class Linear(nn.Linear):
         check_bool("bias", bias)
         super().__init__(in_features, out_features, bias, device, dtype)
 
-    def packed_weight(self) -> Tensor:
+    def _weight_key(self) -> tuple[int, int, torch.dtype]:
         w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype)  # any in-place update bumps _version
+        return (w._version, w.data_ptr(), w.dtype)  # any in-place update bumps _version
+
+    def packed_weight(self) -> Tensor:
+        key = self._weight_key()
         if self._packed is None or self._packed_key != key:
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             self._packed_key = key
         return self._packed
 
+    def packed_rows(self, start: int, stop: int) -> Tensor:
+        """The packed copy of rows [start, stop) of the weight (kept like :meth:`packed_weight`)."""
+        key = self._weight_key()
+        if self._packed_rows is None:
+            self._packed_rows = {}
+        kept = self._packed_rows.get((start, stop))
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                rows = self.weight.detach()[start:stop]
+                kept = (key, torch.ops.mkldnn._reorder_linear_weight(rows, 1))
+            self._packed_rows[(start, stop)] = kept
+        return kept[1]
+
     def release_packed(self) -> None:
-        self._packed, self._packed_key = None, None
+        self._packed, self._packed_key, self._packed_rows = None, None, None
+
+    def _runs_packed(self, x: Tensor) -> bool:
+        return self.use_packed and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.use_packed and not torch.is_grad_enabled() and x.dtype == self.weight.dtype:
+        if self._runs_packed(x):
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight(), self.bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Output features [start, stop) alone: ``x @ W[start:stop]ᵀ + b[start:stop]``, the same
+        numbers as those columns of ``forward(x)`` up to rounding (packed like ``forward``)."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        if self._runs_packed(x):
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_rows(start, stop), bias, "none", [], ""
+            )
+        return F.linear(x, self.weight[start:stop], bias)
+
+
+class LinearRows(nn.Module):
+    """Output features [start, stop) of a :class:`Linear` ``source``, used as a linear layer.
+
+    Owns no parameters: ``weight`` and ``bias`` are views of the source's rows, so the state
+    dict, the optimizer and the packed copies all stay the source's (and in-place writes to
+    ``weight`` under ``torch.no_grad()`` write the source). ``forward`` multiplies by those rows
+    only, packed inside :func:`packed_for_inference` like the source.
+
+    >>> qkv = Linear(8, 24)
+    >>> k = LinearRows(qkv, 8, 16)
+    >>> k.weight.shape, k(torch.randn(2, 8)).shape
+    (torch.Size([8, 8]), torch.Size([2, 8]))
+    """
+
+    source: Linear
+
+    def __init__(self, source: Linear, start: int, stop: int) -> None:
+        super().__init__()
+        if not isinstance(source, Linear):
+            raise TypeError(f"source must be a dikkat Linear, got {type(source).__name__}")
+        check_int("start", start, at_least=0)
+        check_int("stop", stop, at_least=start)
+        if stop > source.out_features:
+            raise ValueError(
+                f"rows [{start}, {stop}) do not fit the {source.out_features} output features"
+            )
+        # not a submodule: the source is registered once, where it is owned
+        object.__setattr__(self, "source", source)
+        self.start, self.stop = start, stop
+
+    @property
+    def in_features(self) -> int:
+        return self.source.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def weight(self) -> Tensor:
+        return self.source.weight[self.start : self.stop]  # (out_features, in_features)
+
+    @property
+    def bias(self) -> Tensor | None:
+        b = self.source.bias
+        return None if b is None else b[self.start : self.stop]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.source.forward_rows(x, self.start, self.stop)
+
+    def extra_repr(self) -> str:
+        s = self.source
+        return f"rows {self.start}:{self.stop} of Linear({s.in_features}, {s.out_features})"
 
 
 def _packable(m: nn.Module) -> bool:
