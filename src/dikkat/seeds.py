@@ -1,4 +1,4 @@
-"""The seed documents' examples, computed on real tensors (docs/contract.md §2, §3, §4, §13).
+"""The examples of docs/contract.md (§2, §3, §4, §13), computed on real tensors.
 
 Each function returns the numbers; ``dikkat seeds`` prints them beside what docs/contract.md states,
 and the tests assert them. Nothing here types a contract number in as a result: the stated values
@@ -17,24 +17,24 @@ from dikkat.core.attention import attention
 from dikkat.core.masks import causal, from_torch_mask
 from dikkat.layers.attention import MultiHeadAttention
 
-# What the seeds print, quoted so the demo can show it next to what we compute.
+# What docs/contract.md states, quoted so that `dikkat seeds` can show it next to what we compute.
 SEED_CLAIMS = {
-    "S2 A scores": "(0.707, 0)",
-    "S2 A weights": "(0.67, 0.33)",
-    "S2 o_A": "[0.67, 0.33]",
-    "S2 B scores": "(0.141, 0.707)",
-    "S2 B weights": "(0.36, 0.64)",
-    "S3": "without √d_k at d_k = 64 the softmax is nearly one-hot",
-    "S4": "3 tokens: the upper triangle is −∞",
-    "S13 shape": "(1, 5, 5)",
-    "S13 shuffle": "True",
-    "S13 causal": "lower-triangular; first row 1.00, second 0.31, 0.69; zeros above the diagonal",
+    "§2 A scores": "(0.707, 0)",
+    "§2 A weights": "(0.67, 0.33)",
+    "§2 o_A": "[0.67, 0.33]",
+    "§2 B scores": "(0.141, 0.707)",
+    "§2 B weights": "(0.36, 0.64)",
+    "§3": "without √d_k at d_k = 64 the softmax is nearly one-hot",
+    "§4": "3 tokens: the upper triangle is −∞",
+    "§13 shape": "(1, 5, 5)",
+    "§13 shuffle": "True",
+    "§13 causal": "lower-triangular; first row 1.00, second 0.31, 0.69; zeros above the diagonal",
 }
 
 
 @dataclass(frozen=True)
 class WorkedExample:
-    """S2: two tokens, d_k = 2. Rows are the queries A and B, columns the keys A and B."""
+    """§2: two tokens, d_k = 2. Rows are the queries A and B, columns the keys A and B."""
 
     scores: Tensor  # (2, 2) scaled scores q_i · k_j / √2
     weights: Tensor  # (2, 2) softmax rows
@@ -53,13 +53,13 @@ def worked_example() -> WorkedExample:
 
 
 def causal_exercise(n: int = 3) -> Tensor:
-    """S4: the (n, n) grid of score cells the causal mask sets to −∞ (True = −∞)."""
+    """§4: the (n, n) grid of score cells the causal mask sets to −∞ (True = −∞)."""
     return ~causal().materialize(1, 1, n, n)[0, 0]
 
 
 @dataclass(frozen=True)
 class ScalingStats:
-    """S3: softmax sharpness with and without the 1/√d_k scale."""
+    """§3: softmax sharpness with and without the 1/√d_k scale."""
 
     d_k: int
     max_weight_unscaled: float  # mean over rows of the largest weight
@@ -95,7 +95,7 @@ def scaling_experiment(
 
 @dataclass(frozen=True)
 class TorchMHAFacts:
-    """S13: the seed's ``nn.MultiheadAttention`` script, run on torch's layer and on ours."""
+    """§13: the ``nn.MultiheadAttention`` example, run on torch's layer and on ours."""
 
     weights_shape: tuple[int, ...]  # head-averaged weights of ours
     shuffle_equal: bool  # shuffled inputs give shuffled outputs (no positions)

@@ -1,4 +1,4 @@
-"""MultiHeadAttention: torch parity (S13), GQA (S17), cross-attention (S14), every backend.
+"""MultiHeadAttention: torch parity (§13), GQA (§17), cross-attention (§14), every backend.
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query length, ``S`` key
 length, ``D`` head dim, ``C`` model width, ``Cc`` context width.
@@ -187,7 +187,7 @@ def test_from_torch_rejects_other_modules():
         MultiHeadAttention.from_torch(nn.Linear(16, 16))
 
 
-# --- the seed's PyTorch example (S13), run against our layer -------------------------------------
+# --- the PyTorch example of docs/contract.md §13, run against our layer ---------------------------
 
 
 def test_seed_s13_script_against_ours():
@@ -226,7 +226,7 @@ def test_seed_s13_script_against_ours():
         assert [round(float(p), 2) for p in w[0, 1, :2]] == [0.31, 0.69]
 
 
-# --- grouped-query attention (S17) ----------------------------------------------------------------
+# --- grouped-query attention (§17) ----------------------------------------------------------------
 
 
 def _expanded_kv(gqa: MultiHeadAttention) -> MultiHeadAttention:
@@ -326,7 +326,7 @@ def test_dropout_is_off_in_eval():
         assert not torch.allclose(layer(x), out, atol=1e-3)
 
 
-# --- cross-attention (S14) ------------------------------------------------------------------------
+# --- cross-attention (§14) ------------------------------------------------------------------------
 
 
 def test_cross_attention_shapes_and_manual_fp64():

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dikkat import MultiHeadAttention, masks
 from dikkat.layers import Block, BlockConfig, packed_for_inference
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear, LinearRows, _onednn_linear_available
 
 NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -327,8 +328,6 @@ def test_a_copy_views_its_own_weights():
 
 def test_cross_attention_with_a_cache_projects_the_context_once():
     """k_proj is one object that the layer calls, so it can be observed (and patched)."""
-    from dikkat.generation.kv_cache import KVCache
-
     layer = layer_for("cross").eval()
     calls = []
     layer.k_proj.register_forward_hook(lambda m, args, out: calls.append(args[0].shape))

@@ -1,4 +1,4 @@
-"""LayerNorm, MLP and the Transformer block (S9, S10).
+"""LayerNorm, MLP and the Transformer block (§9, §10).
 
 Notation: ``B`` batch, ``H`` heads, ``T`` length, ``S`` context length, ``C`` model width.
 
@@ -204,7 +204,7 @@ def test_block_with_cross_attention_is_its_formula(norm):
         y = block(x, masks.causal(), context=ctx, context_mask=cmask)
         expected = by_hand(block, x, masks.causal(), ctx, cmask)
         torch.testing.assert_close(y, expected, atol=1e-12, rtol=0)
-        # the context's content matters; its order does not (keys and values are a set, S8)
+        # the context's content matters; its order does not (keys and values are a set, §8)
         y_full = block(x, context=ctx)
         assert not torch.allclose(block(x, context=randn(B, S, 16, seed=99)), y_full, atol=1e-3)
         torch.testing.assert_close(block(x, context=ctx.flip(1)), y_full, atol=1e-12, rtol=0)
@@ -306,7 +306,7 @@ def test_block_gradients_reach_every_parameter():
 
 
 def test_original_base_preset_is_the_seed_numbers():
-    """S9: "the first Transformer used 8 heads of 64 in a 512-dimensional model"."""
+    """§9: "the first Transformer used 8 heads of 64 in a 512-dimensional model"."""
     c = BlockConfig.preset("original-base")
     assert (c.d_model, c.n_heads, c.head_dim, c.hidden) == (512, 8, 64, 2048)
     assert c.n_heads * c.head_dim == c.d_model

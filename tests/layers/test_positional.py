@@ -1,4 +1,4 @@
-"""Position information (S8): without it attention cannot see order; with it, it can.
+"""Position information (§8): without it attention cannot see order; with it, it can.
 
 Notation: ``B`` batch, ``H`` heads, ``T`` length, ``D`` head dim, ``C`` model width.
 
@@ -40,7 +40,7 @@ def shuffle_gap(f, x: Tensor) -> float:
         return (f(x[:, PERM]) - f(x)[:, PERM]).abs().max().item()
 
 
-# --- S8: permutation equivariance without positions, and not with them --------------------------
+# --- §8: permutation equivariance without positions, and not with them --------------------------
 
 
 def test_attention_without_positions_is_permutation_equivariant():

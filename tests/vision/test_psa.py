@@ -96,7 +96,7 @@ def c3k2_math(x: Tensor, sd: StateDict, n: int, c: int) -> Tensor:
     return conv_bn(torch.cat(parts, dim=1), sd, "cv2.")
 
 
-# --- Ultralytics-style state dicts, keys and shapes typed from the issue --------------------------
+# --- Ultralytics-style state dicts: keys and shapes as Ultralytics names them ---------------------
 
 
 def conv_keys(prefix: str, c1: int, c2: int, k: int = 1, g: int = 1) -> dict[str, tuple]:

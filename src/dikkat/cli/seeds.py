@@ -30,11 +30,11 @@ def cmd_seeds(args: argparse.Namespace) -> int:
     print("dikkat seeds — the numbers of docs/contract.md, computed\n")
     print("§2  worked example, d_k = 2 (softmax(QKᵀ/√2)V, reference backend, float64)")
     ex = worked_example()
-    row("A's scores (A←A, A←B)", _fmt(ex.scores[0], 3), SEED_CLAIMS["S2 A scores"])
-    row("A's weights", _fmt(ex.weights[0]), SEED_CLAIMS["S2 A weights"])
-    row("o_A", _fmt(ex.outputs[0]), SEED_CLAIMS["S2 o_A"])
-    row("B's scores (B←A, B←B)", _fmt(ex.scores[1], 3), SEED_CLAIMS["S2 B scores"])
-    row("B's weights", _fmt(ex.weights[1]), SEED_CLAIMS["S2 B weights"])
+    row("A's scores (A←A, A←B)", _fmt(ex.scores[0], 3), SEED_CLAIMS["§2 A scores"])
+    row("A's weights", _fmt(ex.weights[0]), SEED_CLAIMS["§2 A weights"])
+    row("o_A", _fmt(ex.outputs[0]), SEED_CLAIMS["§2 o_A"])
+    row("B's scores (B←A, B←B)", _fmt(ex.scores[1], 3), SEED_CLAIMS["§2 B scores"])
+    row("B's weights", _fmt(ex.weights[1]), SEED_CLAIMS["§2 B weights"])
     row("o_B", _fmt(ex.outputs[1]), "closer to B's value [0, 1]")
 
     print("\n§4  causal mask, 3 tokens: cells set to −∞ (x) — queries down, keys across")
@@ -42,7 +42,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         print(
             "  "
             + " ".join("x" if c else "." for c in r)
-            + ("   " + SEED_CLAIMS["S4"] if i == 0 else "")
+            + ("   " + SEED_CLAIMS["§4"] if i == 0 else "")
         )
 
     s = scaling_experiment(d_k=args.d_k)
@@ -55,7 +55,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
     row(
         "mean largest weight",
         f"unscaled {s.max_weight_unscaled:.2f}, scaled {s.max_weight_scaled:.2f}",
-        SEED_CLAIMS["S3"],
+        SEED_CLAIMS["§3"],
     )
     row(
         "mean entropy (nats)",
@@ -65,8 +65,8 @@ def cmd_seeds(args: argparse.Namespace) -> int:
 
     print("\n§13 torch.nn.MultiheadAttention script, run through MultiHeadAttention.from_torch")
     f = torch_mha_facts()
-    row("weights shape", str(f.weights_shape), SEED_CLAIMS["S13 shape"])
-    row("same outputs after shuffling", str(f.shuffle_equal), SEED_CLAIMS["S13 shuffle"])
+    row("weights shape", str(f.weights_shape), SEED_CLAIMS["§13 shape"])
+    row("same outputs after shuffling", str(f.shuffle_equal), SEED_CLAIMS["§13 shuffle"])
     row("max |ours − torch| output", f"{f.max_output_diff:.1e}", "(ours must match torch)")
     print(
         f"  causal weights (ours; max |ours − torch| = "
@@ -74,7 +74,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
     )
     for r in f.causal_weights_ours.tolist():
         print("    " + " ".join(f"{x:.2f}" for x in r))
-    print(f"  {'':<28} {'':<34} stated: {SEED_CLAIMS['S13 causal']}")
+    print(f"  {'':<28} {'':<34} stated: {SEED_CLAIMS['§13 causal']}")
     return 0
 
 

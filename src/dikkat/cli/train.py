@@ -218,7 +218,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print(f"\nDone in {time.perf_counter() - t0:.0f} s. Checkpoint, log.jsonl and loss.png: {out}/")
     print(f"Continue the text yourself:  dikkat generate {out} 'import ' -n 200 --temperature 0.8")
-    print("Every number in the seeds, computed:  dikkat seeds")
+    print("Every number of docs/contract.md, computed:  dikkat seeds")
     return 0
 
 

@@ -4,8 +4,9 @@ Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T`` query len
 length, ``D`` head dim, ``C`` model width (``d_model``), ``Cc`` context width (cross-attention).
 
 h heads each see d_k = C/h features of their own projections; their outputs are concatenated and
-mapped back to C by W_O (S9). With ``n_kv_heads = G < H`` several query heads share one key/value
-head (grouped-query attention, S17), which shrinks the keys and values to cache by H/G.
+mapped back to C by W_O (docs/contract.md §9). With ``n_kv_heads = G < H`` several query heads
+share one key/value head (grouped-query attention, §17), which shrinks the keys and values to
+cache by H/G.
 
 The q/k/v projection is one matrix, rows [q | k | v] of shape ((H + 2G)·D, C), as gpt-fast's
 ``wqkv`` (pytorch-labs/gpt-fast, ``model.py``), HF GPT-2's ``c_attn`` and torch's

@@ -1,11 +1,11 @@
 """``Linear``: ``nn.Linear`` plus an inference fast path with weights repacked for the CPU.
 
 Decoding one token multiplies a single row by every weight matrix of the model, so its speed is
-the speed of reading the weights from memory. PyTorch's default kernel for ``x @ Wᵀ`` with one
-row reads them at about 20 GB/s on this machine; the same product through oneDNN with the weight
-reordered into oneDNN's blocked layout reads them at about 32 GB/s (of ≈ 34 GB/s measured for a
-plain sum). :func:`packed_for_inference` switches that path on for a ``with`` block (generation
-uses it); the reordered copy is rebuilt whenever the weight changes, so it is never stale.
+the speed of reading the weights from memory. PyTorch's default CPU kernel for ``x @ Wᵀ`` with
+one row reads them well below the memory's bandwidth; the same product through oneDNN with the
+weight reordered into oneDNN's blocked layout comes close to it (BENCHMARKS.md, "Generation").
+:func:`packed_for_inference` switches that path on for a ``with`` block (generation uses it); the
+reordered copy is rebuilt whenever the weight changes, so it is never stale.
 
 :class:`LinearRows` is a block of a ``Linear``'s output features used on its own, e.g. the
 queries of a fused q/k/v projection applied to x alone (cross-attention); it owns no parameters.

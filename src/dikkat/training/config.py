@@ -69,6 +69,6 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # fused: one kernel per step for all parameters; on CPU ≈ 4× faster than foreach (which
-    # falls back to a loop there), the same update up to rounding
+    # fused: one kernel per step for all parameters, the same update up to rounding; on CPU it
+    # is several times faster than foreach, which falls back to a loop there (BENCHMARKS.md)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, config.beta2), fused=True)
