@@ -37,3 +37,28 @@ def test_every_command_line_of_the_readme_parses():
     for line in lines:
         args = parser.parse_args(shlex.split(line)[1:])
         assert args.command is not None, line
+
+
+def test_every_stated_training_recipe_is_the_registry_s():
+    """A `dikkat train --task NAME --flag value …` line in the README, BENCHMARKS.md or docs/
+    states the recipe: each value it gives equals the task's recipe in the registry."""
+    import shlex
+
+    from dikkat.cli import build_parser
+    from dikkat.tasks import task_info
+
+    root = README.parent
+    pages = [README, root / "BENCHMARKS.md", *sorted((root / "docs").glob("*.md"))]
+    parser = build_parser()
+    checked = 0
+    for page in pages:
+        for line in re.findall(r"`(dikkat train --task [^`|]+)`", page.read_text()):
+            argv = shlex.split(line)[1:]
+            args = parser.parse_args(argv)
+            recipe = task_info(args.task).training()
+            for flag in ("--steps", "--batch-size", "--lr"):
+                if flag in argv:
+                    key = flag[2:].replace("-", "_")
+                    assert getattr(args, key) == recipe[key], (page.name, line, key, recipe)
+                    checked += 1
+    assert checked >= 3  # the translator's recipe at least
