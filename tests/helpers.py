@@ -131,7 +131,7 @@ def term_sizes(case: Case, inputs: dict[str, Tensor | None], dtype: torch.dtype)
     x = rounded(inputs, dtype)
     q, k, v, dout = x["q"], x["k"], x["v"], x["dout"]
     group, scale = case.group, case.D**-0.5
-    _, P = attention(
+    _, (P, _) = attention(
         q, k, v, case.mask, bias=x["bias"], q_offset=case.q_offset, return_weights=True
     )  # (B, H, T, S)
     k, v = repeat_kv(k, group), repeat_kv(v, group)  # (B, H, S, D), (B, H, S, Dv)

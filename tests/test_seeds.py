@@ -19,7 +19,7 @@ def rounded(t: torch.Tensor, digits: int = 2) -> list[float]:
 def test_s1_weights_are_a_distribution_and_output_a_weighted_mean():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    out, w = dikkat.attention(q, k, v, backend="reference", return_weights=True)
+    out, (w, _) = dikkat.attention(q, k, v, backend="reference", return_weights=True)
     assert (w >= 0).all()
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 6, dtype=torch.float64))
     # o_i = Σ_j α_ij v_j, written out as a loop over keys
@@ -68,7 +68,7 @@ def test_s4_three_token_causal_mask_blocks_exactly_the_upper_triangle():
     assert blocked.tolist() == expected
     # and through attention: −∞ scores get weight exactly 0
     q = k = v = torch.randn(1, 1, 3, 4)
-    _, w = dikkat.attention(q, k, v, dikkat.masks.causal(), return_weights=True)
+    _, (w, _) = dikkat.attention(q, k, v, dikkat.masks.causal(), return_weights=True)
     assert (w[0, 0][blocked] == 0).all()
     assert w[0, 0, 0, 0] == 1.0
 

@@ -7,6 +7,7 @@
 
 from dikkat import masks
 from dikkat.core import (
+    AttentionAux,
     attention,
     attention_weights,
     available_backends,
@@ -38,6 +39,7 @@ __all__ = [
     "GPT",
     "MLP",
     "ALiBi",
+    "AttentionAux",
     "BERTConfig",
     "Block",
     "BlockConfig",

@@ -47,9 +47,9 @@ def worked_example() -> WorkedExample:
     k = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     v = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     as4d = lambda t: t.view(1, 1, 2, 2)  # noqa: E731 — (T, D) → (B=1, H=1, T, D)
-    out, weights = attention(as4d(q), as4d(k), as4d(v), backend="reference", return_weights=True)
+    out, aux = attention(as4d(q), as4d(k), as4d(v), backend="reference", return_weights=True)
     scores = q @ k.T / math.sqrt(2)
-    return WorkedExample(scores, weights[0, 0], out[0, 0])
+    return WorkedExample(scores, aux.weights[0, 0], out[0, 0])
 
 
 def causal_exercise(n: int = 3) -> Tensor:

@@ -15,7 +15,7 @@ from dikkat.cli import main
 @pytest.mark.parametrize(("B", "H", "n", "D"), [(1, 2, 16, 4), (2, 3, 24, 8)])
 def test_score_figures_match_a_reference_call(dtype, B, H, n, D):
     q, k, v = (torch.randn(B, H, n, D, dtype=dtype) for _ in range(3))
-    _, weights = attention(q, k, v, backend="reference", return_weights=True)
+    _, (weights, _) = attention(q, k, v, backend="reference", return_weights=True)
     cost = attention_cost(n, H, D, q.element_size(), B=B)
     assert weights.shape[-2:] == (n, n)
     assert weights[0, 0].numel() == cost.score_cells_per_head

@@ -57,7 +57,7 @@ def _bias_grad(case: Case, x, dtype: torch.dtype, backend: str, bias_dtype=None)
 def _dbias_terms(case: Case, x) -> torch.Tensor:
     """Per bias entry, the sum of |terms| its gradient adds up: |P|·(|dP| + |rowsum(P∘dP)|)
     with |dP| ≤ |dout|·|V|ᵀ, summed over the dims the bias broadcasts along."""
-    _, P = attention(x["q"], x["k"], x["v"], case.mask, bias=x["bias"], return_weights=True)
+    _, (P, _) = attention(x["q"], x["k"], x["v"], case.mask, bias=x["bias"], return_weights=True)
     v = repeat_kv(x["v"], case.group)
     dP = x["dout"].abs() @ v.abs().transpose(-2, -1)
     dS = P * (dP + (P * dP).sum(-1, keepdim=True))

@@ -264,13 +264,13 @@ def test_a_fully_masked_row_reaches_only_its_own_query() -> None:
 def test_weights_and_lse_of_a_reached_row_are_nan() -> None:
     q, k, v = _qkv()
     v[0, 0, 2, 0] = float("nan")
-    _, weights, lse = attention(
+    _, (weights, lse) = attention(
         q, k, v, masks.causal(), backend="reference", return_weights=True, return_lse=True
     )
     assert weights[0, 0].isnan().all(-1).tolist() == [False, False, True, True]
     assert lse[0, 0].isnan().tolist() == [False, False, True, True]
     assert torch.isfinite(weights[0, 0, :2]).all()
-    _, lse_tiled = attention(q, k, v, masks.causal(), backend="tiled", return_lse=True)
+    _, (_, lse_tiled) = attention(q, k, v, masks.causal(), backend="tiled", return_lse=True)
     torch.testing.assert_close(lse_tiled, lse, equal_nan=True)
 
 
@@ -298,7 +298,7 @@ def _zero_size_call(sizes, backend: str, causal: bool, return_lse: bool):
     result = _quiet(
         attention, *leaves, mask, q_offset=q_offset, backend=backend, return_lse=return_lse
     )
-    out, lse = result if return_lse else (result, None)
+    out, (_, lse) = result if return_lse else (result, (None, None))
     grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
     return out, lse, grads
 

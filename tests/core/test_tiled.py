@@ -68,7 +68,7 @@ def test_many_tiles_equal_the_fp64_reference(case, block, key_tile, cells, windo
     for got, want in ((out, exact.out), (dq, exact.dq), (dk, exact.dk), (dv, exact.dv)):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     # the log-sum-exp of each row, -inf where no key is allowed
-    _, _, ref_lse = dikkat.attention(
+    _, (_, ref_lse) = dikkat.attention(
         inputs["q"],
         inputs["k"],
         inputs["v"],
@@ -161,7 +161,7 @@ def test_extra_memory_stays_linear():
 
 def test_return_lse_and_refusals():
     q = k = v = torch.randn(1, 2, 5, 8)
-    _, lse = dikkat.attention(q, k, v, masks.causal(), backend="tiled", return_lse=True)
+    _, (_, lse) = dikkat.attention(q, k, v, masks.causal(), backend="tiled", return_lse=True)
     assert lse.shape == (1, 2, 5) and lse.dtype == torch.float32
     with pytest.raises(ValueError, match="use return_lse"):
         dikkat.attention(q, k, v, backend="tiled", return_weights=True)
@@ -195,8 +195,8 @@ def test_attention_weights_from_the_lse_equal_the_reference(case, data):
     inputs = case.inputs()
     q, k, v, bias = inputs["q"], inputs["k"], inputs["v"], inputs["bias"]
     kwargs = {"bias": bias, "q_offset": case.q_offset}
-    _, lse = dikkat.attention(q, k, v, case.mask, backend="tiled", return_lse=True, **kwargs)
-    _, ref = dikkat.attention(
+    _, (_, lse) = dikkat.attention(q, k, v, case.mask, backend="tiled", return_lse=True, **kwargs)
+    _, (ref, _) = dikkat.attention(
         q, k, v, case.mask, backend="reference", return_weights=True, **kwargs
     )
     rows = data.draw(st.lists(st.integers(0, case.T - 1), min_size=1, max_size=4))

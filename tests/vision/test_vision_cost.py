@@ -28,7 +28,7 @@ def test_figures_match_counting(row):
     # the tokens and score cells of the attention a PSA block actually computes
     q = torch.randn(1, HEADS, side * side, row.key_dim)
     v = torch.randn(1, HEADS, side * side, row.head_dim)
-    _, weights = attention(q, q, v, backend="reference", return_weights=True)
+    _, (weights, _) = attention(q, q, v, backend="reference", return_weights=True)
     assert weights.shape[-1] == row.tokens
     assert weights.numel() == row.score_cells
     assert weights.numel() * weights.element_size() == row.score_bytes

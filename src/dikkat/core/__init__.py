@@ -3,6 +3,7 @@
 from dikkat.core import masks
 from dikkat.core.attention import (
     AUTO_ORDER,
+    AttentionAux,
     AttentionRequest,
     Backend,
     attention,
@@ -17,6 +18,7 @@ from dikkat.core.weights import attention_weights
 
 __all__ = [
     "AUTO_ORDER",
+    "AttentionAux",
     "AttentionRequest",
     "Backend",
     "attention",

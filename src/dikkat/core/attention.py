@@ -35,6 +35,7 @@ from dikkat.core.backends import BUILTIN, AttentionRequest, Backend
 from dikkat.core.checks import (
     check_bias,
     check_dropout,
+    check_flag,
     check_mask,
     check_qkv,
     check_scale,
@@ -47,9 +48,11 @@ from dikkat.core.nonfinite import (
     poison_rows,
     reached_rows,
 )
+from dikkat.core.outputs import AttentionAux
 
 __all__ = [
     "AUTO_ORDER",
+    "AttentionAux",
     "AttentionRequest",
     "Backend",
     "attention",
@@ -178,9 +181,9 @@ def _request(
         scale=check_scale(scale, shape.D),
         q_offset=q_offset,
         dropout=check_dropout(dropout),
-        return_weights=bool(return_weights),
+        return_weights=check_flag("return_weights", return_weights),
         shape=shape,
-        return_lse=bool(return_lse),
+        return_lse=check_flag("return_lse", return_lse),
     )
 
 
@@ -197,7 +200,7 @@ def attention(
     backend: str = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
-) -> Tensor | tuple[Tensor, ...]:
+) -> Tensor | tuple[Tensor, AttentionAux]:
     """Scaled dot-product attention: ``softmax(Q Kᵀ · scale + bias) V`` over the allowed keys.
 
     Args:
@@ -211,16 +214,23 @@ def attention(
         q_offset: absolute position of the first query, for masks when decoding with a cache.
         dropout: dropout probability on the weights (pass 0 at evaluation).
         backend: ``"auto"`` or one of :func:`available_backends`.
-        return_weights: also return the weights (B, H, T, S).
+        return_weights: also return the weights (B, H, T, S) (only the reference backend
+            holds them; ``auto`` then picks it).
         return_lse: also return the log-sum-exp of each row's scores (B, H, T) in fp32
             (−inf for a row with no allowed key); the weights are exp(score − lse).
 
     Returns:
-        The output (B, H, T, Dv), followed by the weights and/or the lse when requested.
+        ``out`` (B, H, T, Dv) when neither flag is set; otherwise ``(out, aux)``, ``aux`` an
+        :class:`~dikkat.core.outputs.AttentionAux` ``(weights, lse)`` whose field not asked
+        for is None (docs/attention.md, "What attention returns").
 
+    >>> import dikkat
     >>> q = k = v = torch.randn(1, 2, 4, 8)
     >>> attention(q, k, v, dikkat.masks.causal()).shape
     torch.Size([1, 2, 4, 8])
+    >>> out, (weights, lse) = attention(q, k, v, return_weights=True)
+    >>> weights.shape, lse is None
+    (torch.Size([1, 2, 4, 4]), True)
     """
     request = _request(q, k, v, mask, scale, bias, q_offset, dropout, return_weights, return_lse)
     if backend == "auto":
@@ -235,8 +245,11 @@ def attention(
             f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}"
         )
     out, weights, lse = _run_finite_rule(chosen, request)
-    extra = ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
-    return (out, *extra) if extra else out
+    if not (request.return_weights or request.return_lse):
+        return out
+    return out, AttentionAux(
+        weights if request.return_weights else None, lse if request.return_lse else None
+    )
 
 
 def _run_finite_rule(

@@ -64,8 +64,8 @@ class Backend:
 # --- reference -----------------------------------------------------------------------------------
 
 
-def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor, Tensor | None]:
-    result = reference_attention(
+def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    out, aux = reference_attention(
         r.q,
         r.k,
         r.v,
@@ -76,7 +76,7 @@ def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor, Tensor | None]:
         dropout=r.dropout,
         return_lse=r.return_lse,
     )
-    return (*result, None) if len(result) == 2 else result  # type: ignore[return-value]
+    return out, aux.weights, aux.lse
 
 
 REFERENCE = Backend(

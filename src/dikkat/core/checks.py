@@ -132,6 +132,13 @@ def check_dropout(dropout: float) -> float:
     return float(dropout)
 
 
+def check_flag(name: str, value: object) -> bool:
+    """A real ``bool`` (not 0/1, not a string): a flag that decides what a call returns."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def dense_mask(
     mask: Mask | None, shape: AttentionShape, q_offset: int, device: torch.device
 ) -> Tensor | None:

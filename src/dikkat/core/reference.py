@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dikkat.core.masks import Mask
+from dikkat.core.outputs import AttentionAux
 
 
 def repeat_kv(x: Tensor, group: int) -> Tensor:
@@ -38,7 +39,7 @@ def reference_attention(
     q_offset: int = 0,
     dropout: float = 0.0,
     return_lse: bool = False,
-) -> tuple[Tensor, ...]:
+) -> tuple[Tensor, AttentionAux]:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) V, with its weights.
 
     Args:
@@ -53,8 +54,10 @@ def reference_attention(
             for fp64 inputs).
 
     Returns:
-        out (B, H, T, Dv) and weights (B, H, T, S); each row of weights is ≥ 0 and sums to 1,
-        except a row whose every key is masked, which is all 0 (and its output 0, never NaN).
+        ``(out, aux)``: out (B, H, T, Dv) and an :class:`~dikkat.core.outputs.AttentionAux`
+        whose ``weights`` (B, H, T, S) are always there (this function holds them) and whose
+        ``lse`` is None unless ``return_lse``. Each row of weights is ≥ 0 and sums to 1, except
+        a row whose every key is masked, which is all 0 (and its output 0, never NaN).
     """
     B, H, T, _ = q.shape
     S = k.shape[2]
@@ -73,7 +76,8 @@ def reference_attention(
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     weights = weights.to(q.dtype)  # a plain implementation in q's dtype from here on
     dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
+    lse = None
     if return_lse:  # −inf for a row with no allowed key
         lse_dtype = torch.promote_types(scores.dtype, torch.float32)  # fp32, or fp64 for fp64
-        return dropped @ v, weights, torch.logsumexp(scores.to(lse_dtype), dim=-1)
-    return dropped @ v, weights
+        lse = torch.logsumexp(scores.to(lse_dtype), dim=-1)
+    return dropped @ v, AttentionAux(weights, lse)

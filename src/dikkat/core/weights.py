@@ -1,9 +1,9 @@
 """Attention maps at fast-path cost: weights of chosen rows and heads from the saved log-sum-exp.
 
 A fused or tiled backend never holds the (B, H, T, S) weights. With each row's log-sum-exp
-``lse`` (``dikkat.attention(..., return_lse=True)``) the weights of any rows are one product
-away: ``α_ij = exp(q_i · k_j · scale + bias_ij − lse_i)`` over the allowed keys — exactly the
-reference's softmax, for only the rows asked for.
+``lse`` (``out, (_, lse) = dikkat.attention(..., return_lse=True)``) the weights of any rows are
+one product away: ``α_ij = exp(q_i · k_j · scale + bias_ij − lse_i)`` over the allowed keys —
+exactly the reference's softmax, for only the rows asked for.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def attention_weights(
 
     Args:
         q: (B, H, T, D), k: (B, G, S, D) — the attention call's inputs.
-        lse: (B, H, T), from ``dikkat.attention(..., return_lse=True)``.
+        lse: (B, H, T): ``aux.lse`` of ``out, aux = dikkat.attention(..., return_lse=True)``.
         rows, heads: query positions (0 … T − 1) and heads to compute; None = all.
         mask, scale, bias, q_offset: as in the attention call.
     """

@@ -178,7 +178,7 @@ class MultiHeadAttention(nn.Module):
                 # hundred is rounded to steps of 2)
                 bias = self.alibi.bias(q_idx, torch.arange(k.shape[2], device=x.device))
 
-        out = attention(
+        result = attention(
             q,
             k,
             v,
@@ -189,10 +189,10 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             return_weights=return_weights,
         )
-        out, weights = out if return_weights else (out, None)
+        out, aux = result if isinstance(result, tuple) else (result, None)
         B, H, T, D = out.shape
         y = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))  # concat heads, then W_O
-        return (y, weights) if return_weights else y
+        return y if aux is None else (y, aux.weights)
 
     def _project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of x: one product with the fused weight, then a split."""

@@ -122,6 +122,8 @@ class BlockWeights:
 class Block(nn.Module):
     """One Transformer block; position modules (RoPE, ALiBi) are injected and shared by blocks.
 
+    >>> import torch
+    >>> from dikkat import masks
     >>> block = Block(BlockConfig(d_model=32, n_heads=4))
     >>> block(torch.randn(2, 7, 32), masks.causal()).shape
     torch.Size([2, 7, 32])
