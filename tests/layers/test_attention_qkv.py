@@ -327,7 +327,7 @@ def test_a_copy_views_its_own_weights():
 
 def test_cross_attention_with_a_cache_projects_the_context_once():
     """k_proj is one object that the layer calls, so it can be observed (and patched)."""
-    from dikkat.generation.kv_cache import KVCache
+    from dikkat.layers.kv_cache import KVCache
 
     layer = layer_for("cross").eval()
     calls = []
