@@ -77,6 +77,25 @@ def test_logits_equal_hugging_face(size):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_valid_equals_hugging_faces_attention_mask(side):
+    """``valid`` is HF's ``attention_mask`` as bool; HF counts the positions of a left-padded row
+    from its first real token only when given ``position_ids`` (its generate computes them)."""
+    size = SIZES[1]
+    hf = hf_gpt2(size, seed=16)
+    ours = gpt_from_hf(hf).eval()
+    lengths, T = (9, 3, 6), 9
+    ids = random_ids(size[0], 3, T, seed=17)
+    valid = torch.arange(T) < torch.tensor(lengths).unsqueeze(1)  # right padding
+    if side == "left":
+        valid = valid.flip(1)
+    with torch.no_grad():
+        position_ids = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        expected = hf(ids, attention_mask=valid.long(), position_ids=position_ids).logits
+        got = ours(ids, valid=valid)
+    torch.testing.assert_close(got[valid], expected[valid], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("size", SIZES[:2], ids=["C32", "C48"])
 def test_from_a_state_dict_and_config(size):
     hf = hf_gpt2(size, seed=3)
@@ -151,11 +170,12 @@ def test_greedy_generate_returns_hugging_faces_tokens(size):
     ours = gpt_from_hf(hf)
     ids = random_ids(size[0], 2, 6, seed=11)
     steps = 20
-    expected = hf_greedy(hf, ids, steps)
-    # eos as HF has it: rows that stop are filled with eos (HF's pad_token_id here)
-    got = ours.generate(ids, steps, eos_id=hf.config.eos_token_id)
-    assert got.tolist() == expected.tolist()
-    assert got.shape[1] > 6
+    expected = hf_greedy(hf, ids, steps).tolist()
+    # HF fills the rows that stopped with eos (its pad_token_id here); ours cuts them after eos
+    eos = hf.config.eos_token_id
+    got = ours.generate(ids, steps, eos_id=eos)
+    assert got == [stop_after(r, 6, eos) for r in expected]
+    assert max(len(r) for r in got) > 6
 
 
 def test_greedy_generate_until_eos_matches_hugging_face():
@@ -164,14 +184,14 @@ def test_greedy_generate_until_eos_matches_hugging_face():
     hf = hf_gpt2(size, seed=12)
     ours = gpt_from_hf(hf)
     ids = random_ids(size[0], 1, 4, seed=13)
-    free = ours.generate(ids, 30)[0, 4:].tolist()
+    free = ours.generate(ids, 30)[0][4:]
     eos = free[5]  # make a token it produces the eos
     hf.generation_config.eos_token_id = eos
     hf.config.eos_token_id = eos
     expected = hf_greedy(hf, ids, 30)
     got = ours.generate(ids, 30, eos_id=eos)
-    assert got.tolist() == expected.tolist()
-    assert got.shape[1] == 4 + free.index(eos) + 1
+    assert got == expected.tolist()
+    assert len(got[0]) == 4 + free.index(eos) + 1
 
 
 def test_left_padded_batch_generates_hugging_faces_tokens():

@@ -302,6 +302,29 @@ def test_ids_of_the_wrong_kind_are_type_errors():
             call()
 
 
+def test_padding_masks_are_checked_by_name_in_every_model():
+    bert = BERT(BERTConfig(**CONFIGS[BERTConfig])).eval()
+    x, longer = ids([1, 2, 3]), torch.ones(1, 4, dtype=torch.bool)
+    as_ints = torch.ones(1, 3, dtype=torch.long)  # HF's attention_mask, not yet bool
+    calls = {
+        "valid": [
+            lambda v: GPT_MODEL(x, valid=v),
+            lambda v: GPT_MODEL.loss(x, x, valid=v),
+            lambda v: bert(x, v),
+        ],
+        "src_valid": [lambda v: SEQ2SEQ(x, x, v), lambda v: SEQ2SEQ.encode(x, v)],
+        "tgt_valid": [lambda v: SEQ2SEQ(x, x, None, v)],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(TypeError, match=rf"{name} must be a bool tensor .*\.bool\(\)"):
+                fn(as_ints)
+            with pytest.raises(ValueError, match=rf"{name} \(1, 4\) must have the shape of"):
+                fn(longer)
+    with pytest.raises(ValueError, match=r"valid describes ids alone, but offset=2"):
+        GPT_MODEL(x, valid=torch.ones(1, 3, dtype=torch.bool), offset=2)
+
+
 def test_images_of_the_wrong_kind_or_shape_name_images():
     vit, detr = ViT(ViTConfig.preset("tiny")).eval(), DETR(DETRConfig()).eval()
     with pytest.raises(TypeError, match=r"images .*torch.float64.*torch.float32"):
@@ -346,10 +369,20 @@ def test_generate_arguments_are_checked_by_name(argument, data):
         ("eos_id", -1, ValueError),
         ("pad_id", SRC_V, ValueError),  # pads the sources
         ("temperature", math.nan, ValueError),
+        ("top_k", 0, ValueError),
+        ("top_p", 1.5, ValueError),
         ("seed", 2**64, ValueError),
     ],
 )
 def test_seq2seq_generate_arguments_are_checked_by_name(argument, value, error):
+    kwargs = {"max_new_tokens": 3, "bos_id": 1, argument: value}
+    raises_naming(argument, error, lambda: SEQ2SEQ.generate([[1, 2]], **kwargs))
+
+
+@pytest.mark.parametrize("argument", ["temperature", "top_k", "top_p", "seed"])
+@given(data=st.data())
+def test_seq2seq_sampling_arguments_are_checked_as_gpts_are(argument, data):
+    value, error = data.draw(GENERATE_ARGS[argument])
     kwargs = {"max_new_tokens": 3, "bos_id": 1, argument: value}
     raises_naming(argument, error, lambda: SEQ2SEQ.generate([[1, 2]], **kwargs))
 
@@ -389,6 +422,12 @@ def test_a_prompt_past_the_context_names_its_length_the_context_and_what_fits():
         model.generate([[1] * 12], 0)
     with pytest.raises(ValueError, match=r"src has 20 tokens .* past the model's context of 16"):
         SEQ2SEQ.generate([[1] * 20], 2, bos_id=1)
+    with pytest.raises(
+        ValueError,
+        match=r"the target \(bos_id\) has 1 token and max_new_tokens=16: 17 positions, past the "
+        r"model's context of 16; at most 15 new tokens fit",
+    ):
+        SEQ2SEQ.generate([[1, 2]], 16, bos_id=1)
 
 
 # --- 4. dtype and device mismatches ---------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from dikkat.core.masks import full
 from dikkat.models import GPT, GPT_PRESETS, GPTConfig
 from helpers import scramble
 
@@ -195,3 +196,70 @@ def test_loss_equals_cross_entropy_of_the_logits_with_the_same_gradients(tied):
         torch.testing.assert_close(ours[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
     with pytest.raises(ValueError, match=r"shape of ids \(2, 9\)"):
         model.loss(ids, targets[:, :4])
+
+
+# --- padding: valid --------------------------------------------------------------------------
+
+
+def padded(rows: list[Tensor], side: str, T: int, pad: int = 7) -> tuple[Tensor, Tensor]:
+    """Rows of different lengths padded to T on ``side`` with ``pad`` (a real id, not 0), and
+    ``valid`` (B, T)."""
+    ids = torch.full((len(rows), T), pad)
+    valid = torch.zeros(len(rows), T, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        where = slice(T - len(row), T) if side == "left" else slice(0, len(row))
+        ids[b, where], valid[b, where] = row, True
+    return ids, valid
+
+
+def uneven_rows(lengths: tuple[int, ...], seed: int) -> list[Tensor]:
+    return [random_ids(1, n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_with_valid_each_padded_row_computes_what_it_computes_alone(variant, side):
+    model = small(seed=5, **VARIANTS[variant]).double()
+    rows = uneven_rows((4, 9, 1, 6), seed=40)
+    ids, valid = padded(rows, side, 9)
+    with torch.no_grad():
+        batch = model(ids, valid=valid)
+        for b, row in enumerate(rows):
+            torch.testing.assert_close(batch[b][valid[b]], model(row[None])[0], rtol=0, atol=1e-12)
+        leaky = model(ids)
+    if side == "left":  # not trivially true: without valid the pads are keys and shift positions
+        assert (leaky[valid] - batch[valid]).abs().amax() > 1e-3
+
+
+def test_a_given_mask_is_combined_with_valid():
+    """``mask & padding(valid)``: full attention among the real tokens of each row only."""
+    model = small(seed=6).double()
+    rows = uneven_rows((3, 8, 5), seed=50)
+    ids, valid = padded(rows, "right", 8)
+    with torch.no_grad():
+        batch = model(ids, full(), valid=valid)
+        for b, row in enumerate(rows):
+            alone = model(row[None], full())[0]
+            torch.testing.assert_close(batch[b][valid[b]], alone, rtol=0, atol=1e-12)
+        leaky = model(ids, full())  # right pads are seen by every token under full()
+    assert (leaky[valid] - batch[valid]).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_loss_with_valid_equals_the_loss_of_each_row_alone(side):
+    model = small(seed=7, position="rope").double()
+    rows = uneven_rows((5, 2, 7), seed=60)
+    ids, valid = padded(rows, side, 7)
+    targets = random_ids(3, 7, seed=61).masked_fill(~valid, -100)  # no loss at the pads
+    with torch.no_grad():
+        loss = model.loss(ids, targets, valid=valid)
+        unmasked = model.loss(ids, targets)
+        total = sum(
+            torch.nn.functional.cross_entropy(
+                model(row[None])[0], targets[b][valid[b]], reduction="sum"
+            )
+            for b, row in enumerate(rows)
+        )
+    torch.testing.assert_close(loss, total / int(valid.sum()), rtol=1e-12, atol=1e-12)
+    if side == "left":
+        assert abs(float(unmasked) - float(loss)) > 1e-3

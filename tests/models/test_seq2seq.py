@@ -214,17 +214,67 @@ def test_eos_cuts_each_row_after_its_first_eos():
     assert len(out[0]) <= 3
 
 
-def test_generation_is_capped_by_the_context_and_restores_training_mode():
+def test_generation_past_the_context_is_an_error_and_restores_training_mode():
     model = small(seed=23, max_len=6).train()
-    out = model.generate(random_ids(1, 4, seed=24, high=SRC_V), 50, bos_id=BOS)
-    assert len(out[0]) == 5  # max_len − 1: the slot of bos counts
+    src = random_ids(1, 4, seed=24, high=SRC_V)
+    with pytest.raises(ValueError, match=r"max_new_tokens=6: 7 positions.*at most 5 new tokens"):
+        model.generate(src, 6, bos_id=BOS)
+    assert len(model.generate(src, 5, bos_id=BOS)[0]) == 5  # max_len − 1: bos takes a slot
+    assert model.generate(src, 0, bos_id=BOS) == [[]]
     assert model.training
+
+
+def greedy_recompute(model: Seq2Seq, src: Tensor, steps: int, src_valid=None) -> list[list[int]]:
+    """Greedy translation the slow way: the whole target so far through ``forward`` at every
+    step, without a cache (what generation computed before it shared GPT's loop)."""
+    tgt = torch.full((src.shape[0], 1), BOS)
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(src, tgt, src_valid)[:, -1].argmax(-1, keepdim=True)
+            tgt = torch.cat([tgt, nxt], dim=1)
+    return tgt[:, 1:].tolist()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_generate_equals_a_recompute_everything_loop(variant):
+    model = small(seed=27, **VARIANTS[variant])
+    src = random_ids(3, 7, seed=28, high=SRC_V)
+    assert model.generate(src, 12, bos_id=BOS) == greedy_recompute(model, src, 12)
+    # right-padded sources of different lengths: the loop masks the pads as forward does
+    lengths = (7, 2, 5)
+    src_valid = torch.arange(7) < torch.tensor(lengths).unsqueeze(1)
+    rows = [s[:n].tolist() for s, n in zip(src, lengths, strict=True)]
+    assert model.generate(rows, 12, bos_id=BOS) == greedy_recompute(model, src, 12, src_valid)
+
+
+def test_top_k_one_and_a_tiny_top_p_equal_greedy():
+    model = small(seed=29)
+    src = random_ids(3, 6, seed=30, high=SRC_V)
+    greedy = model.generate(src, 10, bos_id=BOS)
+    for seed in (0, 1):
+        kw = dict(bos_id=BOS, temperature=1.5, seed=seed)
+        assert model.generate(src, 10, top_k=1, **kw) == greedy
+        assert model.generate(src, 10, top_p=1e-6, **kw) == greedy  # only the likeliest is kept
+    assert model.generate(src, 10, bos_id=BOS, temperature=1.5, seed=0) != greedy
 
 
 def test_sampled_translation_is_reproducible_with_a_seed():
     model = small(seed=25)
     src = random_ids(2, 5, seed=26, high=SRC_V)
-    a = model.generate(src, 12, bos_id=BOS, temperature=1.0, seed=0)
-    b = model.generate(src, 12, bos_id=BOS, temperature=1.0, seed=0)
-    c = model.generate(src, 12, bos_id=BOS, temperature=1.0, seed=1)
-    assert a == b and a != c
+    for kw in (dict(), dict(top_k=5), dict(top_p=0.9)):
+        a = model.generate(src, 12, bos_id=BOS, temperature=1.0, seed=0, **kw)
+        b = model.generate(src, 12, bos_id=BOS, temperature=1.0, seed=0, **kw)
+        c = model.generate(src, 12, bos_id=BOS, temperature=1.0, seed=1, **kw)
+        assert a == b and a != c
+
+
+def test_top_k_sampling_draws_only_among_the_k_likeliest_at_every_step():
+    model = small(seed=31)
+    src = random_ids(4, 6, seed=32, high=SRC_V)
+    out = model.generate(src, 12, bos_id=BOS, temperature=3.0, top_k=3, seed=0)
+    tgt = torch.tensor([[BOS, *r[:-1]] for r in out])  # each sampled token fed back
+    with torch.no_grad():
+        top = model(src, tgt).topk(3, dim=-1).indices  # (B, T, 3)
+    drawn = torch.tensor(out).unsqueeze(-1)
+    assert bool((top == drawn).any(-1).all())
+    assert not bool((top[..., 0] == drawn[..., 0]).all())  # not greedy: the test can fail

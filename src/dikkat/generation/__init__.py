@@ -1,4 +1,5 @@
-"""Inference: the preallocated KV cache, prefill and one-token decode, sampling."""
+"""Inference: the preallocated KV cache, prefill and one-token decode, sampling, and the decoding
+loop that every model shares."""
 
 from dikkat.generation.generate import (
     decode_step,
@@ -7,7 +8,19 @@ from dikkat.generation.generate import (
     left_pad,
     prefill,
     sample,
+    sample_loop,
+    token_rows,
 )
 from dikkat.layers.kv_cache import KVCache
 
-__all__ = ["KVCache", "decode_step", "generate", "iter_generate", "left_pad", "prefill", "sample"]
+__all__ = [
+    "KVCache",
+    "decode_step",
+    "generate",
+    "iter_generate",
+    "left_pad",
+    "prefill",
+    "sample",
+    "sample_loop",
+    "token_rows",
+]

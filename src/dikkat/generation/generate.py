@@ -5,15 +5,20 @@ Notation: ``B`` batch, ``T`` prompt length (after left padding), ``V`` vocabular
 Prompts of different lengths are left-padded to one length, so that every row's next token lands
 in the same cache slot; a padding mask hides the pad slots and each row's positions start at 0 at
 its first real token, so a padded row computes what it would alone.
+
+The sampling loop (:func:`sample_loop`) knows nothing of the model: it takes a function that
+gives the first logits and one that feeds a token and gives the next logits, so a decoder-only
+model (prefill, then decode steps) and an encoder-decoder (encode once, then decoder steps over
+self- and cross-attention caches, ``dikkat.models.Seq2Seq``) decode through the same loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, causal, padding
 from dikkat.layers.inputs import check_token_id, check_token_ids
@@ -47,6 +52,7 @@ class CausalLM(Protocol):
         ids: Tensor,
         mask: Mask | Tensor | None = None,
         *,
+        valid: Tensor | None = None,
         offset: int = 0,
         positions: Tensor | None = None,
         cache: list[KVCache] | None = None,
@@ -133,17 +139,22 @@ def check_seed(seed: int | None) -> None:
     check_int("seed", seed, at_least=0, at_most=2**64 - 1, optional=True)
 
 
-def check_room(prompt_len: int, max_new_tokens: int, context: int) -> None:
-    """The prompt and the new tokens fit in the model's context (a KV cache slot each)."""
+def check_room(
+    prompt_len: int, max_new_tokens: int, context: int, *, prompt: str = "the prompt"
+) -> None:
+    """The prompt and the new tokens fit in the model's context (a KV cache slot each).
+
+    ``prompt`` names what comes before the new tokens in the errors (a Seq2Seq target starts
+    with ``bos_id``).
+    """
+    tokens = f"{prompt_len} token" + ("" if prompt_len == 1 else "s")
     if prompt_len > context:
-        raise ValueError(
-            f"the prompt has {prompt_len} tokens, longer than the model's context of {context}"
-        )
+        raise ValueError(f"{prompt} has {tokens}, longer than the model's context of {context}")
     if prompt_len + max_new_tokens > context:
         room = context - prompt_len
         fit = f"at most {room} new tokens fit" if room else "no new token fits"
         raise ValueError(
-            f"the prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: "
+            f"{prompt} has {tokens} and max_new_tokens={max_new_tokens}: "
             f"{prompt_len + max_new_tokens} positions, past the model's context of {context}; "
             f"{fit}"
         )
@@ -159,6 +170,17 @@ def sample(
 ) -> Tensor:
     """Next tokens (B,) from logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
     check_sampling(temperature, top_k, top_p)
+    return _sample(logits, temperature, top_k, top_p, generator)
+
+
+def _sample(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """:func:`sample` on checked arguments (the decoding loop checks them once, not per token)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -176,18 +198,16 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _step_mask(valid: Tensor | None, length: int) -> Mask:
-    return causal() if valid is None else causal() & padding(valid=valid[:, :length])
-
-
 @torch.no_grad()
 def prefill(
     model: CausalLM, ids: Tensor, cache: list[KVCache], valid: Tensor | None = None
 ) -> Tensor:
-    """Run the prompts ids (B, T) through the model, filling the cache; last-slot logits (B, V)."""
+    """Run the prompts ids (B, T) through the model, filling the cache; last-slot logits (B, V).
+
+    ``valid`` (B, ≥ T) is False at padding; its first T columns describe ``ids``.
+    """
     T = ids.shape[1]
-    positions = None if valid is None else (valid[:, :T].long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(ids, _step_mask(valid, T), cache=cache, positions=positions, last_only=True)
+    logits = model(ids, valid=None if valid is None else valid[:, :T], cache=cache, last_only=True)
     return logits[:, -1]
 
 
@@ -200,18 +220,91 @@ def decode_step(
     valid: Tensor | None = None,
 ) -> Tensor:
     """One new token per row (B,) at cache slot ``offset``; returns its logits (B, V)."""
-    positions = None
-    if valid is not None:
+    mask, positions = causal(), None
+    if valid is not None:  # the pads sit among the cached keys: the whole row's mask and count
+        mask = mask & padding(valid=valid[:, : offset + 1])
         positions = (valid[:, : offset + 1].sum(-1, keepdim=True) - 1).clamp_min(0)  # (B, 1)
     logits = model(
         tokens.view(-1, 1),
-        _step_mask(valid, offset + 1),
+        mask,
         offset=offset,
         positions=positions,
         cache=cache,
         last_only=True,
     )
     return logits[:, -1]
+
+
+Step = Callable[[Tensor, int], Tensor]  # (token (B,), i) → logits (B, V) of the next token
+
+
+def sample_loop(
+    model: nn.Module,
+    start: Callable[[], Tensor],
+    step: Step,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+) -> Iterator[Tensor]:
+    """The decoding loop of every model: yields the new tokens (B,), one step at a time.
+
+    ``start()`` runs the model over what it is given (a prompt's prefill; or a source's encoding
+    and the decoder's first step) and returns the logits (B, V) of the first new token;
+    ``step(token, i)`` feeds the i-th new token (B,) (i from 0) and returns the logits of the
+    next. A row that has produced ``eos_id`` keeps yielding ``eos_id``; the loop stops when
+    every row has (checked once a step, only when ``eos_id`` is given) or after
+    ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The model's linear
+    layers multiply through packed weights while the loop runs (``packed_for_inference``). The
+    arguments are checked when it is called; the models' own checks (the vocabulary, the
+    context) are the caller's.
+    """
+    check_int("max_new_tokens", max_new_tokens, at_least=0)
+    check_sampling(temperature, top_k, top_p)
+    check_int("eos_id", eos_id, at_least=0, optional=True)
+    check_seed(seed)
+    return _loop(model, start, step, max_new_tokens, (temperature, top_k, top_p), eos_id, seed)
+
+
+def _loop(
+    model: nn.Module,
+    start: Callable[[], Tensor],
+    step: Step,
+    max_new_tokens: int,
+    sampling: tuple[float, int | None, float | None],
+    eos_id: int | None,
+    seed: int | None,
+) -> Iterator[Tensor]:
+    if max_new_tokens == 0:
+        return
+    with packed_for_inference(model):  # oneDNN-packed weights: decoding reads them faster
+        logits = start()
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=logits.device).manual_seed(seed)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        for i in range(max_new_tokens):
+            token = _sample(logits, *sampling, generator)
+            if eos_id is not None:
+                token = token.masked_fill(done, eos_id)
+                done |= token == eos_id
+            yield token
+            if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+                return
+            logits = step(token, i)
+
+
+def token_rows(tokens: Sequence[Tensor], batch: int, eos_id: int | None) -> list[list[int]]:
+    """The tokens (B,) of each step → one list per row, cut after its first ``eos_id``."""
+    if not tokens:
+        return [[] for _ in range(batch)]
+    rows = torch.stack(list(tokens), dim=1).tolist()  # (B, steps)
+    if eos_id is None:
+        return rows
+    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
 
 
 def iter_generate(
@@ -238,22 +331,8 @@ def iter_generate(
     check_token_id("eos_id", eos_id, c.vocab_size, optional=True)
     check_seed(seed)
     ids, valid = left_pad(prompts, pad_id, vocab_size=c.vocab_size)
-    check_room(ids.shape[1], max_new_tokens, c.max_len)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    return _tokens(model, ids, valid, max_new_tokens, sampling, eos_id, seed)
-
-
-def _tokens(
-    model: CausalLM,
-    ids: Tensor,
-    valid: Tensor,
-    max_new_tokens: int,
-    sampling: dict,
-    eos_id: int | None,
-    seed: int | None,
-) -> Iterator[Tensor]:
-    """The decoding loop of :func:`iter_generate`, on checked arguments."""
     B, T = ids.shape
+    check_room(T, max_new_tokens, c.max_len)
     device = next(iter(model.parameters())).device  # type: ignore[attr-defined]
     ids, valid = ids.to(device), valid.to(device)
     full_valid = None
@@ -261,38 +340,51 @@ def _tokens(
         # pad slots stay invalid; every generated slot is valid
         full_valid = torch.ones(B, T + max_new_tokens, dtype=torch.bool, device=device)
         full_valid[:, :T] = valid
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    if max_new_tokens == 0:
-        return
-    cache = model.new_cache(B, T + max_new_tokens)
-    with packed_for_inference(model):  # oneDNN-packed weights: decoding reads them faster
-        logits = prefill(model, ids, cache, full_valid)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        for step in range(max_new_tokens):
-            token = sample(logits, **sampling, generator=generator)
-            if eos_id is not None:
-                token = token.masked_fill(done, eos_id)
-                done |= token == eos_id
-            yield token
-            if step + 1 == max_new_tokens or bool(done.all()):
-                return
-            logits = decode_step(model, token, cache, T + step, full_valid)
+    cache = model.new_cache(B, T + max_new_tokens) if max_new_tokens else []
+    return sample_loop(
+        model,  # type: ignore[arg-type]
+        lambda: prefill(model, ids, cache, full_valid),
+        lambda token, i: decode_step(model, token, cache, T + i, full_valid),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        seed=seed,
+    )
 
 
 def generate(
     model: CausalLM,
     prompts: Prompts,
     max_new_tokens: int,
-    **kwargs: object,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+    pad_id: int = 0,
 ) -> list[list[int]]:
-    """The generated tokens of each prompt (without the prompt), cut after ``eos_id``."""
-    steps = list(iter_generate(model, prompts, max_new_tokens, **kwargs))  # type: ignore[arg-type]
-    if not steps:
-        return [[] for _ in range(len(prompts))]
-    out = torch.stack(steps, dim=1).tolist()  # (B, steps)
-    eos_id = kwargs.get("eos_id")
-    if eos_id is not None:
-        out = [row[: row.index(eos_id) + 1] if eos_id in row else row for row in out]
-    return out
+    """Each prompt followed by its new tokens, cut after ``eos_id``: one list per prompt, for a
+    (B, T) tensor or a list of prompts alike. The arguments are those of :func:`iter_generate`.
+    """
+    tokens = list(
+        iter_generate(
+            model,
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            seed=seed,
+            pad_id=pad_id,
+        )
+    )
+    rows = token_rows(tokens, len(prompts), eos_id)
+    return [_as_list(p) + row for p, row in zip(prompts, rows, strict=True)]
+
+
+def _as_list(prompt: Sequence[int] | Tensor) -> list[int]:
+    return prompt.tolist() if isinstance(prompt, Tensor) else list(prompt)

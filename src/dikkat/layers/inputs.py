@@ -67,6 +67,23 @@ def check_token_id(name: str, value: object, vocab_size: int, *, optional: bool 
         raise ValueError(f"{name}={value} is outside the vocabulary of {vocab_size}")
 
 
+def check_valid(name: str, valid: object, ids: Tensor, ids_name: str = "ids") -> None:
+    """``valid`` is a bool tensor of the shape of ``ids`` (True = real token, False = padding)."""
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+        got = f"dtype {valid.dtype}" if isinstance(valid, Tensor) else type(valid).__name__
+        hint = " (convert a 0/1 attention_mask with .bool())" if isinstance(valid, Tensor) else ""
+        raise TypeError(
+            f"{name} must be a bool tensor of the shape of {ids_name} (True = real token), "
+            f"got {got}{hint}"
+        )
+    if valid.shape != ids.shape:
+        raise ValueError(
+            f"{name} {tuple(valid.shape)} must have the shape of {ids_name} {tuple(ids.shape)}"
+        )
+    if valid.device != ids.device:
+        raise ValueError(f"{name} is on {valid.device}, {ids_name} on {ids.device}")
+
+
 def check_images(images: object, channels: int, size: int) -> None:
     """A float tensor of images (B, ``channels``, ``size``, ``size``)."""
     want = (channels, size, size)

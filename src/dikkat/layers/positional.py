@@ -26,6 +26,7 @@ __all__ = [
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "resolve_positions",
+    "valid_positions",
 ]
 
 
@@ -48,6 +49,13 @@ def resolve_positions(
             f"positions must have shape (T,) or (B, T) with T={T}, got {tuple(positions.shape)}"
         )
     return positions
+
+
+def valid_positions(valid: Tensor) -> Tensor:
+    """Positions (B, T) of a padded batch from ``valid`` (B, T) (False = padding): each real
+    token's index among the real tokens of its row, so a left-padded row is positioned as it
+    would be alone; a pad takes the position of the real token before it (or 0)."""
+    return (valid.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def _check_max_len(pos: Tensor, max_len: int, what: str) -> None:

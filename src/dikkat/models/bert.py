@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import padding
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.inputs import check_token_ids
+from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
@@ -135,7 +135,7 @@ class BERT(SaveLoad, nn.Module):
         """ids (B, T) → hidden states (B, T, C).
 
         Args:
-            valid: (B, T) bool, False at padding (HF's ``attention_mask``); padding keys are
+            valid: (B, T) bool, False at padding (HF's ``attention_mask`` as bool); padding keys are
                 hidden from every query.
             token_type_ids: (B, T) segment ids; default all 0.
             return_weights: also return each layer's weights (B, H, T, T).
@@ -155,11 +155,8 @@ class BERT(SaveLoad, nn.Module):
             )
         mask = None
         if valid is not None:
-            if not isinstance(valid, Tensor):
-                raise TypeError(f"valid must be a bool tensor (B, T), got {type(valid).__name__}")
-            if valid.shape != ids.shape:
-                raise ValueError(f"valid {tuple(valid.shape)} must match ids {tuple(ids.shape)}")
-            mask = padding(valid=valid.bool())
+            check_valid("valid", valid, ids)
+            mask = padding(valid=valid)
         x = self.pos_emb(self.tok_emb(ids)) + self.type_emb(token_type_ids)
         x = self.drop(self.emb_norm(x))
         weights = []

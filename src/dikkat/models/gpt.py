@@ -16,16 +16,20 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from dikkat.core.masks import Mask, causal
-from dikkat.generation.generate import generate
+from dikkat.core.masks import Mask, as_mask, causal, padding
+from dikkat.generation.generate import Prompts, generate
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.inputs import check_token_ids
+from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
-from dikkat.layers.positional import LearnedPositionalEmbedding, RotaryEmbedding
+from dikkat.layers.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    valid_positions,
+)
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
@@ -161,6 +165,7 @@ class GPT(SaveLoad, nn.Module):
         ids: Tensor,
         mask: Mask | Tensor | None = None,
         *,
+        valid: Tensor | None = None,
         offset: int = 0,
         positions: Tensor | None = None,
         cache: list[KVCache] | None = None,
@@ -170,9 +175,18 @@ class GPT(SaveLoad, nn.Module):
         """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
 
         Args:
-            mask: default ``causal()``; a given mask replaces it (combine with ``causal() & …``).
+            mask: the attention mask, default ``causal()``. A general override, not the padding
+                argument: a given mask replaces the causal one (write ``causal() & …`` to keep
+                it), e.g. ``full()`` to train without it (docs/contract.md §5).
+            valid: (B, T) bool, False at padding (HF's ``attention_mask`` as bool), on the left
+                or the right. The pads are hidden as keys: the mask becomes
+                ``mask & padding(valid=valid)`` (``causal() & padding(valid=valid)`` by default),
+                and unless ``positions`` is given each row's positions count from its first real
+                token, so every row computes what it would alone. ``valid`` describes ``ids``
+                only, so it needs ``offset=0``; a decode step after cached pads passes ``mask``
+                and ``positions`` itself (as :func:`dikkat.generation.decode_step` does).
             offset: cache slot (and default position) of ids[:, 0].
-            positions: explicit positions (T,) or (B, T), e.g. after left padding.
+            positions: explicit positions (T,) or (B, T).
             cache: per-layer KV caches from :meth:`new_cache`; filled at ``offset``.
             last_only: logits of the last position only, (B, 1, V) (what generation needs).
         """
@@ -185,6 +199,15 @@ class GPT(SaveLoad, nn.Module):
         if cache is not None and len(cache) != c.n_layers:
             raise ValueError(f"cache has {len(cache)} layers, the model {c.n_layers}")
         mask = causal() if mask is None else mask
+        if valid is not None:
+            check_valid("valid", valid, ids)
+            if offset != 0:
+                raise ValueError(
+                    f"valid describes ids alone, but offset={offset} puts cached keys before "
+                    f"them: pass mask=causal() & padding(valid=<every slot>) and positions"
+                )
+            mask = as_mask(mask) & padding(valid=valid)
+            positions = valid_positions(valid) if positions is None else positions
         x = self.tok_emb(ids)  # (B, T, C)
         if self.pos_emb is not None:
             x = self.pos_emb(x, offset, positions)
@@ -202,11 +225,20 @@ class GPT(SaveLoad, nn.Module):
         x = self.norm_f(x)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
-    def loss(self, ids: Tensor, targets: Tensor, mask: Mask | Tensor | None = None) -> Tensor:
+    def loss(
+        self,
+        ids: Tensor,
+        targets: Tensor,
+        mask: Mask | Tensor | None = None,
+        *,
+        valid: Tensor | None = None,
+    ) -> Tensor:
         """Mean next-token cross-entropy of ``targets`` (B, T) given ``ids`` (B, T), in nats.
 
-        Equal to ``cross_entropy(self(ids, mask), targets)`` (targets of −100 are skipped), but
-        the (B, T, V) logits are never held: see :func:`dikkat.layers.linear_cross_entropy`.
+        Equal to ``cross_entropy(self(ids, mask, valid=valid), targets)`` (targets of −100 are
+        skipped), but the (B, T, V) logits are never held: see
+        :func:`dikkat.layers.linear_cross_entropy`. ``valid`` hides padding from attention, as
+        in :meth:`forward`; the loss of a pad is skipped only where its target is −100.
         """
         # kinds and shapes before the forward; the forward checks the ids' range, the loss the
         # targets' (so that each is read once)
@@ -216,7 +248,7 @@ class GPT(SaveLoad, nn.Module):
             raise ValueError(
                 f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}"
             )
-        hidden = self(ids, mask, return_hidden=True)  # (B, T, C)
+        hidden = self(ids, mask, valid=valid, return_hidden=True)  # (B, T, C)
         return linear_cross_entropy(
             hidden, self.lm_head.weight, targets, scratch=self._loss_scratch
         )
@@ -224,7 +256,7 @@ class GPT(SaveLoad, nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        ids: Tensor | list[list[int]],
+        ids: Prompts,
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
@@ -232,17 +264,18 @@ class GPT(SaveLoad, nn.Module):
         top_p: float | None = None,
         eos_id: int | None = None,
         seed: int | None = None,
-    ) -> Tensor | list[list[int]]:
+    ) -> list[list[int]]:
         """Continue each prompt by up to ``max_new_tokens`` tokens (greedy at temperature 0).
 
-        ``ids`` is a (B, T) tensor (returns (B, T + steps), rows that stopped at ``eos_id`` are
-        filled with it) or a list of prompts of any lengths (returns a list of prompt + tokens).
-        Uses a KV cache: one prefill pass, then one-token decode steps.
+        ``ids`` is a (B, T) tensor or a list of prompts of any lengths; either way the result is
+        one list per prompt: the prompt, then its new tokens, cut after the first ``eos_id``.
+        Uses a KV cache: one prefill pass, then one-token decode steps (see
+        :func:`dikkat.generation.generate`).
         """
         was_training = self.training
         self.eval()
         try:
-            new = generate(
+            return generate(
                 self,
                 ids,
                 max_new_tokens,
@@ -254,9 +287,3 @@ class GPT(SaveLoad, nn.Module):
             )
         finally:
             self.train(was_training)
-        if isinstance(ids, Tensor):
-            steps = max((len(r) for r in new), default=0)
-            fill = 0 if eos_id is None else eos_id
-            tail = torch.tensor([r + [fill] * (steps - len(r)) for r in new], dtype=ids.dtype)
-            return torch.cat([ids, tail.view(len(new), steps).to(ids.device)], dim=1)
-        return [list(p) + r for p, r in zip(ids, new, strict=True)]

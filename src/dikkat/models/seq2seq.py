@@ -12,6 +12,7 @@ sinusoids, embeddings are scaled by √C, blocks are post-norm.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,22 +22,35 @@ from torch import Tensor, nn
 from dikkat.core.masks import Mask, causal, padding
 from dikkat.generation.generate import (
     Prompts,
+    Step,
     check_prompts,
+    check_room,
     check_sampling,
     check_seed,
     left_pad,
-    sample,
+    sample_loop,
+    token_rows,
 )
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.inputs import check_token_id, check_token_ids
+from dikkat.layers.inputs import check_token_id, check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import Linear, packed_for_inference
+from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_int, check_sizes
+
+
+def right_pad(src: Prompts, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Checked sources → ids (B, S) right-padded with ``pad_id`` and ``valid`` (B, S) (False =
+    padding): the encoder is bidirectional, so the pads need only be masked, not moved left."""
+    if isinstance(src, Tensor):
+        return src, torch.ones_like(src, dtype=torch.bool)
+    rows = [list(reversed(s.tolist() if isinstance(s, Tensor) else s)) for s in src]
+    ids, valid = left_pad(rows, pad_id)
+    return ids.flip(1), valid.flip(1)
 
 
 @dataclass(frozen=True)
@@ -163,9 +177,13 @@ class Seq2Seq(SaveLoad, nn.Module):
         return self.drop(self.pos(emb(ids) * math.sqrt(self.config.d_model), offset))
 
     def encode(self, src: Tensor, src_valid: Tensor | None = None) -> Tensor:
-        """Source ids (B, S) → memory (B, S, C); ``src_valid`` (B, S) is False at padding."""
-        mask = None if src_valid is None else padding(valid=src_valid)
+        """Source ids (B, S) → memory (B, S, C); ``src_valid`` (B, S) bool is False at padding
+        (HF's ``attention_mask`` as bool)."""
         x = self._embed("src", self.src_emb, src)
+        mask = None
+        if src_valid is not None:
+            check_valid("src_valid", src_valid, src, "src")
+            mask = padding(valid=src_valid)
         for block in self.encoder:
             x = block(x, mask)
         return x if self.enc_norm is None else self.enc_norm(x)
@@ -187,9 +205,12 @@ class Seq2Seq(SaveLoad, nn.Module):
         ``tgt_mask`` defaults to ``causal()``; caches make one-token decoding cheap (the cross
         caches hold the projected memory, computed on the first step only).
         """
-        ctx_mask = None if src_valid is None else padding(valid=src_valid)
-        mask = causal() if tgt_mask is None else tgt_mask
         x = self._embed("tgt", self.tgt_emb, tgt, offset)
+        ctx_mask = None
+        if src_valid is not None:
+            check_valid("src_valid", src_valid, memory[..., 0], "the memory's (B, S)")
+            ctx_mask = padding(valid=src_valid)
+        mask = causal() if tgt_mask is None else tgt_mask
         weights = []
         for i, block in enumerate(self.decoder):
             out = block(
@@ -216,9 +237,15 @@ class Seq2Seq(SaveLoad, nn.Module):
         src_valid: Tensor | None = None,
         tgt_valid: Tensor | None = None,
     ) -> Tensor:
-        """Teacher forcing: logits (B, T, V) for every target slot given the ones before it."""
+        """Teacher forcing: logits (B, T, V) for every target slot given the ones before it.
+
+        ``src_valid`` (B, S) and ``tgt_valid`` (B, T) are bool, False at padding.
+        """
         memory = self.encode(src, src_valid)
-        tgt_mask = causal() if tgt_valid is None else causal() & padding(valid=tgt_valid)
+        tgt_mask = causal()
+        if tgt_valid is not None:
+            check_valid("tgt_valid", tgt_valid, tgt, "tgt")
+            tgt_mask = tgt_mask & padding(valid=tgt_valid)
         return self.decode(tgt, memory, src_valid, tgt_mask=tgt_mask)
 
     def new_caches(
@@ -243,70 +270,73 @@ class Seq2Seq(SaveLoad, nn.Module):
         eos_id: int | None = None,
         pad_id: int = 0,
         temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
     ) -> list[list[int]]:
-        """Translate: encode the source once, then decode token by token from ``bos_id``.
+        """Translate: encode the sources once, then decode token by token from ``bos_id``.
 
-        The cross-attention keys/values of the source are projected on the first step and reused
-        from the cross caches at every later step. Returns the generated ids (without ``bos_id``),
-        cut after ``eos_id``; at most ``max_len − 1`` of them (the target's context, after
-        ``bos_id``), whatever ``max_new_tokens`` asks. ``pad_id`` pads the sources (a source id).
+        ``src`` is a (B, S) tensor or a list of sources of any lengths (right-padded with
+        ``pad_id``, a source id, and masked). Returns one list per source: its target tokens
+        after ``bos_id`` (which is not included), cut after the first ``eos_id``. Sampling
+        (``temperature``, ``top_k``, ``top_p``, ``seed``) is that of :meth:`GPT.generate`, through
+        the same loop (:func:`dikkat.generation.sample_loop`). The cross-attention keys/values of
+        the sources are projected on the first step and reused from the cross caches at every
+        later step. ``bos_id`` and the new tokens must fit in the context: at most
+        ``max_len − 1`` new tokens.
         """
         c = self.config
         check_int("max_new_tokens", max_new_tokens, at_least=0)
         check_token_id("bos_id", bos_id, c.tgt_vocab_size)
         check_token_id("eos_id", eos_id, c.tgt_vocab_size, optional=True)
-        check_sampling(temperature, None, None)
+        check_sampling(temperature, top_k, top_p)
         check_seed(seed)
         check_prompts(src, c.src_vocab_size)  # before the rows are reversed for padding
         check_token_id("pad_id", pad_id, c.src_vocab_size)
-        if isinstance(src, Tensor):
-            ids, valid = src, torch.ones_like(src, dtype=torch.bool)
-        else:  # right-pad sources: the encoder is bidirectional, padding only needs masking
-            rows = [list(reversed(s.tolist() if isinstance(s, Tensor) else s)) for s in src]
-            ids, valid = left_pad(rows, pad_id)
-            ids, valid = ids.flip(1), valid.flip(1)
+        check_room(1, max_new_tokens, c.max_len, prompt="the target (bos_id)")
+        device = self.tgt_emb.weight.device
+        ids, valid = (t.to(device) for t in right_pad(src, pad_id))
+        src_valid = None if bool(valid.all()) else valid
+        start, step = self._decoder_steps(ids, src_valid, max_new_tokens, bos_id)
         was_training = self.training
         self.eval()
         try:
-            with packed_for_inference(self):
-                return self._generate(ids, valid, max_new_tokens, bos_id, eos_id, temperature, seed)
+            tokens = sample_loop(
+                self,
+                start,
+                step,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_id=eos_id,
+                seed=seed,
+            )
+            return token_rows(list(tokens), ids.shape[0], eos_id)
         finally:
             self.train(was_training)
 
-    def _generate(
-        self,
-        ids: Tensor,
-        valid: Tensor,
-        max_new_tokens: int,
-        bos_id: int,
-        eos_id: int | None,
-        temperature: float,
-        seed: int | None,
-    ) -> list[list[int]]:
-        device = self.tgt_emb.weight.device
-        ids, valid = ids.to(device), valid.to(device)
-        src_valid = None if bool(valid.all()) else valid
-        B = ids.shape[0]
-        steps = min(max_new_tokens, self.config.max_len - 1)
-        memory = self.encode(ids, src_valid)
-        cache, cross = self.new_caches(B, steps + 1, ids.shape[1])
-        generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-        token = torch.full((B,), bos_id, dtype=torch.long, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        out = []
-        for t in range(steps):
+    def _decoder_steps(
+        self, ids: Tensor, src_valid: Tensor | None, max_new_tokens: int, bos_id: int
+    ) -> tuple[Callable[[], Tensor], Step]:
+        """``start`` and ``step`` of :func:`dikkat.generation.sample_loop` for sources ids (B, S):
+        ``start`` encodes them once and feeds ``bos_id`` at target slot 0; ``step`` feeds new
+        token i at slot i + 1. Both return the next token's logits (B, V)."""
+        B, S = ids.shape
+        memory = torch.empty(0)
+        cache: list[KVCache] = []
+        cross: list[KVCache] = []
+
+        def feed(token: Tensor, slot: int) -> Tensor:  # token (B,) at target slot → logits (B, V)
             logits = self.decode(
-                token.view(B, 1), memory, src_valid, offset=t, cache=cache, cross_cache=cross
-            )[:, -1]
-            token = sample(logits, temperature=temperature, generator=generator)
-            if eos_id is not None:
-                token = token.masked_fill(done, eos_id)
-                done |= token == eos_id
-            out.append(token)
-            if eos_id is not None and bool(done.all()):
-                break
-        rows = torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
-        if eos_id is not None:
-            rows = [r[: r.index(eos_id) + 1] if eos_id in r else r for r in rows]
-        return rows
+                token.view(B, 1), memory, src_valid, offset=slot, cache=cache, cross_cache=cross
+            )
+            return logits[:, -1]  # type: ignore[index]
+
+        def start() -> Tensor:
+            nonlocal memory, cache, cross
+            memory = self.encode(ids, src_valid)
+            cache, cross = self.new_caches(B, max_new_tokens, S)
+            return feed(torch.full((B,), bos_id, dtype=torch.long, device=ids.device), 0)
+
+        return start, lambda token, i: feed(token, i + 1)
