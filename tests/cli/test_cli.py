@@ -98,7 +98,7 @@ def test_generate_with_a_local_hf_gpt2_directory(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "/nonexistent/dir", "x"], "no config.json"),
+        (["generate", "/nonexistent/dir", "x"], "/nonexistent/dir does not exist"),
         (["generate", "--hf-gpt2", "/nonexistent/dir", "x"], "no config.json"),
         (["generate", "x"], "either a CHECKPOINT"),
         (["generate", "ckpt", "x", "--top-p", "1.5"], "expected a number in (0, 1]"),
@@ -192,7 +192,7 @@ def test_fill_mask_fills_every_mask_with_ranked_guesses(mlm_run, tiny_checkpoint
     assert "has no [MASK]" in capsys.readouterr().err
     path, _ = tiny_checkpoint
     assert main(["fill-mask", str(path), "a [MASK]"]) == 2  # a GPT, not a BERT
-    assert "holds a 'GPT', not a BERT" in capsys.readouterr().err
+    assert f"{path} holds a saved GPT, not a masked-LM BERT" in capsys.readouterr().err
 
 
 def test_device_is_checked_in_one_line(tiny_checkpoint, capsys):

@@ -184,6 +184,6 @@ def test_cli_train_resume_and_attention_png(tmp_path, capsys):
     code, _, err = run_cli(["vit-attention", str(out), "--out", str(png), "--layer", "4"], capsys)
     assert code == 2 and err.strip() == "dikkat: error: --layer 4: the model has layers 0 … 0"
     code, _, err = run_cli(["vit-attention", str(tmp_path / "nowhere")], capsys)
-    assert code == 2 and "has no config.json" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "nowhere does not exist" in err and len(err.strip().splitlines()) == 1
     code, _, err = run_cli(["vit-attention", str(out), "--count", "0"], capsys)
     assert code == 2 and "expected a positive integer" in err

@@ -217,6 +217,6 @@ def test_train_resume_and_detect_from_the_command_line(tmp_path, capsys):
     code, _, err = run_cli(["detect", str(out), "--count", "13"], capsys)
     assert code == 2 and "at most 12" in err and len(err.strip().splitlines()) == 1
     code, _, err = run_cli(["detect", str(tmp_path / "nothing"), "--out", str(png)], capsys)
-    assert code == 2 and "has no config.json" in err
+    assert code == 2 and "nothing does not exist" in err
     code, text, _ = run_cli(["detect", "--help"], capsys)
     assert code == 0 and "dikkat detect runs/shapes " in text and "detections.png" in text
