@@ -216,23 +216,24 @@ def test_generate_without_a_prompt_says_so(tiny_checkpoint, capsys):
 
 def test_every_help_example_is_a_valid_command_line():
     """Each command's examples (shown by its --help and by dikkat --help) parse as written."""
-    import argparse
     import shlex
 
     from dikkat.cli import build_parser
+    from dikkat.cli.common import iter_commands
 
     parser = build_parser()
-
-    def commands(p):
-        for action in p._actions:  # argparse has no public walk over subcommands
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in dict.fromkeys(action.choices.values()):
-                    yield sub
-                    yield from commands(sub)
-
-    examples = [cmd for sub in commands(parser) for cmd, _ in sub.dikkat_examples]
+    commands = dict(iter_commands(parser))
+    assert {
+        "train",
+        "generate",
+        "detect",
+        "bench",
+        "bench attention",
+        "bench cost",
+    } <= commands.keys()
+    examples = [(name, cmd) for name, sub in commands.items() for cmd, _ in sub.dikkat_examples]
     assert len(examples) >= 20
-    for example in examples:
-        assert example.startswith("dikkat "), example
+    for name, example in examples:
+        assert example.startswith(f"dikkat {name}"), example
         args = parser.parse_args(shlex.split(example)[1:])
         assert args.command is not None, example

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from dikkat.layers.linear import (
     Linear,
     LinearRows,
-    _onednn_linear_available,
+    onednn_linear_available,
     packed_for_inference,
     release_packed,
 )
 
-needs_onednn = pytest.mark.skipif(not _onednn_linear_available(), reason="oneDNN not available")
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN not available")
 
 
 @needs_onednn
@@ -45,8 +45,12 @@ def test_packed_copy_follows_weight_updates_and_can_be_released():
         m.weight.mul_(2.0)  # an in-place update (an optimizer step) must not leave it stale
         second = m(x)
     torch.testing.assert_close(second - m.bias, 2 * (first - m.bias), atol=1e-5, rtol=1e-5)
+    assert m.packed_copies == {(0, 8)}
     release_packed(m)
-    assert m._packed is None
+    assert m.packed_copies == frozenset()
+    with torch.no_grad(), packed_for_inference(m):
+        m(x)
+        assert m.packed_weight() is not kept  # packed anew after the release
 
 
 @needs_onednn
@@ -56,7 +60,7 @@ def test_packed_path_is_off_while_autograd_records():
     with packed_for_inference(m):
         y = m(x)  # grad enabled: the plain, differentiable path
     y.sum().backward()
-    assert x.grad is not None and m._packed is None
+    assert x.grad is not None and m.packed_copies == frozenset()
 
 
 @needs_onednn
@@ -71,7 +75,7 @@ def test_packed_rows_equal_the_plain_rows(start, stop):
         plain = rows(x)
         with packed_for_inference(m):
             packed = rows(x)
-            assert set(m._packed_rows) == {(start, stop)}
+            assert m.packed_copies == {(start, stop)}
     torch.testing.assert_close(plain.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -90,7 +94,7 @@ def test_packed_rows_follow_weight_updates_and_are_released():
         second = k(x)
     torch.testing.assert_close(second, 3 * first, atol=1e-5, rtol=1e-5)
     release_packed(m)
-    assert m._packed_rows is None
+    assert m.packed_copies == frozenset()
 
 
 def test_linear_rows_own_nothing_and_track_their_source():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dikkat.cli import build_parser
-from dikkat.cli.train import _with_defaults
+from dikkat.cli.train import with_recipe
 from dikkat.runs import checkpoint_dir
 from dikkat.tasks import TaskSpec, build_task, task_names
 from dikkat.tasks.digits import (
@@ -146,12 +146,13 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_cli_defaults_are_the_recipe_for_digits_only():
     parser = build_parser()
-    digits = _with_defaults(parser.parse_args(["train", "--task", "digits"]))
+    digits = with_recipe(parser.parse_args(["train", "--task", "digits"]))
     for name, value in DIGITS_TRAINING.items():
         assert getattr(digits, name) == value
-    lm = _with_defaults(parser.parse_args(["train", "--task", "lm"]))
+    lm = with_recipe(parser.parse_args(["train"]))  # --task left out: lm
+    assert lm.task == "lm"
     assert (lm.preset, lm.steps, lm.batch_size, lm.lr, lm.warmup) == ("tiny", 1000, 32, 1e-3, 100)
-    mine = _with_defaults(parser.parse_args(["train", "--task", "digits", "--batch-size", "8"]))
+    mine = with_recipe(parser.parse_args(["train", "--task", "digits", "--batch-size", "8"]))
     assert mine.batch_size == 8 and mine.steps == DIGITS_TRAINING["steps"]
 
 

@@ -30,9 +30,9 @@ DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces on
 SIZE_FLAGS = ("d_model", "layers", "heads", "kv_heads", "position", "dropout")
 
 
-def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the task (DEFAULT_TASK if left out) and every flag left out (None) set to
-    the task's recipe."""
+def with_recipe(args: argparse.Namespace) -> argparse.Namespace:
+    """Parsed ``dikkat train`` arguments with the task (DEFAULT_TASK if left out) and every flag
+    left out (None) set to that task's recipe (:meth:`dikkat.tasks.TaskInfo.training`)."""
     filled = {**vars(args), "task": args.task or DEFAULT_TASK}
     for name, value in task_info(filled["task"]).training().items():
         if filled.get(name) is None:
@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"resuming {out} at step {trainer.step} of {trainer.config.steps}")
     else:
         check_out_dir(out, overwrite=args.overwrite, what="--out")  # before any slow work
-        args = _with_defaults(args)
+        args = with_recipe(args)
         spec = TaskSpec(
             task=args.task,
             preset=args.preset,

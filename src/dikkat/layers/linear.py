@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from dikkat.validate import check_bool, check_int
 
 
-def _onednn_linear_available() -> bool:
+def onednn_linear_available() -> bool:
+    """Whether this PyTorch build has the oneDNN linear ops that :func:`packed_for_inference`
+    uses; where it has not, that block is a no-op."""
     ops = getattr(torch.ops, "mkldnn", None)
     return (
         torch.backends.mkldnn.is_available()
@@ -87,6 +89,16 @@ class Linear(nn.Linear):
 
     def release_packed(self) -> None:
         self._packed, self._packed_key, self._packed_rows = None, None, None
+
+    @property
+    def packed_copies(self) -> frozenset[tuple[int, int]]:
+        """The row blocks [start, stop) of the weight held as packed copies now: (0,
+        out_features) for the whole weight (``forward``), others for :class:`LinearRows`
+        blocks. Empty until something is packed, and after :meth:`release_packed`."""
+        held = set() if self._packed_rows is None else set(self._packed_rows)
+        if self._packed is not None:
+            held.add((0, self.out_features))
+        return frozenset(held)
 
     def _runs_packed(self, x: Tensor) -> bool:
         return self.use_packed and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
@@ -180,7 +192,7 @@ def packed_for_inference(model: nn.Module) -> Iterator[nn.Module]:
     The first use packs the weights (≈ 0.4 s for GPT-2 small here); the copies are kept for the
     next block while the weights stay unchanged. :func:`release_packed` frees them.
     """
-    layers = [m for m in model.modules() if _packable(m)] if _onednn_linear_available() else []
+    layers = [m for m in model.modules() if _packable(m)] if onednn_linear_available() else []
     previous = [m.use_packed for m in layers]
     try:
         for m in layers:
