@@ -97,9 +97,15 @@ def test_loss_goes_down(lm_task):
         fresh(lm_task),
         TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup=5, eval_every=0, log_every=5),
     )
-    t.train(progress=False)
+    # the baseline: the untrained model's validation loss, about ln 256 (uniform over bytes)
+    untrained = t.evaluate()
+    assert abs(untrained - math.log(256)) < 0.5, untrained
+    result = t.train(progress=False)
     losses = [r["loss"] for r in t.history if "loss" in r]
-    assert losses[-1] < 0.8 * losses[0]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert result.val_loss < 0.8 * untrained, (
+        f"validation loss {result.val_loss:.3f} after training, untrained {untrained:.3f}"
+    )
 
 
 def test_bf16_autocast_trains(lm_task):
