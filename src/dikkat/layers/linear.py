@@ -39,7 +39,10 @@ class Linear(nn.Linear):
 
     Inside :func:`packed_for_inference`, with autograd off, ``forward`` runs oneDNN's linear on a
     reordered copy of the weight. The copy is made on first use and kept (it costs as much memory
-    as the weight) until the weight changes or :meth:`release_packed` is called.
+    as the weight) until the weight changes or :meth:`release_packed` is called. A change is seen
+    by the weight's version counter, which in-place writes bump; PyTorch's fused optimizers
+    (``AdamW(fused=True)``) write without bumping it, so after their steps call
+    :func:`release_packed` (dikkat's trainer does, :func:`dikkat.training.config.make_optimizer`).
     """
 
     use_packed: bool = False

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dikkat.layers import release_packed
 from dikkat.validate import check_bool, check_float, check_int
 
 
@@ -60,7 +61,12 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases, norms or 1-D gains)."""
+    """AdamW with weight decay on matrices only (not on biases, norms or 1-D gains).
+
+    Each step frees the model's packed inference weights (:func:`dikkat.layers.release_packed`):
+    the fused update writes the parameters without bumping their version counters, by which a
+    packed copy would otherwise see that its weight changed.
+    """
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -71,4 +77,6 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     ]
     # fused: one kernel per step for all parameters; on CPU ≈ 4× faster than foreach (which
     # falls back to a loop there), the same update up to rounding
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, config.beta2), fused=True)
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, config.beta2), fused=True)
+    optimizer.register_step_post_hook(lambda *_: release_packed(model))
+    return optimizer
