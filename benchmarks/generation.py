@@ -6,7 +6,9 @@ GPT-2-small shape (12 layers, 12 heads, 768 wide, vocabulary 50257), randomly in
 download), fp32, batch 1. Both models decode greedily from the same prompt; the tokens must be
 identical. Also: the KV cache against recomputing the whole prefix, on the tiny preset.
 The memory-bandwidth limit is (read bandwidth of a 1 GiB sum) / (bytes of weights per token).
-The first ``generate`` call packs the weights for oneDNN (warm-up, timed separately).
+Each ``generate`` call packs the weights for oneDNN and frees them at its end; "held" times the
+calls inside one ``packed_for_inference`` block, which packs once (as a server holding the model
+would), "each call packs" without it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from common import save_json
 from dikkat.interop import gpt_from_hf
+from dikkat.layers import packed_for_inference
 from dikkat.models import GPT, GPTConfig
 
 
@@ -69,14 +72,16 @@ def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
             return ours.generate(ids, n_new)
 
     t_hf, out_hf, _ = time_generate(run_hf, repeats)
-    t_ours, out_ours, first = time_generate(run_ours, repeats)
+    t_alone, _, _ = time_generate(run_ours, repeats)  # each call packs the weights
+    with packed_for_inference(ours):
+        t_ours, out_ours, _ = time_generate(run_ours, repeats)  # packed once
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     bw = read_bandwidth()
     limit = bw / weight_bytes  # tokens/s if each token only had to read the weights once
     return {
         "hf_tok_s": n_new / t_hf,
         "ours_tok_s": n_new / t_ours,
-        "ours_first_call_tok_s": n_new / first,  # includes packing the weights for oneDNN
+        "ours_each_call_packs_tok_s": n_new / t_alone,
         "speedup": t_hf / t_ours,
         "identical_tokens": out_hf.tolist() == out_ours,
         "weight_bytes": weight_bytes,
@@ -124,10 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
     r = vs_hf(args.new, args.prompt, args.repeats)
     print(f"  HF generate     {r['hf_tok_s']:7.1f} tok/s")
     print(
-        f"  dikkat          {r['ours_tok_s']:7.1f} tok/s   ×{r['speedup']:.2f} HF, "
+        f"  dikkat, held    {r['ours_tok_s']:7.1f} tok/s   ×{r['speedup']:.2f} HF, "
         f"identical tokens: {r['identical_tokens']}"
     )
-    print(f"  dikkat, 1st call {r['ours_first_call_tok_s']:7.1f} tok/s   (packs the weights first)")
+    each = r["ours_each_call_packs_tok_s"]
+    print(f"  dikkat, each call packs {each:7.1f} tok/s")
     print(
         f"  bandwidth limit {r['bandwidth_limit_tok_s']:7.1f} tok/s   "
         f"({r['weight_bytes'] / 1e6:.0f} MB of weights at {r['read_bandwidth_gb_s']:.1f} GB/s); "

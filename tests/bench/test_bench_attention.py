@@ -12,8 +12,8 @@ import torch
 
 from dikkat.bench.attention import (
     AttentionBenchConfig,
-    _dense_mask,
     build_mask,
+    dense_mask,
     estimate_extra_bytes,
     run_attention_benchmark,
     save_results,
@@ -121,7 +121,7 @@ def test_visible_cells_count_the_mask(name, n):
     allowed = torch.ones(n, n, dtype=torch.bool) if mask is None else mask.materialize(1, 1, n, n)
     assert visible_cells(name, n) == int(allowed.sum())
     if mask is not None:
-        assert torch.equal(_dense_mask(mask, n, rows=7), mask.materialize(1, 1, n, n))
+        assert torch.equal(dense_mask(mask, n, rows=7), mask.materialize(1, 1, n, n))
 
 
 def test_growth_is_time_at_2n_over_time_at_n():

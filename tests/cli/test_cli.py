@@ -98,7 +98,7 @@ def test_generate_with_a_local_hf_gpt2_directory(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "/nonexistent/dir", "x"], "no config.json"),
+        (["generate", "/nonexistent/dir", "x"], "/nonexistent/dir does not exist"),
         (["generate", "--hf-gpt2", "/nonexistent/dir", "x"], "no config.json"),
         (["generate", "x"], "either a CHECKPOINT"),
         (["generate", "ckpt", "x", "--top-p", "1.5"], "expected a number in (0, 1]"),
@@ -192,7 +192,7 @@ def test_fill_mask_fills_every_mask_with_ranked_guesses(mlm_run, tiny_checkpoint
     assert "has no [MASK]" in capsys.readouterr().err
     path, _ = tiny_checkpoint
     assert main(["fill-mask", str(path), "a [MASK]"]) == 2  # a GPT, not a BERT
-    assert "holds a 'GPT', not a BERT" in capsys.readouterr().err
+    assert f"{path} holds a saved GPT, not a masked-LM BERT" in capsys.readouterr().err
 
 
 def test_device_is_checked_in_one_line(tiny_checkpoint, capsys):
@@ -216,23 +216,24 @@ def test_generate_without_a_prompt_says_so(tiny_checkpoint, capsys):
 
 def test_every_help_example_is_a_valid_command_line():
     """Each command's examples (shown by its --help and by dikkat --help) parse as written."""
-    import argparse
     import shlex
 
     from dikkat.cli import build_parser
+    from dikkat.cli.common import iter_commands
 
     parser = build_parser()
-
-    def commands(p):
-        for action in p._actions:  # argparse has no public walk over subcommands
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in dict.fromkeys(action.choices.values()):
-                    yield sub
-                    yield from commands(sub)
-
-    examples = [cmd for sub in commands(parser) for cmd, _ in sub.dikkat_examples]
+    commands = dict(iter_commands(parser))
+    assert {
+        "train",
+        "generate",
+        "detect",
+        "bench",
+        "bench attention",
+        "bench cost",
+    } <= commands.keys()
+    examples = [(name, cmd) for name, sub in commands.items() for cmd, _ in sub.dikkat_examples]
     assert len(examples) >= 20
-    for example in examples:
-        assert example.startswith("dikkat "), example
+    for name, example in examples:
+        assert example.startswith(f"dikkat {name}"), example
         args = parser.parse_args(shlex.split(example)[1:])
         assert args.command is not None, example

@@ -61,7 +61,7 @@ def test_train_then_resume_extends_the_run(tmp_path, capsys):
             ["train", "--data", "/no/such/file", "--steps", "1", "--out", "/tmp/x-dikkat-none"],
             "does not exist",
         ),
-        (["translate", "/no/such/ckpt", "12"], "has no config.json"),
+        (["translate", "/no/such/ckpt", "12"], "/no/such/ckpt does not exist"),
     ],
 )
 def test_bad_arguments_give_one_line(argv, message, capsys):

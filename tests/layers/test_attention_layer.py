@@ -110,7 +110,7 @@ def test_from_torch_matches_outputs_and_weights(E, H, T, bias):
 def test_from_torch_cross_attention_with_separate_kdim(bias):
     E, H, Cc, T, S = 16, 4, 10, 3, 7
     m = torch_mha(E, H, bias=bias, kdim=Cc, seed=3)
-    assert not m._qkv_same_embed_dim  # torch keeps separate q/k/v weights in this case
+    assert m.in_proj_weight is None  # torch keeps separate q/k/v weights in this case
     ours = MultiHeadAttention.from_torch(m).eval()
     assert ours.context_dim == Cc
     x, ctx = randn(2, T, E, seed=1), randn(2, S, Cc, seed=2)

@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dikkat import MultiHeadAttention, masks
-from dikkat.layers import Block, BlockConfig, packed_for_inference
-from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import Linear, LinearRows, _onednn_linear_available
+from dikkat.layers import Block, BlockConfig, KVCache, packed_for_inference
+from dikkat.layers.linear import Linear, LinearRows, onednn_linear_available
 
 NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -153,7 +152,7 @@ def test_training_and_eval_outputs_are_identical_without_dropout(case):
     assert torch.equal(evaluated, inferred)
 
 
-@pytest.mark.skipif(not _onednn_linear_available(), reason="oneDNN not available")
+@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN not available")
 def test_generation_packs_the_fused_weight():
     torch.manual_seed(0)
     block = Block(BlockConfig(d_model=32, n_heads=4, n_kv_heads=2, cross_attention=True)).eval()
@@ -164,12 +163,11 @@ def test_generation_packs_the_fused_weight():
             packed = block(x, masks.causal(), context=ctx)
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
     attn, cross = block.attn.qkv_proj, block.cross_attn.qkv_proj
-    assert attn._packed is not None  # self-attention: the whole fused weight, packed once
+    assert attn.packed_copies == {(0, attn.out_features)}  # the whole fused weight, once
     # cross-attention: its q rows (on x) and its k and v rows (on the context), each packed
     sizes = block.cross_attn.qkv_sizes
     q_end, k_end = sizes[0], sizes[0] + sizes[1]
-    assert set(cross._packed_rows) == {(0, q_end), (q_end, k_end), (k_end, sum(sizes))}
-    assert cross._packed is None
+    assert cross.packed_copies == {(0, q_end), (q_end, k_end), (k_end, sum(sizes))}  # not whole
 
 
 # --- the state dict keeps the three projections ---------------------------------------------------

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from dikkat.layers.linear import (
     Linear,
     LinearRows,
-    _onednn_linear_available,
+    onednn_linear_available,
     packed_for_inference,
     release_packed,
 )
 
-needs_onednn = pytest.mark.skipif(not _onednn_linear_available(), reason="oneDNN not available")
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN not available")
 
 
 @needs_onednn
@@ -42,11 +42,46 @@ def test_packed_copy_follows_weight_updates_and_can_be_released():
         first = m(x)
         kept = m.packed_weight()
         assert m.packed_weight() is kept  # reused while the weight is unchanged
-        m.weight.mul_(2.0)  # an in-place update (an optimizer step) must not leave it stale
+        m.weight.mul_(2.0)  # an in-place update inside the block must not leave it stale
         second = m(x)
+        assert m.packed_copies == {(0, 8)}
+        release_packed(m)
+        assert m.packed_copies == frozenset()
     torch.testing.assert_close(second - m.bias, 2 * (first - m.bias), atol=1e-5, rtol=1e-5)
-    release_packed(m)
-    assert m._packed is None
+
+
+@needs_onednn
+def test_copies_live_until_the_outermost_block_ends():
+    m = Linear(16, 8)
+    x = torch.randn(1, 16)
+    with torch.no_grad(), packed_for_inference(m):
+        m(x)
+        kept = m.packed_weight()
+        with packed_for_inference(m):  # a generate call inside a held block packs nothing new
+            m(x)
+            assert m.packed_weight() is kept
+        assert m.use_packed and m.packed_copies == {(0, 8)}
+    assert not m.use_packed and m.packed_copies == frozenset()
+
+
+@needs_onednn
+def test_a_fused_optimizer_step_between_blocks_is_never_missed():
+    """torch's fused AdamW writes the weights without moving their version counters, so a
+    packed copy kept from one block to the next could not see the step."""
+    torch.manual_seed(3)
+    m = Linear(16, 8)
+    x = torch.randn(2, 16)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    with torch.no_grad(), packed_for_inference(m):
+        before = m(x)
+    m(x).square().sum().backward()
+    opt.step()
+    with torch.no_grad():
+        plain = m(x)
+        with packed_for_inference(m):
+            packed = m(x)
+    assert not torch.allclose(plain, before, atol=1e-3)  # the step changed the weights
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
 @needs_onednn
@@ -56,7 +91,7 @@ def test_packed_path_is_off_while_autograd_records():
     with packed_for_inference(m):
         y = m(x)  # grad enabled: the plain, differentiable path
     y.sum().backward()
-    assert x.grad is not None and m._packed is None
+    assert x.grad is not None and m.packed_copies == frozenset()
 
 
 @needs_onednn
@@ -71,7 +106,7 @@ def test_packed_rows_equal_the_plain_rows(start, stop):
         plain = rows(x)
         with packed_for_inference(m):
             packed = rows(x)
-            assert set(m._packed_rows) == {(start, stop)}
+            assert m.packed_copies == {(start, stop)}
     torch.testing.assert_close(plain.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -90,7 +125,7 @@ def test_packed_rows_follow_weight_updates_and_are_released():
         second = k(x)
     torch.testing.assert_close(second, 3 * first, atol=1e-5, rtol=1e-5)
     release_packed(m)
-    assert m._packed_rows is None
+    assert m.packed_copies == frozenset()
 
 
 def test_linear_rows_own_nothing_and_track_their_source():

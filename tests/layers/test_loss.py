@@ -133,5 +133,7 @@ def test_scratch_is_not_pickled_or_copied() -> None:
     scratch = Scratch()
     scratch.get("logits", (64, 1000), torch.float32, "cpu")
     assert len(pickle.dumps(scratch)) < 1000  # not the 256 kB buffer
-    assert copy.deepcopy(scratch)._buffers == {}
-    assert scratch._buffers  # the original keeps its buffer
+    assert copy.deepcopy(scratch).nbytes == 0
+    assert scratch.nbytes == 64 * 1000 * 4  # the original keeps its buffer
+    scratch.clear()
+    assert scratch.nbytes == 0

@@ -62,14 +62,6 @@ def trainer_at(task, out: Path, step: int) -> Trainer:
     return t
 
 
-def advance(t: Trainer, step: int) -> None:
-    """Train on to ``step`` in memory only, as between two checkpoints (``train(until=…)``
-    would save at the end)."""
-    from tqdm import tqdm
-
-    t._loop(tqdm(disable=True), step)
-
-
 def weights_of(t: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in t.model.state_dict().items()}
 
@@ -137,9 +129,10 @@ def _on_a_folder(name: str, args: tuple) -> bool:
 
 
 def operations_of_one_save(task, tmp_path: Path) -> int:
+    """The file-system operations of training on from FIRST to SECOND: the save at SECOND's."""
     t = trainer_at(task, tmp_path / "count", FIRST)
     with broken_at(10**9, "fail", pytest.MonkeyPatch()) as seen:
-        t.save()
+        t.train(progress=False, until=SECOND)
     return len(seen)
 
 
@@ -152,14 +145,14 @@ def test_every_operation_of_a_save_broken_in_turn(task, tmp_path, mode, monkeypa
         out = tmp_path / f"{mode}-{k}"
         t = trainer_at(task, out, FIRST)
         at_first = weights_of(t)
-        advance(t, SECOND)
-        at_second = weights_of(t)
         with broken_at(k, mode, monkeypatch) as seen:
-            try:
-                t.save()
+            try:  # the steps touch no file but the log; the save at SECOND is broken
+                t.train(progress=False, until=SECOND)
                 survived.append(seen[k - 1])
             except (OSError, Killed):
                 pass
+        assert t.step == SECOND
+        at_second = weights_of(t)  # what the broken save was writing
         assert len(seen) >= k
         resumed = resume_trainer(out)  # every file checked against its SHA-256 first
         expected = {FIRST: at_first, SECOND: at_second}
@@ -194,9 +187,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(task, tmp_path):
         out = mnt / "run"
         t = trainer_at(task, out, FIRST)
         before = weights_of(t)
-        advance(t, SECOND)
-        with pytest.raises(OSError) as e:
-            t.save()  # the new checkpoint does not fit beside the old one
+        with pytest.raises(OSError) as e:  # the checkpoint at SECOND does not fit beside FIRST's
+            t.train(progress=False, until=SECOND)
         assert e.value.errno == errno.ENOSPC
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
         resumed = resume_trainer(out)

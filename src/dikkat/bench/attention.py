@@ -47,6 +47,7 @@ from dikkat.bench.report import (
 )
 from dikkat.bench.timing import peak_memory, timeit
 from dikkat.core.masks import Mask
+from dikkat.validate import check_int
 
 __all__ = [
     "BACKENDS",
@@ -54,6 +55,7 @@ __all__ = [
     "QUICK",
     "AttentionBenchConfig",
     "build_mask",
+    "dense_mask",
     "estimate_extra_bytes",
     "parse_mask",
     "run_attention_benchmark",
@@ -158,9 +160,12 @@ def visible_cells(name: str, n: int) -> int:
     return sum(length * (length + 1) // 2 for length in lengths)
 
 
-def _dense_mask(mask: Mask, n: int, rows: int = 1024) -> Tensor:
-    """The (1, 1, n, n) bool mask, built a band of rows at a time so that the predicate's
-    intermediate (n, n) grids (an int64 distance for a window) are never whole."""
+def dense_mask(mask: Mask, n: int, rows: int = 1024) -> Tensor:
+    """``mask.materialize(1, 1, n, n)`` (the bool mask SDPA is given), built ``rows`` rows at a
+    time so that the predicate's intermediate (n, n) grids (an int64 distance for a window) are
+    never whole."""
+    check_int("n", n, at_least=0)
+    check_int("rows", rows)
     out = torch.empty(1, 1, n, n, dtype=torch.bool)
     one, keys = torch.arange(1), torch.arange(n)
     for r0 in range(0, n, rows):
@@ -269,7 +274,7 @@ class _Run:
             if why is not None:
                 self.skip(*where, why)
                 continue
-            dense = _dense_mask(mask, n) if backend == "sdpa" and structured else None
+            dense = dense_mask(mask, n) if backend == "sdpa" and structured else None
             try:
                 with torch.no_grad():
                     first, seconds, peak = _measure(

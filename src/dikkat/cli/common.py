@@ -10,7 +10,7 @@ status 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,29 @@ Example = tuple[str, str]  # (the command line, what it does)
 
 
 class DikkatParser(argparse.ArgumentParser):
-    """argparse, with a bad argument reported in one line instead of a usage dump."""
+    """argparse, with a bad argument reported in one line instead of a usage dump, and its
+    subcommands kept where they can be listed (:func:`iter_commands`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # name → parser
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.commands = action.choices  # filled by each add_parser
+        return action
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"dikkat: error: {message} (see `dikkat --help`)\n")
+
+
+def iter_commands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every command under ``parser``, groups' commands included, as ("bench attention", its
+    parser), in the order they were added."""
+    for name, sub in getattr(parser, "commands", {}).items():
+        yield name, sub
+        for inner, parser_of in iter_commands(sub):
+            yield f"{name} {inner}", parser_of
 
 
 def format_examples(examples: Sequence[Example]) -> str:

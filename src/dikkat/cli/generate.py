@@ -14,6 +14,7 @@ import torch
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
 from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.folders import load_model
 from dikkat.generation import iter_generate
 from dikkat.interop import load_hf_gpt2_dir
 from dikkat.interop.pretrained import minilm
@@ -33,7 +34,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model = load_hf_gpt2_dir(args.hf_gpt2)
         tokenizer = load_tokenizer(args.hf_gpt2)
     else:
-        model = GPT.load(args.checkpoint, verify=not args.no_verify)
+        model = load_model(
+            GPT, args.checkpoint, "generate", verify=not args.no_verify, device=device
+        )
         tokenizer = _tokenizer_of(args.checkpoint, model.config.vocab_size, not args.no_verify)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
@@ -88,7 +91,9 @@ def _tokenizer_of(folder: str, vocab_size: int, verify: bool) -> Any:
 
 def cmd_fill_mask(args: argparse.Namespace) -> int:
     """Print the text with each [MASK] filled, then the top guesses for each."""
-    model = BERT.load(args.run, verify=not args.no_verify).to(device_of(args))
+    model = load_model(
+        BERT, args.run, "fill-mask", verify=not args.no_verify, device=device_of(args)
+    )
     tokenizer = load_tokenizer(args.run, verify=not args.no_verify)
     filled = fill_mask(model, tokenizer, args.text, top_k=args.top_k)
     print(filled.text)
@@ -100,14 +105,14 @@ def cmd_fill_mask(args: argparse.Namespace) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     """Print one JSON list per sentence: its 384-dim MiniLM embedding."""
-    for row in minilm().encode(args.sentences).tolist():
+    for row in minilm(device_of(args)).encode(args.sentences).tolist():
         print(json.dumps([round(x, args.digits) for x in row]))
     return 0
 
 
 def cmd_similar(args: argparse.Namespace) -> int:
     """Rank candidate sentences by cosine similarity to the query."""
-    for score, text in minilm().similar(args.query, args.candidates):
+    for score, text in minilm(device_of(args)).similar(args.query, args.candidates):
         print(f"{score:7.4f}  {text}")
     return 0
 
@@ -163,6 +168,7 @@ def add_commands(sub: Any) -> None:
     )
     embed.add_argument("sentences", nargs="+")
     embed.add_argument("--digits", type=positive_int, default=6, help="decimals to print")
+    add_device(embed)
 
     similar = add_command(
         sub,
@@ -174,3 +180,4 @@ def add_commands(sub: Any) -> None:
     )
     similar.add_argument("query")
     similar.add_argument("candidates", nargs="+")
+    add_device(similar)

@@ -15,6 +15,7 @@ from typing import Any
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
 from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.folders import held, load_model, refusal
 from dikkat.models.seq2seq import Seq2Seq
 from dikkat.tasks import TaskSpec, build_task, task_info, task_names
 from dikkat.tasks.translate import encode_numbers
@@ -24,14 +25,16 @@ from dikkat.training.checkpoint import check_out_dir
 from dikkat.training.leak import leak_demo
 from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
+DEFAULT_TASK = "lm"  # --task left out of a new run
 DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces only its own
 SIZE_FLAGS = ("d_model", "layers", "heads", "kv_heads", "position", "dropout")
 
 
-def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with every flag left out (None) set to the task's recipe."""
-    filled = vars(args).copy()
-    for name, value in task_info(args.task).training().items():
+def with_recipe(args: argparse.Namespace) -> argparse.Namespace:
+    """Parsed ``dikkat train`` arguments with the task (DEFAULT_TASK if left out) and every flag
+    left out (None) set to that task's recipe (:meth:`dikkat.tasks.TaskInfo.training`)."""
+    filled = {**vars(args), "task": args.task or DEFAULT_TASK}
+    for name, value in task_info(filled["task"]).training().items():
         if filled.get(name) is None:
             filled[name] = value
     return argparse.Namespace(**filled)
@@ -68,17 +71,34 @@ def _summary(result: Any, task: str) -> None:
         print(f"checkpoint, log.jsonl and loss.png in {result.out_dir}")
 
 
+def _check_resumable(out: Path, task: str | None) -> None:
+    """Refuse, in one line, ``--resume`` of a saved model, or of a run of another task than
+    ``--task`` names. (A folder with no run at all is refused by resume_trainer.)"""
+    if runs.folder_kind(out) not in ("run", "model"):
+        return
+    what = held(out)
+    if not what.is_run:
+        raise ValueError(refusal(what, "a training run (--resume continues one)"))
+    if task is not None and what.task is not None and what.task != task:
+        raise ValueError(
+            f"{out} holds {what.describe()}, not a {task!r} run: --resume continues the run's "
+            f"own task (leave out --task, or give --task {what.task})"
+        )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
 
-    out = Path(args.out or f"runs/{args.task}")
+    device = device_of(args)
+    out = Path(args.out or f"runs/{args.task or DEFAULT_TASK}")
     if args.resume:
         if args.overwrite:
             raise ValueError("--resume continues the run in --out; --overwrite would replace it")
-        trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify)
+        _check_resumable(out, args.task)
+        trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify, device=device)
         print(f"resuming {out} at step {trainer.step} of {trainer.config.steps}")
     else:
         check_out_dir(out, overwrite=args.overwrite, what="--out")  # before any slow work
-        args = _with_defaults(args)
+        args = with_recipe(args)
         spec = TaskSpec(
             task=args.task,
             preset=args.preset,
@@ -101,7 +121,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         task = build_task(spec)
-        trainer = Trainer(task, config, out, overwrite=args.overwrite, made_by="dikkat train")
+        trainer = Trainer(
+            task, config, out, overwrite=args.overwrite, made_by="dikkat train", device=device
+        )
         n = sum(p.numel() for p in task.model.parameters())
         print(
             f"{spec.task}: {type(task.model).__name__} '{spec.preset}' with {n:,} parameters, "
@@ -114,7 +136,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_translate(args: argparse.Namespace) -> int:
 
-    model = Seq2Seq.load(args.checkpoint, verify=not args.no_verify).to(device_of(args)).eval()
+    verify, device = not args.no_verify, device_of(args)
+    model = load_model(Seq2Seq, args.checkpoint, "translate", verify=verify, device=device).eval()
     tokenizer = load_tokenizer(args.checkpoint, verify=not args.no_verify)
     if not isinstance(tokenizer, NumberTokenizer):
         raise ValueError(
@@ -156,7 +179,11 @@ def cmd_leak_demo(args: argparse.Namespace) -> int:
 
     print("The same tiny GPT, the same batches, trained with and without the causal mask.")
     result = leak_demo(
-        steps=args.steps, data=args.data, seed=args.seed, progress=not args.no_progress
+        steps=args.steps,
+        data=args.data,
+        seed=args.seed,
+        progress=not args.no_progress,
+        device=device_of(args),
     )
     print_leak(result)
     return 0
@@ -166,6 +193,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small GPT on the standard library, show the leak, sample with the KV cache."""
 
     t0 = time.perf_counter()
+    device = device_of(args)
     out = Path(args.out)
     # an earlier demo's run is the demo's to replace; anything else only with --overwrite
     replace = runs.folder_kind(out) == "run" and runs.made_by(out) == DEMO
@@ -192,7 +220,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"   {n:,} parameters, bytes as tokens, "
         f"{config.steps} steps of {config.batch_size}×{spec.seq_len} tokens"
     )
-    trainer = Trainer(task, config, out, overwrite=replace or args.overwrite, made_by=DEMO)
+    overwrite = replace or args.overwrite
+    trainer = Trainer(task, config, out, overwrite=overwrite, made_by=DEMO, device=device)
     result = trainer.train(progress=not args.no_progress)
     print(
         f"   validation loss {result.val_loss:.3f} nats/byte after {result.seconds:.0f} s "
@@ -214,7 +243,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "\n3. A fake loss (docs/contract.md §5): the same kind of model trained without the "
         "causal mask."
     )
-    print_leak(leak_demo(steps=args.leak_steps, seed=0, progress=not args.no_progress))
+    leak = leak_demo(steps=args.leak_steps, seed=0, progress=not args.no_progress, device=device)
+    print_leak(leak)
 
     print(f"\nDone in {time.perf_counter() - t0:.0f} s. Checkpoint, log.jsonl and loss.png: {out}/")
     print(f"Continue the text yourself:  dikkat generate {out} 'import ' -n 200 --temperature 0.8")
@@ -255,7 +285,9 @@ def add_commands(sub: Any) -> None:
         notes="tasks and their recipes (the defaults of the flags left out):\n"
         + "\n".join(_recipe_line(n) for n in names),
     )
-    train.add_argument("--task", choices=names, default="lm")
+    train.add_argument(
+        "--task", choices=names, help=f"what to learn (default {DEFAULT_TASK}; --resume: the run's)"
+    )
     train.add_argument("--preset", help="model preset (default: the task's recipe)")
     size = train.add_argument_group("model size (override the preset; not every task has all)")
     size.add_argument("--d-model", type=positive_int)
@@ -292,6 +324,7 @@ def add_commands(sub: Any) -> None:
         action="store_true",
         help="replace the run or model already in --out (without it, such a folder is refused)",
     )
+    add_device(train)
     add_no_verify(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -322,6 +355,7 @@ def add_commands(sub: Any) -> None:
     leak.add_argument("--steps", type=positive_int, default=300)
     leak.add_argument("--data", help="text file or folder (default: the Python standard library)")
     leak.add_argument("--seed", type=int, default=0)
+    add_device(leak)
     leak.add_argument("--no-progress", action="store_true")
 
     demo = add_command(
@@ -342,6 +376,7 @@ def add_commands(sub: Any) -> None:
     demo.add_argument("--leak-steps", type=positive_int, default=300)
     demo.add_argument("--sample-tokens", type=positive_int, default=200)
     demo.add_argument("--bf16", action="store_true")
+    add_device(demo)
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument(
         "--overwrite",

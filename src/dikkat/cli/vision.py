@@ -2,44 +2,32 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dikkat import runs
 from dikkat.cli.args import add_no_verify, positive_int
-from dikkat.cli.common import add_command
+from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.folders import load_model, task_seed
 from dikkat.tasks.digits import SIDE, load_digits_split
-from dikkat.training.checkpoint import TASK_FILE
 from dikkat.vision.cost import format_cost_table, vision_cost
-from dikkat.vision.detr import DETR
+from dikkat.vision.detr import DETR, DETROutput
 from dikkat.vision.detr_plot import plot_detections
 from dikkat.vision.shapes import SHAPE_NAMES, ShapesConfig, make_batch
 from dikkat.vision.vit import ViT
 from dikkat.vision.vit_plot import plot_attention_maps
 
 
-def _run_seed(path: str) -> int:
-    """The data seed a run was trained with (0 for a model folder, which records none)."""
-
-    task_file = runs.checkpoint_dir(path) / TASK_FILE
-    if not task_file.is_file():
-        return 0
-    try:
-        return int(json.loads(task_file.read_text())["task"]["seed"])
-    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{task_file} is not a valid run description: {e}") from None
-
-
 def cmd_vit_attention(args: Any) -> int:
     """Draw a trained digits ViT's class-token attention for a few held-out digits."""
 
-    model = ViT.load(args.run, verify=not args.no_verify).eval()
+    device = device_of(args)
+    model = load_model(ViT, args.run, "vit-attention", verify=not args.no_verify, device=device)
+    model.eval()
     seed = args.seed
     if seed is None:  # the run's own split, so the digits shown were never trained on
-        seed = _run_seed(args.run)
+        seed = task_seed(args.run)
     c = model.config
     if (c.image_size, c.channels, c.n_classes) != (SIDE, 1, 10):
         raise ValueError(
@@ -53,8 +41,8 @@ def cmd_vit_attention(args: Any) -> int:
         raise ValueError(f"--layer {args.layer}: the model has layers 0 … {c.n_layers - 1}")
     images, labels = data.test_x[: args.count], data.test_y[: args.count]
     with torch.no_grad():
-        predicted = model(images).argmax(dim=-1)
-    maps = model.attention_maps(images)
+        predicted = model(images.to(device)).argmax(dim=-1).cpu()
+        maps = model.attention_maps(images.to(device))
     out = args.out or Path(args.run) / "vit_attention.png"
     path = plot_attention_maps(
         images, maps, out, labels=labels, predicted=predicted, layer=args.layer
@@ -76,7 +64,9 @@ def cmd_vision_cost(args: Any) -> int:
 def cmd_detect(args: Any) -> int:
     """Draw a shapes DETR's boxes and each object query's cross-attention on validation images."""
 
-    model = DETR.load(args.run, verify=not args.no_verify).eval()
+    device = device_of(args)
+    model = load_model(DETR, args.run, "detect", verify=not args.no_verify, device=device)
+    model.eval()
     c, data = model.config, ShapesConfig()
     if (c.image_size, c.n_classes) != (data.image_size, len(SHAPE_NAMES)):
         raise ValueError(
@@ -89,11 +79,13 @@ def cmd_detect(args: Any) -> int:
         raise ValueError(f"--start must be ≥ 0, got {args.start}")
     seed = args.seed
     if seed is None:  # the run's own validation stream: images it never trained on
-        seed = _run_seed(args.run)
+        seed = task_seed(args.run)
     indices = range(args.start, args.start + args.count)
     images, labels, boxes = make_batch(indices, split="val", seed=seed, config=data)
     with torch.no_grad():
-        out = model(images, return_attention=True)
+        out = model(images.to(device), return_attention=True)
+    attention = None if out.cross_attention is None else out.cross_attention.cpu()
+    out = DETROutput(out.logits.cpu(), out.boxes.cpu(), attention)  # drawn from the CPU
     target = args.out or Path(args.run) / "detections.png"
     path = plot_detections(images, out, target, class_names=SHAPE_NAMES, labels=labels, boxes=boxes)
     print(f"{path}: boxes and cross-attention of {args.count} validation images")
@@ -121,6 +113,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--count", type=positive_int, default=6, help="held-out digits to show")
     p.add_argument("--layer", type=int, help="show every head of this layer (0-based)")
     p.add_argument("--seed", type=int, help="the split's seed (default: the run's)")
+    add_device(p)
     add_no_verify(p)
 
     p = add_command(
@@ -161,4 +154,5 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--count", type=positive_int, default=4, help="images to show (at most 12)")
     p.add_argument("--start", type=int, default=0, help="first validation image index")
     p.add_argument("--seed", type=int, help="the validation stream's seed (default: the run's)")
+    add_device(p)
     add_no_verify(p)

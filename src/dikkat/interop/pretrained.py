@@ -57,12 +57,14 @@ class SentenceEncoder:
 
     @torch.no_grad()
     def encode(self, sentences: list[str], *, batch_size: int = 64) -> Tensor:
-        """(N, C) L2-normalised mean-pooled embeddings."""
+        """(N, C) L2-normalised mean-pooled embeddings, on the model's device."""
+        device = next(self.model.parameters()).device
         if not sentences:
-            return torch.zeros(0, self.model.config.d_model)
+            return torch.zeros(0, self.model.config.d_model, device=device)
         out = []
         for start in range(0, len(sentences), batch_size):
             ids, valid = self.tokenize(sentences[start : start + batch_size])
+            ids, valid = ids.to(device), valid.to(device)
             hidden = self.model.encode(ids, valid)  # (N, T, C)
             w = valid.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * w).sum(1) / w.sum(1).clamp_min(1e-9)  # mean over real tokens
@@ -78,8 +80,8 @@ class SentenceEncoder:
         return sorted(zip(scores, candidates, strict=True), key=lambda p: -p[0])
 
 
-def minilm() -> SentenceEncoder:
-    """The real all-MiniLM-L6-v2 sentence encoder (384-dim embeddings)."""
+def minilm(device: str | torch.device = "cpu") -> SentenceEncoder:
+    """The real all-MiniLM-L6-v2 sentence encoder (384-dim embeddings), on ``device``."""
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
@@ -89,6 +91,7 @@ def minilm() -> SentenceEncoder:
     tensors = bert_state_dict(load_file(root / "model.safetensors"), config.n_layers)
     model = BERT(config)
     model.load_state_dict(tensors, strict=True)
+    model.to(device)
     max_len = json.loads((root / "sentence_bert_config.json").read_text())["max_seq_length"]
     return SentenceEncoder(
         model, Tokenizer.from_file(str(root / "tokenizer.json")), max_len=max_len

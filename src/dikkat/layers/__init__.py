@@ -3,7 +3,13 @@
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import Linear, packed_for_inference, release_packed
+from dikkat.layers.linear import (
+    Linear,
+    LinearRows,
+    onednn_linear_available,
+    packed_for_inference,
+    release_packed,
+)
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP
 from dikkat.layers.norm import LayerNorm
@@ -26,12 +32,14 @@ __all__ = [
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "Linear",
+    "LinearRows",
     "MultiHeadAttention",
     "RotaryEmbedding",
     "Scratch",
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "linear_cross_entropy",
+    "onednn_linear_available",
     "packed_for_inference",
     "release_packed",
 ]

@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from dikkat.validate import check_bool, check_int
 
 
-def _onednn_linear_available() -> bool:
+def onednn_linear_available() -> bool:
+    """Whether this PyTorch build has the oneDNN linear ops that :func:`packed_for_inference`
+    uses; where it has not, that block is a no-op."""
     ops = getattr(torch.ops, "mkldnn", None)
     return (
         torch.backends.mkldnn.is_available()
@@ -36,11 +38,14 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, state dict and math) with an optional packed weight.
 
     Inside :func:`packed_for_inference`, with autograd off, ``forward`` runs oneDNN's linear on a
-    reordered copy of the weight. The copy is made on first use and kept (it costs as much memory
-    as the weight) until the weight changes or :meth:`release_packed` is called.
+    reordered copy of the weight. The copy is made on first use and lives until the outermost
+    such block ends (it costs as much memory as the weight); inside the block it is rebuilt when
+    the weight's version counter moves (any in-place write through autograd's view of it).
+    Nothing is kept between blocks: an optimizer step may write the weights without moving that
+    counter (PyTorch's fused ``AdamW(fused=True)`` does), so no later check could tell.
     """
 
-    use_packed: bool = False
+    _pack_depth: int = 0  # open packed_for_inference blocks around this layer
     _packed: Tensor | None = None
     _packed_key: tuple[int, int, torch.dtype] | None = None
     # packed copies of row blocks (LinearRows), keyed by (start, stop)
@@ -87,6 +92,21 @@ class Linear(nn.Linear):
 
     def release_packed(self) -> None:
         self._packed, self._packed_key, self._packed_rows = None, None, None
+
+    @property
+    def packed_copies(self) -> frozenset[tuple[int, int]]:
+        """The row blocks [start, stop) of the weight held as packed copies now: (0,
+        out_features) for the whole weight (``forward``), others for :class:`LinearRows`
+        blocks. Empty until something is packed, and after :meth:`release_packed`."""
+        held = set() if self._packed_rows is None else set(self._packed_rows)
+        if self._packed is not None:
+            held.add((0, self.out_features))
+        return frozenset(held)
+
+    @property
+    def use_packed(self) -> bool:
+        """Whether a :func:`packed_for_inference` block is open around this layer."""
+        return self._pack_depth > 0
 
     def _runs_packed(self, x: Tensor) -> bool:
         return self.use_packed and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
@@ -177,18 +197,21 @@ def packed_for_inference(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, every :class:`Linear` of ``model`` on the CPU (fp32/bf16) multiplies
     through oneDNN with a reordered copy of its weight. A no-op where oneDNN is not available.
 
-    The first use packs the weights (≈ 0.4 s for GPT-2 small here); the copies are kept for the
-    next block while the weights stay unchanged. :func:`release_packed` frees them.
+    The first use inside the block packs the weights, which costs about one pass over them; the
+    copies live until the outermost block ends, then they are freed. Blocks nest, so to pack once
+    for many ``generate`` calls (a server, a benchmark), hold one block open around them and do
+    not change the weights inside it.
     """
-    layers = [m for m in model.modules() if _packable(m)] if _onednn_linear_available() else []
-    previous = [m.use_packed for m in layers]
+    layers = [m for m in model.modules() if _packable(m)] if onednn_linear_available() else []
+    for m in layers:
+        m._pack_depth += 1
     try:
-        for m in layers:
-            m.use_packed = True
         yield model
     finally:
-        for m, before in zip(layers, previous, strict=True):
-            m.use_packed = before
+        for m in layers:
+            m._pack_depth -= 1
+            if m._pack_depth == 0:
+                m.release_packed()
 
 
 def release_packed(model: nn.Module) -> None:

@@ -53,6 +53,11 @@ class Scratch:
     def clear(self) -> None:
         self._buffers.clear()
 
+    @property
+    def nbytes(self) -> int:
+        """The memory the buffers hold now."""
+        return sum(t.nbytes for t in self._buffers.values())
+
     def __getstate__(self) -> dict:
         # pickling or copying a model (torch.save(model), copy.deepcopy) carries no buffers
         return {"_buffers": {}}

@@ -26,6 +26,7 @@ __all__ = [
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "resolve_positions",
+    "sinusoidal_table",
     "valid_positions",
 ]
 

@@ -174,14 +174,15 @@ class DigitsTask(Task):
         probabilities over the image's 9 one-pixel shifts (the training augmentation's)."""
         was = model.training
         model.eval()
-        x = self.data.test_x
+        device = next(model.parameters()).device
+        x = self.data.test_x.to(device)
         if average_shifts:
             views = every_shift(x)  # (9, N, 1, 8, 8)
             probs = model(views.flatten(0, 1)).softmax(-1).view(len(views), len(x), -1).mean(0)
         else:
             probs = model(x)
         model.train(was)
-        return float((probs.argmax(dim=-1) == self.data.test_y).double().mean())
+        return float((probs.argmax(dim=-1).cpu() == self.data.test_y).double().mean())
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Held-out accuracy (plain, and averaged over shifts) beside the 1-NN baseline."""

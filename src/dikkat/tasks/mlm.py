@@ -58,10 +58,11 @@ class MLMTask(CorpusTask):
         """Loss and accuracy on masked validation tokens, beside the best context-free guesses:
         the unigram distribution's cross-entropy and always guessing the commonest token."""
         g = torch.Generator().manual_seed(1234)
+        device = next(model.parameters()).device
         hits = total = 0
         nats = 0.0
         for _ in range(8):
-            b = self.batch("val", g, 16)
+            b = {name: t.to(device) for name, t in self.batch("val", g, 16).items()}
             logits = model(b["x"])
             keep = b["y"] != -100
             hits += int((logits.argmax(-1)[keep] == b["y"][keep]).sum())

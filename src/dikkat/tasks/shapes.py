@@ -90,12 +90,15 @@ class ShapesTask(Task):
 
     @torch.no_grad()
     def predict(self, model: nn.Module, images: Tensor, chunk: int = 128) -> DETROutput:
-        """The model's output on many images, in chunks, in evaluation mode."""
+        """The model's output on many images, in chunks, in evaluation mode (on the CPU,
+        wherever the model runs)."""
         was = model.training
         model.eval()
-        outs = [model(images[i : i + chunk]) for i in range(0, len(images), chunk)]
+        device = next(model.parameters()).device
+        outs = [model(images[i : i + chunk].to(device)) for i in range(0, len(images), chunk)]
         model.train(was)
-        return DETROutput(torch.cat([o.logits for o in outs]), torch.cat([o.boxes for o in outs]))
+        logits, boxes = torch.cat([o.logits for o in outs]), torch.cat([o.boxes for o in outs])
+        return DETROutput(logits.cpu(), boxes.cpu())
 
     def baseline(self) -> dict[str, float]:
         """A model that ignores the image: every query says the commonest training class with

@@ -43,9 +43,11 @@ def _loss_with(
     task: LMTask, model: torch.nn.Module, split: str, mask, batches: int, batch_size: int
 ) -> float:
     g = torch.Generator().manual_seed(4242)
+    device = next(model.parameters()).device
     total = 0.0
     for _ in range(batches):
-        loss, _ = task.loss(model, task.batch(split, g, batch_size), mask=mask)
+        batch = {name: t.to(device) for name, t in task.batch(split, g, batch_size).items()}
+        loss, _ = task.loss(model, batch, mask=mask)
         total += float(loss)
     return total / batches * task.report_scale
 
@@ -63,9 +65,11 @@ def leak_demo(
     max_bytes: int | None = 2_000_000,
     seed: int = 0,
     progress: bool = True,
+    device: str | torch.device = "cpu",
 ) -> LeakResult:
     """Train the same tiny GPT (same initial weights, same batches) with and without the causal
-    mask, then compare training loss, causal validation loss and a greedy sample."""
+    mask on ``device``, then compare training loss, causal validation loss and a greedy
+    sample."""
     import time
 
     t0 = time.perf_counter()
@@ -97,7 +101,7 @@ def leak_demo(
     )
     runs = []
     for name, task in (("masked (causal)", masked), ("unmasked (leaks the future)", unmasked)):
-        trainer = Trainer(task, config)
+        trainer = Trainer(task, config, device=device)
         if progress:
             print(f"  training the {name} model")
         trainer.train(progress=progress)

@@ -15,13 +15,9 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +41,7 @@ from dikkat.training.checkpoint import (
     write_log,
 )
 from dikkat.training.config import TrainConfig, lr_factor, make_optimizer
+from dikkat.training.signals import TrainingInterrupted, finish_step_on_signals
 from dikkat.viz.curves import plot_losses
 
 __all__ = [
@@ -82,22 +79,14 @@ class DivergedError(FloatingPointError):
     """The loss or the gradient norm stopped being finite; the step was not applied."""
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) or SIGTERM stopped training after the step in flight; the run was saved."""
-
-    def __init__(self, signum: int, step: int, out_dir: Path | None) -> None:
-        self.signum, self.step, self.out_dir = signum, step, out_dir
-        name = signal.Signals(signum).name
-        where = f"; saved in {out_dir} (--resume continues)" if out_dir is not None else ""
-        super().__init__(f"{name}: stopped at step {step}{where}")
-
-
 class Trainer:
     """Trains ``task.model`` on ``task`` with ``config``, saving into ``out_dir`` (optional).
 
     ``out_dir`` must be new or empty: a folder holding a run, a model or other files is refused
     (``ValueError``) unless ``overwrite=True``, which removes what dikkat wrote there when
-    training starts. ``made_by`` is recorded in the run's ``run.json``.
+    training starts. ``made_by`` is recorded in the run's ``run.json``. ``device`` is where the
+    model trains (the task's batches are moved there); it is not part of the run, so a run
+    trained on one device resumes on another.
     """
 
     def __init__(
@@ -108,10 +97,12 @@ class Trainer:
         *,
         overwrite: bool = False,
         made_by: str = "dikkat.Trainer",
+        device: str | torch.device = "cpu",
         _resuming: bool = False,
     ) -> None:
         self.task, self.config = task, config
-        self.model = task.model
+        self.device = torch.device(device)
+        self.model = task.model.to(self.device)
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.made_by = made_by
         self._overwrite = overwrite
@@ -148,6 +139,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            **self._device_rng(),
             "history": self.history,
             "loss_window": self._window,
         }
@@ -161,6 +153,12 @@ class Trainer:
         )
         self.saved_step = self.step
 
+    def _device_rng(self) -> dict[str, torch.Tensor]:
+        """The GPU's random state (its dropout draws), saved beside the CPU's when on CUDA."""
+        if self.device.type != "cuda":
+            return {}
+        return {"cuda_rng": torch.cuda.get_rng_state(self.device)}
+
     def load_state(self, state: dict[str, Any], source: str | Path = "trainer state") -> None:
         """Restore the optimizer, scheduler, RNG, step and history of a saved trainer state, and
         rewrite ``log.jsonl`` to match it (for --resume)."""
@@ -168,6 +166,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["torch_rng"])
+            if self.device.type == "cuda" and "cuda_rng" in state:  # dropout on the GPU
+                torch.cuda.set_rng_state(state["cuda_rng"], self.device)
             self.step = int(state["step"])
             self.history = list(state["history"])
             self._window = [float(x) for x in state.get("loss_window", [])]
@@ -180,7 +180,12 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
 
     def _autocast(self) -> Any:
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16)
+
+    def _batch(self, split: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The task's next batch (drawn on the CPU, from ``generator``), on the model's device."""
+        batch = self.task.batch(split, generator, self.config.batch_size)
+        return {name: t.to(self.device) for name, t in batch.items()}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -191,9 +196,7 @@ class Trainer:
         total = count = 0.0
         with self._autocast():
             for _ in range(self.config.eval_batches):
-                loss, n = self.task.loss(
-                    self.model, self.task.batch("val", g, self.config.batch_size)
-                )
+                loss, n = self.task.loss(self.model, self._batch("val", g))
                 total += float(loss) * n
                 count += n
         self.model.train(was)
@@ -215,7 +218,7 @@ class Trainer:
         )
         self._interrupted = None
         try:
-            with _finish_step_on_signals(self):
+            with finish_step_on_signals(self._flag_signal):
                 tokens = self._loop(bar, end)
         finally:
             bar.close()
@@ -255,7 +258,7 @@ class Trainer:
         t0, tokens, window = time.perf_counter(), 0, self._window
         shown: dict[str, str] = {}  # the progress bar's loss, tokens/s and last validation loss
         while self.step < end and not self._interrupted:
-            batch = task.batch("train", step_generator(c.seed, self.step), c.batch_size)
+            batch = self._batch("train", step_generator(c.seed, self.step))
             with self._autocast():
                 loss, _ = task.loss(self.model, batch)
             value = loss.item() * task.report_scale
@@ -292,6 +295,9 @@ class Trainer:
             bar.update(1)
         return tokens
 
+    def _flag_signal(self, signum: int) -> None:
+        self._interrupted = signum  # the loop stops after the step in flight
+
     def _diverged(self, what: str) -> None:
         kept = (
             f"the last checkpoint (step {self.saved_step}) in {self.out_dir} is untouched"
@@ -326,31 +332,15 @@ class Trainer:
         return path
 
 
-@contextlib.contextmanager
-def _finish_step_on_signals(trainer: Trainer) -> Iterator[None]:
-    """While training, Ctrl-C (SIGINT) and SIGTERM only raise a flag; the loop stops after the
-    step in flight, so a checkpoint is never taken between an optimizer update and its step
-    count. (Signal handlers can only be set from the main thread; elsewhere signals act as
-    usual.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def flag(signum: int, frame: object) -> None:
-        trainer._interrupted = signum
-
-    previous = {sig: signal.signal(sig, flag) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def resume_trainer(
-    out_dir: str | Path, *, steps: int | None = None, verify: bool = True
+    out_dir: str | Path,
+    *,
+    steps: int | None = None,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
 ) -> Trainer:
-    """Rebuild the task, model and trainer saved in ``out_dir`` and restore their state.
+    """Rebuild the task, model and trainer saved in ``out_dir`` and restore their state; the
+    run continues on ``device`` (whichever device it was trained on).
 
     Every file of the checkpoint is checked against its SHA-256 first (``verify=False`` skips
     that). ``steps`` extends the run (the cosine schedule is then re-planned to the new end);
@@ -382,7 +372,7 @@ def resume_trainer(
     task = build_task(spec, tokenizer=load_tokenizer(saved.folder, verify=False))  # checked
     task.model = type(task.model).load(saved.folder, verify=False)  # type: ignore[attr-defined]
     made_by = saved.made_by or "dikkat.Trainer"
-    trainer = Trainer(task, config, d, made_by=made_by, _resuming=True)
+    trainer = Trainer(task, config, d, made_by=made_by, device=device, _resuming=True)
     trainer.load_state(saved.state, saved.folder / STATE_FILE)
     return trainer
 
@@ -394,9 +384,11 @@ def train(
     *,
     progress: bool = True,
     overwrite: bool = False,
+    device: str | torch.device = "cpu",
 ) -> TrainResult:
-    """Build ``spec``'s task and model and train them; the one-call entry point."""
+    """Build ``spec``'s task and model and train them on ``device``; the one-call entry point."""
     if out_dir is not None:  # refuse a folder in use before building anything
         check_out_dir(Path(out_dir), overwrite=overwrite)
     task = build_task(spec)
-    return Trainer(task, config, out_dir, overwrite=overwrite).train(progress=progress)
+    trainer = Trainer(task, config, out_dir, overwrite=overwrite, device=device)
+    return trainer.train(progress=progress)
