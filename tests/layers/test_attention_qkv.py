@@ -161,13 +161,14 @@ def test_generation_packs_the_fused_weight():
         plain = block(x, masks.causal(), context=ctx)
         with packed_for_inference(block):
             packed = block(x, masks.causal(), context=ctx)
+            attn, cross = block.attn.qkv_proj, block.cross_attn.qkv_proj
+            assert attn.packed_copies == {(0, attn.out_features)}  # the whole fused weight, once
+            # cross-attention: its q rows (on x), its k and v rows (on the context), each packed
+            sizes = block.cross_attn.qkv_sizes
+            q_end, k_end = sizes[0], sizes[0] + sizes[1]
+            assert cross.packed_copies == {(0, q_end), (q_end, k_end), (k_end, sum(sizes))}
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
-    attn, cross = block.attn.qkv_proj, block.cross_attn.qkv_proj
-    assert attn.packed_copies == {(0, attn.out_features)}  # the whole fused weight, once
-    # cross-attention: its q rows (on x) and its k and v rows (on the context), each packed
-    sizes = block.cross_attn.qkv_sizes
-    q_end, k_end = sizes[0], sizes[0] + sizes[1]
-    assert cross.packed_copies == {(0, q_end), (q_end, k_end), (k_end, sum(sizes))}  # not whole
+    assert attn.packed_copies == cross.packed_copies == frozenset()  # freed with the block
 
 
 # --- the state dict keeps the three projections ---------------------------------------------------
