@@ -21,3 +21,19 @@ def test_help_prints_usage_and_exits(script, monkeypatch, capsys):
         runpy.run_path(str(script), run_name="__main__")
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_versions_compares_two_source_trees_in_alternated_processes(monkeypatch):
+    """benchmarks/versions.py on the same tree twice: a table of ratios for every config."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    import versions
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    configs = "causal@64,window16@64,doclen32@64"
+    argv = [str(src), str(src), "--rounds", "1", "--calls", "1", "--configs", configs]
+    table = versions.main(argv)
+    assert set(table) == set(configs.split(","))
+    assert all(row["old_ms"] > 0 and row["new_ms"] > 0 for row in table.values())
+    with pytest.raises(SystemExit):
+        versions.main([str(src / "dikkat"), str(src)])  # not a src folder
