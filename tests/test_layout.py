@@ -30,7 +30,7 @@ TIERS: tuple[frozenset[str], ...] = tuple(
         "tasks",
         "training bench",
         "cli",
-        "dikkat",
+        "dikkat __main__",
     )
 )
 

@@ -237,3 +237,14 @@ def test_every_help_example_is_a_valid_command_line():
         assert example.startswith(f"dikkat {name}"), example
         args = parser.parse_args(shlex.split(example)[1:])
         assert args.command is not None, example
+
+
+def test_python_dash_m_dikkat_is_the_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "dikkat", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: dikkat")
