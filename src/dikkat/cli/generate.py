@@ -150,7 +150,7 @@ def add_commands(sub: Any) -> None:
         description=f"Predict every {MASK} in TEXT (one token each) with a BERT run of "
         "`dikkat train --task mlm`: the text with the best guesses, then the top guesses and "
         "their probabilities for each mask.",
-        examples=[(f"dikkat fill-mask runs/mlm 'def f(x): return {MASK}'", "one byte per mask")],
+        examples=[(f"dikkat fill-mask runs/mlm 'def f(x): return {MASK}'", "one token a mask")],
     )
     fill.add_argument("run", help="run folder of `dikkat train --task mlm`")
     fill.add_argument("text", help=f"text with one or more {MASK}")
