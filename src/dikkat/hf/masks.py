@@ -234,7 +234,7 @@ def _padding(attention_mask: Tensor, grid: _Grid) -> Mask:
             f"attention_mask must be a 2-D (B, keys) padding mask here, got shape "
             f"{tuple(valid.shape)}"
         )
-    if valid.shape[1] < needed:  # transformers pads it with False the same way (prepare_padding_mask)
+    if valid.shape[1] < needed:  # padded with False, as masking_utils.prepare_padding_mask does
         valid = torch.nn.functional.pad(valid, (0, needed - valid.shape[1]))
     valid = valid[:, grid.kv_offset : needed]
     if bool(valid.all()):

@@ -5,8 +5,9 @@ Notation: ``B`` batch, ``T`` tokens, ``V`` vocabulary.
 
 The oracle is transformers' own ``attn_implementation="eager"`` (the formula written out),
 in float32, on randomly initialised tiny models built from configs (nothing downloaded):
-GPT-2 (right padding), BERT (padding through ``attention_mask``), Llama (grouped-query heads
-and RoPE, left padding) and Mistral (a sliding window shorter than the sequence, left padding).
+GPT-2 (right padding, a scale of 1/(√D·(layer + 1))), BERT (padding through
+``attention_mask``), Llama (grouped-query heads and RoPE, left padding) and Mistral (a sliding
+window shorter than the sequence, left padding).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ transformers = pytest.importorskip("transformers")
 BACKENDS = ["reference", "tiled", "sdpa", "auto"]
 # one registered name per backend ("sdpa" may not appear in a name: transformers would take it
 # for torch's SDPA)
-NAMES = {b: dikkat.hf.register(f"dikkat-test-{b.replace('sdpa', 'fused')}", backend=b) for b in BACKENDS}
+NAMES = {
+    b: dikkat.hf.register(f"dikkat-test-{b.replace('sdpa', 'fused')}", backend=b) for b in BACKENDS
+}
 TOL = 1e-5
 B, T, V = 3, 12, 97
 LENGTHS = [12, 9, 5]  # real tokens per row
@@ -36,6 +39,7 @@ def gpt2() -> nn.Module:
     config = transformers.GPT2Config(
         vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        scale_attn_by_inverse_layer_idx=True,  # a scaling other than 1/√D reaches attention
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
@@ -90,7 +94,9 @@ def test_logits_equal_eager(name, backend):
         want = model(ids, attention_mask=mask).logits
         model.set_attn_implementation(NAMES[backend])
         got = model(ids, attention_mask=mask).logits
-    real = mask.bool()  # padded positions' outputs are nobody's (dikkat gives 0 where eager averages)
+    # padded positions' outputs are nobody's (a query that sees no key: dikkat gives 0 where
+    # eager averages every value)
+    real = mask.bool()
     assert real.sum() == sum(LENGTHS)
     assert float((got - want)[real].abs().max()) <= TOL
     assert float(want[real].abs().max()) > 0.01  # not a comparison of two zeros
@@ -143,7 +149,8 @@ def test_every_attention_layer_runs_through_dikkat():
 
     model, ids, mask = make("llama")
     model.set_attn_implementation(NAMES["tiled"])
-    assert transformers.AttentionInterface()[NAMES["tiled"]] is dikkat.hf.attention_function("tiled")
+    registered = transformers.AttentionInterface()[NAMES["tiled"]]
+    assert registered is dikkat.hf.attention_function("tiled")
     before = plans.builds + plans.hits
     with torch.no_grad():
         model(ids, attention_mask=mask)

@@ -138,9 +138,7 @@ def test_cache_offsets_sliding_and_full(past):
     for layer in range(cfg.num_hidden_layers):
         cache.update(kv, kv, layer)
     pad = left_padded([past + 3, past + 2, past], past + 3)
-    made = compare(
-        mu.create_sliding_window_causal_mask, cfg, attention_mask=pad, cache=cache, T=3
-    )
+    made = compare(mu.create_sliding_window_causal_mask, cfg, attention_mask=pad, cache=cache, T=3)
     assert made.q_offset == min(past, 3)  # after the past keys the layer still holds
 
 
