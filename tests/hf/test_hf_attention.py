@@ -102,13 +102,20 @@ def test_logits_equal_eager(name, backend):
     assert float(want[real].abs().max()) > 0.01  # not a comparison of two zeros
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", DECODERS)
-def test_greedy_generate_with_cache_equals_eager(name, backend):
+def test_greedy_generate_with_cache_equals_eager(name, backend, cache):
+    """A dynamic cache (a sliding-window model's keeps only the window's last keys, numbered
+    from an offset) and a static one (keys up to its length, the rest hidden; its masks
+    prepared by generate before the forward)."""
     model, ids, mask = make(name, seed=1)
     config = model.generation_config
     config.pad_token_id = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True,
+        cache_implementation=cache,
+    )  # fmt: skip
     want = model.generate(ids, **kwargs)
     model.set_attn_implementation(NAMES[backend])
     got = model.generate(ids, **kwargs)

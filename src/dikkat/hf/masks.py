@@ -54,6 +54,14 @@ class HFMask:
     q_length: int
     kv_length: int
 
+    # transformers takes a mask with four dimensions as one already prepared (generate prepares
+    # them ahead for a static cache, then the model's forward hands them to the mask function)
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, 1, self.q_length, self.kv_length)
+
 
 @dataclass(frozen=True)
 class _Grid:
@@ -79,7 +87,7 @@ def hf_mask(
     q_offset: int | Tensor = 0,
     kv_offset: int = 0,
     mask_function: Callable | None = None,
-    attention_mask: Tensor | None = None,
+    attention_mask: Tensor | HFMask | None = None,
     use_vmap: bool = False,
     device: torch.device | str = "cpu",
     **kwargs: Any,
@@ -89,6 +97,13 @@ def hf_mask(
     layer receiving None knows no mask function ran)."""
     from transformers.masking_utils import causal_mask_function  # optional dependency
 
+    if isinstance(attention_mask, HFMask):  # prepared ahead (generate, static cache): as it is
+        if attention_mask.shape[2:] != (q_length, kv_length):
+            raise ValueError(
+                f"a prepared mask of shape {attention_mask.shape} cannot serve (T, S) = "
+                f"{(q_length, kv_length)}"
+            )
+        return attention_mask
     hf_q_offset = int(q_offset)  # a static cache passes a 0-d tensor
     if hf_q_offset < kv_offset:
         raise ValueError(
