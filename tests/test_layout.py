@@ -1,6 +1,6 @@
 """The shape of the source tree: imports between packages flow one way, files stay small.
 
-The order (README, "Layout"): core → layers → generation → models → interop / vision → tasks →
+The order (README, "Layout"): core → layers → generation → models → interop / vision / hf → tasks →
 training → cli, with bench beside (only the command line imports it), viz a leaf that draws
 (it imports nothing of the model stack, only files), and the one-file utilities (files, runs,
 validate, presets, seeds, text) where their imports put them (:data:`TIERS`). A package may
@@ -26,7 +26,7 @@ TIERS: tuple[frozenset[str], ...] = tuple(
         "masks layers text",
         "generation seeds",
         "models",
-        "interop vision",
+        "interop vision hf",
         "tasks",
         "training bench",
         "cli",

@@ -5,7 +5,7 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-from dikkat import masks
+from dikkat import hf, masks
 from dikkat.core import (
     AttentionAux,
     attention,
@@ -62,6 +62,7 @@ __all__ = [
     "clear_caches",
     "explain",
     "generate",
+    "hf",
     "iter_generate",
     "masks",
     "pretrained",

@@ -1,0 +1,14 @@
+"""dikkat as the attention of Hugging Face models (docs/hf.md).
+
+    import dikkat.hf
+    dikkat.hf.register()  # "dikkat" in transformers' AttentionInterface and AttentionMaskInterface
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dikkat")
+
+transformers is an optional dependency: it is imported by :func:`register` and by the
+functions transformers calls, never by ``import dikkat``.
+"""
+
+from dikkat.hf.attention import attention_function, register
+from dikkat.hf.masks import HFMask, hf_mask
+
+__all__ = ["HFMask", "attention_function", "hf_mask", "register"]

@@ -1,0 +1,149 @@
+"""dikkat's attention inside Hugging Face models: the function ``AttentionInterface`` calls.
+
+Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (G divides H), ``T`` query
+length, ``S`` key length, ``D`` head dim.
+
+transformers' attention layers call ``attention_interface(module, query, key, value,
+attention_mask, dropout=..., scaling=..., **kwargs)`` with q (B, H, T, D), k and v (B, G, S, D)
+— grouped-query heads not repeated — and take back ``(out (B, T, H, D), weights | None)``
+(https://huggingface.co/docs/transformers/attention_interface). The mask is what the mask
+function registered under the same name returned: dikkat's :class:`~dikkat.hf.masks.HFMask`, or
+a 4-D tensor the caller built (transformers passes those through unchanged).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from dikkat.core.attention import attention, check_backend_name
+from dikkat.core.masks import Mask
+from dikkat.hf.masks import HFMask, hf_mask
+
+__all__ = ["attention_function", "register"]
+
+# transformers gives these words a meaning in an attn_implementation name: "sdpa" anywhere runs
+# torch's SDPA checks and fallbacks (modeling_utils.get_correct_attn_implementation), "flash" the
+# flash-attention paths (utils.generic.is_flash_attention_requested), "flex" and "paged" theirs,
+# and "/" is read as a kernel repository on the Hub
+_RESERVED = ("sdpa", "flash", "flex", "paged", "/", "|")
+
+# Keyword arguments whose meaning dikkat does not implement yet: refused, never ignored.
+_UNSUPPORTED = {
+    "softcap": "logit soft-capping (Gemma 2)",
+    "position_bias": "a position bias passed beside the mask (T5)",
+    "s_aux": "attention sinks",
+}
+
+
+def register(name: str = "dikkat", *, backend: str = "auto") -> str:
+    """Register dikkat's attention and mask functions with transformers under ``name``.
+
+    Afterwards ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)`` runs every attention layer of the model through
+    ``dikkat.attention(..., backend=backend)``, with the masks transformers builds turned into
+    dikkat masks (:mod:`dikkat.hf.masks`). Registering the same name again replaces it (with
+    the same functions, for the same backend). Returns ``name``.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    taken = [word for word in _RESERVED if word in name.lower()]
+    if taken or name == "eager":
+        raise ValueError(
+            f"name {name!r} cannot be registered: transformers gives "
+            f"{taken[0] if taken else 'eager'!r} in an attn_implementation name a meaning of its "
+            "own (e.g. any name containing 'sdpa' is run as torch's SDPA); choose another name"
+        )
+    check_backend_name("backend", backend, exact_only=True)
+    try:  # transformers is an optional dependency, imported only when it is used
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as error:
+        raise ImportError(
+            "dikkat.hf.register needs transformers ≥ 4.53 (AttentionInterface and "
+            "AttentionMaskInterface): pip install 'transformers>=4.53'"
+        ) from error
+    AttentionInterface.register(name, attention_function(backend))
+    AttentionMaskInterface.register(name, hf_mask)
+    return name
+
+
+@functools.cache
+def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, None]]:
+    """The function ``AttentionInterface`` calls, running ``dikkat.attention`` on ``backend``
+    (one function object per backend)."""
+    check_backend_name("backend", backend, exact_only=True)
+
+    def dikkat_attention(
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: HFMask | Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        for word, what in _UNSUPPORTED.items():
+            if kwargs.get(word) is not None:
+                raise ValueError(f"dikkat's HF attention does not support {word}= ({what}) yet")
+        mask, bias, q_offset = _mask_and_bias(module, query, key, attention_mask, kwargs)
+        out = attention(
+            query,
+            key,
+            value,
+            mask,
+            scale=scaling,
+            bias=bias,
+            q_offset=q_offset,
+            dropout=dropout,
+            backend=backend,
+        )  # (B, H, T, Dv)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, Dv), no weights
+
+    dikkat_attention.__qualname__ = f"dikkat_attention[{backend}]"
+    return dikkat_attention
+
+
+def _mask_and_bias(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    attention_mask: HFMask | Tensor | None,
+    kwargs: dict[str, Any],
+) -> tuple[Mask | Tensor | None, Tensor | None, int]:
+    """(dikkat mask, additive bias, q_offset) from what a layer passed as ``attention_mask``."""
+    B, T, S = query.shape[0], query.shape[-2], key.shape[-2]
+    if isinstance(attention_mask, HFMask):
+        built = (attention_mask.batch, attention_mask.q_length, attention_mask.kv_length)
+        if built[1:] != (T, S) or built[0] not in (1, B):
+            raise ValueError(
+                f"the attention mask was built for (B, T, S) = {built} but "
+                f"{type(module).__name__} attends with (B, T, S) = {(B, T, S)}"
+            )
+        return attention_mask.mask, None, attention_mask.q_offset
+    if attention_mask is None:
+        causal = kwargs.get("is_causal")
+        if causal is None:
+            causal = getattr(module, "is_causal", False)
+        if causal:
+            name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+            raise ValueError(
+                f"dikkat received no attention mask for the causal layer {type(module).__name__} "
+                f"(layer_idx={getattr(module, 'layer_idx', None)}): transformers passes none "
+                f"when no mask function is registered under attn_implementation={name!r}, and "
+                "without one every query would see the future. Register with "
+                "dikkat.hf.register(name), which registers both functions."
+            )
+        return None, None, 0
+    if isinstance(attention_mask, Tensor):  # a 4-D mask the caller built, passed through
+        if attention_mask.dtype.is_floating_point:
+            return None, attention_mask, 0  # additive, as transformers' eager attention adds it
+        return attention_mask, None, 0  # bool: True = may attend, as dikkat's
+    raise TypeError(
+        f"attention_mask must be dikkat's HFMask, a tensor or None, got "
+        f"{type(attention_mask).__name__}: was the model's mask function registered by "
+        "dikkat.hf.register?"
+    )

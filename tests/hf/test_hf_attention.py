@@ -1,0 +1,194 @@
+"""dikkat.hf.register: Hugging Face models run through dikkat.attention give eager's logits,
+eager's greedy tokens and eager's gradients, on every dikkat backend (docs/hf.md).
+
+Notation: ``B`` batch, ``T`` tokens, ``V`` vocabulary.
+
+The oracle is transformers' own ``attn_implementation="eager"`` (the formula written out),
+in float32, on randomly initialised tiny models built from configs (nothing downloaded):
+GPT-2 (right padding, a scale of 1/(√D·(layer + 1))), BERT (padding through
+``attention_mask``), Llama (grouped-query heads and RoPE, left padding) and Mistral (a sliding
+window shorter than the sequence, left padding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import dikkat.hf
+
+transformers = pytest.importorskip("transformers")
+
+BACKENDS = ["reference", "tiled", "sdpa", "auto"]
+# one registered name per backend ("sdpa" may not appear in a name: transformers would take it
+# for torch's SDPA)
+NAMES = {
+    b: dikkat.hf.register(f"dikkat-test-{b.replace('sdpa', 'fused')}", backend=b) for b in BACKENDS
+}
+TOL = 1e-5
+B, T, V = 3, 12, 97
+LENGTHS = [12, 9, 5]  # real tokens per row
+
+
+def _small(**extra: object) -> dict:
+    return dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, **extra)
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        scale_attn_by_inverse_layer_idx=True,  # a scaling other than 1/√D reaches attention
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        **_small(num_attention_heads=4), max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        **_small(num_attention_heads=4, num_key_value_heads=2), max_position_embeddings=64
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def mistral() -> nn.Module:
+    config = transformers.MistralConfig(
+        **_small(num_attention_heads=4, num_key_value_heads=1), max_position_embeddings=64,
+        sliding_window=4,
+    )  # fmt: skip
+    return transformers.MistralForCausalLM(config)
+
+
+# model, and whether it pads on the left (decoders that generate) or the right
+MODELS = {"gpt2": (gpt2, False), "bert": (bert, False), "llama": (llama, True),
+          "mistral": (mistral, True)}  # fmt: skip
+DECODERS = ["gpt2", "llama", "mistral"]
+
+
+def make(name: str, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """The model (eval, eager) and a padded batch: ids (B, T), attention_mask (B, T)."""
+    build, left = MODELS[name]
+    torch.manual_seed(seed)
+    model = build().eval()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(1, V, (B, T))
+    real = torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]  # right padding
+    if left:
+        real = real.flip(-1)
+    return model, ids.masked_fill(~real, 0), real.long()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_equal_eager(name, backend):
+    model, ids, mask = make(name)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(NAMES[backend])
+        got = model(ids, attention_mask=mask).logits
+    # padded positions' outputs are nobody's (a query that sees no key: dikkat gives 0 where
+    # eager averages every value)
+    real = mask.bool()
+    assert real.sum() == sum(LENGTHS)
+    assert float((got - want)[real].abs().max()) <= TOL
+    assert float(want[real].abs().max()) > 0.01  # not a comparison of two zeros
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", DECODERS)
+def test_greedy_generate_with_cache_equals_eager(name, backend, cache):
+    """A dynamic cache (a sliding-window model's keeps only the window's last keys, numbered
+    from an offset) and a static one (keys up to its length, the rest hidden; its masks
+    prepared by generate before the forward)."""
+    model, ids, mask = make(name, seed=1)
+    config = model.generation_config
+    config.pad_token_id = 0
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True,
+        cache_implementation=cache,
+    )  # fmt: skip
+    want = model.generate(ids, **kwargs)
+    model.set_attn_implementation(NAMES[backend])
+    got = model.generate(ids, **kwargs)
+    assert want.shape == (B, T + 8)
+    assert torch.equal(got, want)
+
+
+def _grads(model: nn.Module, ids: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    model.zero_grad()
+    # the loss reads only real tokens predicted from real tokens: a causal LM predicts token t
+    # from position t - 1, and a left-padded row's first real token would be predicted from a
+    # padding position, whose output (a query that sees no key) eager and dikkat define apart
+    read = mask.bool()
+    read[:, 1:] &= read[:, :-1].clone()
+    labels = ids.masked_fill(~read, -100)
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_equal_eager(name, backend):
+    model, ids, mask = make(name, seed=2)
+    model.train()  # every dropout is 0: train mode changes nothing but what HF passes
+    want = _grads(model, ids, mask)
+    model.set_attn_implementation(NAMES[backend])
+    got = _grads(model, ids, mask)
+    assert got.keys() == want.keys() and len(want) > 10
+    for key in want:
+        scale = max(1.0, float(want[key].abs().max()))
+        assert float((got[key] - want[key]).abs().max()) <= TOL * scale, key
+    assert any(float(g.abs().max()) > 1e-3 for g in want.values())
+
+
+def test_every_attention_layer_runs_through_dikkat():
+    """The tiled backend's plan cache counts its calls: one per layer and forward."""
+    from dikkat.core.tiled import plans
+
+    model, ids, mask = make("llama")
+    model.set_attn_implementation(NAMES["tiled"])
+    registered = transformers.AttentionInterface()[NAMES["tiled"]]
+    assert registered is dikkat.hf.attention_function("tiled")
+    before = plans.builds + plans.hits
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert plans.builds + plans.hits - before == model.config.num_hidden_layers
+
+
+def test_register_is_idempotent_and_refuses_sdpa_names():
+    again = dikkat.hf.register(NAMES["tiled"], backend="tiled")
+    assert transformers.AttentionInterface()[again] is dikkat.hf.attention_function("tiled")
+    for name in ("dikkat_sdpa", "flash-dikkat", "eager", "org/kernel"):
+        with pytest.raises(ValueError, match="cannot be registered"):
+            dikkat.hf.register(name)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dikkat.hf.register("dikkat-test-typo", backend="tiledd")
+
+
+def test_a_causal_model_without_a_mask_function_raises():
+    """Registered as an attention function alone, transformers hands the layers no mask: a
+    causal model must refuse rather than let every query see the future."""
+    transformers.AttentionInterface.register("dikkat-test-nomask", dikkat.hf.attention_function())
+    model, ids, mask = make("llama")
+    model.set_attn_implementation("dikkat-test-nomask")
+    with pytest.raises(ValueError, match="no attention mask for the causal layer"):
+        model(ids, attention_mask=mask)
+
+
+def test_dropout_on_a_backend_without_it_raises():
+    model, ids, mask = make("llama")
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train().set_attn_implementation(NAMES["tiled"])
+    with pytest.raises(ValueError, match="'tiled' cannot serve this call: it has no dropout"):
+        model(ids, attention_mask=mask)
