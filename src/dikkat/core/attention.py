@@ -39,6 +39,7 @@ from dikkat.core.checks import (
     check_mask,
     check_qkv,
     check_scale,
+    check_softcap,
 )
 from dikkat.core.masks import Mask
 from dikkat.core.nonfinite import (
@@ -170,6 +171,7 @@ def _request(
     dropout: float,
     return_weights: bool,
     return_lse: bool = False,
+    softcap: float | None = None,
 ) -> AttentionRequest:
     shape = check_qkv(q, k, v)
     return AttentionRequest(
@@ -184,6 +186,7 @@ def _request(
         return_weights=check_flag("return_weights", return_weights),
         shape=shape,
         return_lse=check_flag("return_lse", return_lse),
+        softcap=check_softcap(softcap),
     )
 
 
@@ -194,6 +197,7 @@ def attention(
     mask: Mask | Tensor | None = None,
     *,
     scale: float | None = None,
+    softcap: float | None = None,
     bias: Tensor | None = None,
     q_offset: int = 0,
     dropout: float = 0.0,
@@ -201,7 +205,8 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, AttentionAux]:
-    """Scaled dot-product attention: ``softmax(Q Kᵀ · scale + bias) V`` over the allowed keys.
+    """Scaled dot-product attention: ``softmax(Q Kᵀ · scale + bias) V`` over the allowed keys;
+    with ``softcap`` c, ``softmax(c · tanh(Q Kᵀ · scale / c) + bias) V``.
 
     Args:
         q: queries (B, H, T, D).
@@ -210,6 +215,9 @@ def attention(
         mask: a :mod:`dikkat.masks` mask or a bool tensor broadcastable to (B, H, T, S);
             **True = may attend**. A row with no allowed key gives output 0.
         scale: multiplies the scores; default 1/√D.
+        softcap: logit soft-capping (Gemma 2): a positive c bounds the scaled scores s to
+            (−c, c) as ``c · tanh(s / c)``, before the bias and the mask; None: no capping.
+            The reference and flex backends can (docs/attention.md, "Soft-capping").
         bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
         q_offset: absolute position of the first query, for masks when decoding with a cache.
         dropout: dropout probability on the weights (pass 0 at evaluation).
@@ -232,7 +240,9 @@ def attention(
     >>> weights.shape, lse is None
     (torch.Size([1, 2, 4, 4]), True)
     """
-    request = _request(q, k, v, mask, scale, bias, q_offset, dropout, return_weights, return_lse)
+    request = _request(
+        q, k, v, mask, scale, bias, q_offset, dropout, return_weights, return_lse, softcap
+    )
     if backend == "auto":
         chosen, _ = _choose(request)
     elif backend in _BACKENDS:
@@ -283,12 +293,13 @@ def explain(
     bias: Tensor | None = None,
     q_offset: int = 0,
     return_weights: bool = False,
+    softcap: float | None = None,
 ) -> str:
     """Say which backend ``auto`` would pick for this call, and why: ``"name (reasons): doc"``,
     the reasons being why auto passed each earlier backend by. When the verdict on a backend
     depends on the state of this process — flex is taken only for a signature already compiled
     here — a last sentence says so."""
-    request = _request(q, k, v, mask, None, bias, q_offset, 0.0, return_weights)
+    request = _request(q, k, v, mask, None, bias, q_offset, 0.0, return_weights, False, softcap)
     chosen, refused = _choose(request)
     why = "; ".join(f"not {name}: {reason}" for name, reason in refused) or "the first choice"
     notes = []

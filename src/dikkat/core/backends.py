@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from dikkat.core import flex, tuning
@@ -43,6 +44,7 @@ class AttentionRequest:
     return_weights: bool
     shape: AttentionShape
     return_lse: bool = False  # also the log-sum-exp of each row's scores (B, H, T), fp32
+    softcap: float | None = None  # scaled scores s become softcap · tanh(s / softcap)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor | None, Tensor |
         q_offset=r.q_offset,
         dropout=r.dropout,
         return_lse=r.return_lse,
+        softcap=r.softcap,
     )
     return out, aux.weights, aux.lse
 
@@ -97,7 +100,13 @@ def _run_sdpa(r: AttentionRequest) -> tuple[Tensor, None, None]:
     return out, None, None
 
 
+# the reason given by the backends whose kernels take no score modifier
+NO_SOFTCAP = "it cannot soft-cap the scores (softcap=)"
+
+
 def _sdpa_supports(r: AttentionRequest) -> str | None:
+    if r.softcap is not None:
+        return NO_SOFTCAP + ": PyTorch's fused kernels take no score modifier"
     if r.return_weights:
         return "it cannot return the weights"
     if r.return_lse:
@@ -152,6 +161,8 @@ def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
 
 
 def _tiled_supports(r: AttentionRequest) -> str | None:
+    if r.softcap is not None:
+        return NO_SOFTCAP + ": its tile kernels take no score modifier"
     if r.return_weights:
         return "it never holds the full weights (use return_lse)"
     if r.dropout > 0:
@@ -173,19 +184,25 @@ TILED = Backend(
 def _run_flex(r: AttentionRequest) -> tuple[Tensor, None, Tensor | None]:
     out, lse = flex.flex_attention(
         r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset,
-        return_lse=r.return_lse,
+        return_lse=r.return_lse, softcap=r.softcap,
     )  # fmt: skip
     return out, None, lse
 
 
 def _flex_supports(r: AttentionRequest) -> str | None:
+    grad = torch.is_grad_enabled()
     return flex.flex_supports(
-        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse
-    )
+        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse,
+        softcap=r.softcap, needs_grad=grad and any(t.requires_grad for t in (r.q, r.k, r.v)),
+        bias_needs_grad=grad and r.bias is not None and r.bias.requires_grad,
+    )  # fmt: skip
 
 
 def _flex_verdict(r: AttentionRequest) -> tuple[str | None, str | None]:
-    return flex.auto_verdict(r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset)
+    return flex.auto_verdict(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset,
+        softcap=r.softcap,
+    )  # fmt: skip
 
 
 FLEX = Backend(
@@ -213,6 +230,8 @@ def _linear_supports(r: AttentionRequest) -> str | None:
             f"causal linear attention needs the queries to be the last keys: q_offset + T = "
             f"{r.q_offset + r.shape.T}, S = {r.shape.S}"
         )
+    if r.softcap is not None:
+        return NO_SOFTCAP + ": linear attention forms no scores"
     for flag, what in (
         (r.bias is not None, "bias"),
         (r.dropout > 0, "dropout"),

@@ -84,6 +84,17 @@ def check_scale(scale: float | None, D: int) -> float:
     return float(scale)
 
 
+def check_softcap(softcap: float | None) -> float | None:
+    """None (no capping) or a positive finite number: the bound ``c`` of ``c · tanh(s / c)``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be positive and finite (or None), got {softcap}")
+    return float(softcap)
+
+
 def check_mask(mask: Mask | Tensor | None, shape: AttentionShape, q_offset: int) -> Mask | None:
     """Wrap a tensor mask and check that the mask applies to the (B, H, T, S) scores."""
     if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:

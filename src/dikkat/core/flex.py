@@ -4,7 +4,8 @@ Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T``/``S`` que
 ``D``/``Dv`` head dims.
 
 A dikkat mask becomes flex's ``mask_mod`` and a cached block mask (:mod:`dikkat.core.flex_masks`);
-a bias becomes a ``score_mod`` adding its entry.
+a bias becomes a ``score_mod`` adding its entry, after soft-capping the score when ``softcap`` is
+set (the order of Gemma 2's attention, docs/attention.md "Soft-capping").
 
 Compiling: flex is fast only compiled, and a compile costs seconds to a minute per signature
 (shapes, dtype, mask structure). An explicit ``backend="flex"`` compiles (that is the caller's
@@ -28,9 +29,11 @@ What differs from the reference: no weights, no dropout. Rows with every key mas
 lse −inf). On CPU torch (2.13) gives flex neither a backward nor, compiled, a log-sum-exp: there
 the lse is refused and the gradients are the tiled backend's, which recomputes its own forward (so
 a CPU training step pays one extra forward pass). A bias that needs a gradient takes that route on
-every device: flex's own gradient for a tensor captured by ``score_mod`` is not checked here. A
-call with no score cells (B, T or S = 0), which flex itself cannot reduce over, is the tiled
-backend's: zeros, and lse −inf.
+every device: flex's own gradient for a tensor captured by ``score_mod`` is not checked here. The
+tiled backend cannot soft-cap, so with ``softcap`` flex refuses the calls that would take that
+route (a backward on CPU, a bias that needs a gradient); should dynamo fail on a soft-capped call,
+it runs on the reference instead. A call with no score cells (B, T or S = 0), which flex itself
+cannot reduce over, is the tiled backend's: zeros, and lse −inf.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dikkat.core import tuning
 from dikkat.core.flex_masks import BlockMaskCache, block_masks, flex_module
 from dikkat.core.mask_keys import describe, is_builtin
 from dikkat.core.masks import Mask
+from dikkat.core.reference import reference_attention
 from dikkat.core.tiled import tiled_attention
 
 __all__ = [
@@ -70,10 +74,18 @@ def _layout(t: Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def _score_mod(bias: Tensor) -> Callable[..., Tensor]:
-    """Adds ``bias[b, h, q, kv]``; a bias dimension of size 1 is indexed at 0 (broadcast)."""
+def _score_mod(bias: Tensor | None, softcap: float | None) -> Callable[..., Tensor] | None:
+    """``softcap · tanh(score / softcap)`` when ``softcap`` is set, then ``+ bias[b, h, q, kv]``
+    (a bias dimension of size 1 is indexed at 0: broadcast); None when there is neither. flex's
+    score is already scaled, so this is the reference's order."""
+    if bias is None and softcap is None:
+        return None
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if bias is None:
+            return score
         idx = (b, h, q_idx, kv_idx)
         idx = tuple(
             i if n > 1 else torch.zeros_like(i) for i, n in zip(idx, bias.shape, strict=True)
@@ -120,7 +132,7 @@ compiled = CompiledFlex()
 
 def _signature(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
-    q_offset: int, grad: bool,
+    q_offset: int, grad: bool, softcap: float | None = None,
 ) -> tuple:  # fmt: skip
     """What a compiled flex kernel is specialised on (a superset of dynamo's guards)."""
     return (
@@ -130,6 +142,7 @@ def _signature(
         scale,
         q_offset,
         grad,
+        softcap,
     )
 
 
@@ -138,12 +151,13 @@ def _cells(q: Tensor, k: Tensor) -> int:
 
 
 def is_warm(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None = None, *, scale: float,
-            bias: Tensor | None = None, q_offset: int = 0) -> bool:  # fmt: skip
+            bias: Tensor | None = None, q_offset: int = 0,
+            softcap: float | None = None) -> bool:  # fmt: skip
     """Whether flex has already been compiled in this process for a call like this one."""
     if mask is not None and not is_builtin(mask):
         return False  # a mask of the caller's own type: dynamo's guards on it are unknown here
     grad = _needs_grad(q, k, v) and q.device.type != "cpu"
-    return _signature(q, k, v, mask, bias, scale, q_offset, grad) in compiled
+    return _signature(q, k, v, mask, bias, scale, q_offset, grad, softcap) in compiled
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
@@ -158,7 +172,7 @@ def _dynamo_failed(error: TypeError) -> bool:
 
 def _call(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
-    q_offset: int, return_lse: bool,
+    q_offset: int, return_lse: bool, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     B, H, T, _ = q.shape
     S = k.shape[2]
@@ -169,7 +183,7 @@ def _call(
     v = v.view_as(v) if v is q or v is k else v
     block_mask = None if mask is None else block_masks.get(mask, B, H, T, S, q_offset, q.device)
     kwargs: dict = {
-        "score_mod": None if bias is None else _score_mod(bias),
+        "score_mod": _score_mod(bias, softcap),
         "block_mask": block_mask,
         "scale": scale,
         "enable_gqa": k.shape[1] != H,
@@ -186,18 +200,26 @@ def _call(
                 warnings.simplefilter("ignore", UserWarning)
                 result = api.flex_attention(q, k, v, **kwargs)  # type: ignore[union-attr]
         else:
-            signature = _signature(q, k, v, mask, bias, scale, q_offset, _needs_grad(q, k, v))
+            grad = _needs_grad(q, k, v)
+            signature = _signature(q, k, v, mask, bias, scale, q_offset, grad, softcap)
             result = compiled(signature, q, k, v, **kwargs)
     except TypeError as e:
         if not _dynamo_failed(e):
             raise
+        instead = "tiled" if softcap is None else "reference"  # tiled cannot soft-cap
         warnings.warn(
-            f"flex: torch's dynamo failed ({type(e).__name__}: {e}); this call ran on the tiled "
-            "backend instead (the same attention). dikkat does not reset dynamo, which would "
-            "drop every compiled graph in the process.",
+            f"flex: torch's dynamo failed ({type(e).__name__}: {e}); this call ran on the "
+            f"{instead} backend instead (the same attention). dikkat does not reset dynamo, "
+            "which would drop every compiled graph in the process.",
             RuntimeWarning,
             stacklevel=2,
         )
+        if softcap is not None:
+            out, aux = reference_attention(
+                q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset, return_lse=return_lse,
+                softcap=softcap,
+            )  # fmt: skip
+            return out, aux.lse  # fp32 (fp64 for fp64), or None
         out, lse = tiled_attention(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset)
         return out, (lse.to(torch.promote_types(q.dtype, torch.float32)) if return_lse else None)
     if not return_lse:
@@ -252,10 +274,14 @@ def flex_attention(
     bias: Tensor | None = None,
     q_offset: int = 0,
     return_lse: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention through FlexAttention: ``(out (B, H, T, Dv), lse (B, H, T) or None)``, shapes
     as in the reference; see :func:`flex_supports` for what it refuses."""
-    reason = flex_supports(q, return_lse=return_lse)
+    reason = flex_supports(
+        q, return_lse=return_lse, softcap=softcap, needs_grad=_needs_grad(q, k, v),
+        bias_needs_grad=bias is not None and _needs_grad(bias),
+    )  # fmt: skip
     if reason is not None:
         raise ValueError(f"flex_attention cannot serve this call: {reason}")
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
@@ -273,7 +299,7 @@ def flex_attention(
         result = _FlexTiledBackward.apply(q, k, v, bias, mask, scale, q_offset, return_lse)
         return result if return_lse else (result, None)
     bias = None if bias is None else bias.detach()
-    return _call(q, k, v, mask, bias, scale, q_offset, return_lse)
+    return _call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
 
 
 # --- what the backend accepts -------------------------------------------------------------------
@@ -285,8 +311,12 @@ def flex_supports(
     dropout: float = 0.0,
     return_weights: bool = False,
     return_lse: bool = False,
+    softcap: float | None = None,
+    needs_grad: bool = False,
+    bias_needs_grad: bool = False,
 ) -> str | None:
-    """None when flex can serve a call like this, else the reason it cannot."""
+    """None when flex can serve a call like this, else the reason it cannot (``needs_grad``:
+    q, k or v will want a gradient; ``bias_needs_grad``: the bias will)."""
     if flex_module() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs ≥ 2.5)"
     if return_weights:
@@ -297,17 +327,28 @@ def flex_supports(
         return f"FlexAttention runs on {', '.join(_DEVICES)}, not {q.device.type}"
     if return_lse and q.device.type == "cpu":
         return f"compiled FlexAttention on CPU returns no log-sum-exp (torch {torch.__version__})"
+    if softcap is not None and bias_needs_grad:
+        return (
+            "it cannot soft-cap the scores (softcap=) with a bias that needs a gradient: that "
+            "gradient is the tiled backend's, which cannot soft-cap"
+        )
+    if softcap is not None and needs_grad and q.device.type == "cpu":
+        return (
+            "it cannot soft-cap the scores (softcap=) in a backward pass on CPU: FlexAttention "
+            f"has no CPU backward (torch {torch.__version__}), and the tiled backend's it uses "
+            "instead cannot soft-cap"
+        )
     return None
 
 
 def auto_verdict(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float, bias: Tensor | None,
-    q_offset: int,
+    q_offset: int, softcap: float | None = None,
 ) -> tuple[str | None, str | None]:  # fmt: skip
     """``auto``'s verdict on flex for a call it could serve: (why auto passes flex by, or None
     when it takes it; a note for ``explain`` when that verdict depends on what this process has
     compiled, else None)."""
-    if mask is None or mask.is_causal:
+    if softcap is None and (mask is None or mask.is_causal):
         return "SDPA's fused kernels serve no mask and causal", None
     tune = tuning.for_device(q.device)
     if _cells(q, k) <= tune.flex_eager_max_cells:
@@ -317,7 +358,7 @@ def auto_verdict(
     long = tune.flex_auto_compile_min_cells
     if long is not None and q.shape[2] * k.shape[2] >= long:
         return None, None  # long enough that a compile pays for itself (dikkat.core.tuning)
-    if is_warm(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset):
+    if is_warm(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset, softcap=softcap):
         note = "flex is taken because this process has compiled it for this signature"
         return None, note + " (before that compile, auto passed it by)"
     note = "auto takes flex once a call with backend='flex' has compiled it for this signature"

@@ -39,6 +39,7 @@ def reference_attention(
     q_offset: int = 0,
     dropout: float = 0.0,
     return_lse: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, AttentionAux]:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) V, with its weights.
 
@@ -52,6 +53,9 @@ def reference_attention(
         dropout: probability of dropping a weight before it multiplies V (training only).
         return_lse: also return each row's log-sum-exp of the scores (B, H, T), in fp32 (fp64
             for fp64 inputs).
+        softcap: when set, the scaled scores s become ``softcap · tanh(s / softcap)`` before
+            the bias and the mask, in this order as Gemma 2's attention does (transformers,
+            ``models/gemma2/modeling_gemma2.py``, ``eager_attention_forward``).
 
     Returns:
         ``(out, aux)``: out (B, H, T, Dv) and an :class:`~dikkat.core.outputs.AttentionAux`
@@ -65,6 +69,8 @@ def reference_attention(
     k, v = repeat_kv(k, group), repeat_kv(v, group)  # (B, H, S, D), (B, H, S, Dv)
 
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S): q_i · k_j / √d_k
+    if softcap is not None:  # bounded to (−softcap, softcap); the lse is of the capped scores
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:  # added in the bias's dtype (fp32 for bf16 q, see checks.bias_dtype)
         scores = scores.to(torch.promote_types(scores.dtype, bias.dtype)) + bias
     if mask is not None:
