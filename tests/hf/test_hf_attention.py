@@ -6,11 +6,15 @@ Notation: ``B`` batch, ``T`` tokens, ``V`` vocabulary.
 The oracle is transformers' own ``attn_implementation="eager"`` (the formula written out),
 in float32, on randomly initialised tiny models built from configs (nothing downloaded):
 GPT-2 (right padding, a scale of 1/(√D·(layer + 1))), BERT (padding through
-``attention_mask``), Llama (grouped-query heads and RoPE, left padding) and Mistral (a sliding
-window shorter than the sequence, left padding).
+``attention_mask``), Llama (grouped-query heads and RoPE, left padding), Mistral (a sliding
+window shorter than the sequence, left padding) and Gemma 2 (logit soft-capping, a sliding window
+on every other layer, left padding). A backend that cannot serve a model's calls (sdpa and tiled
+cannot soft-cap) must refuse them with its reason, and the test is then skipped with it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -67,10 +71,38 @@ def mistral() -> nn.Module:
     return transformers.MistralForCausalLM(config)
 
 
+def gemma2(softcap: float | None = 1.0) -> nn.Module:
+    # weights drawn wide (initializer_range) and a small cap, so that the cap bends the scores
+    # of a tiny random model (test_gemma2_soft_capping_reaches_the_logits)
+    config = transformers.Gemma2Config(
+        **_small(num_attention_heads=4, num_key_value_heads=2), head_dim=8,
+        max_position_embeddings=64, query_pre_attn_scalar=8, initializer_range=0.5,
+        attn_logit_softcapping=softcap,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    return transformers.Gemma2ForCausalLM(config)
+
+
 # model, and whether it pads on the left (decoders that generate) or the right
 MODELS = {"gpt2": (gpt2, False), "bert": (bert, False), "llama": (llama, True),
-          "mistral": (mistral, True)}  # fmt: skip
-DECODERS = ["gpt2", "llama", "mistral"]
+          "mistral": (mistral, True), "gemma2": (gemma2, True)}  # fmt: skip
+DECODERS = ["gpt2", "llama", "mistral", "gemma2"]
+# (model, backend) pairs the backend cannot serve, and what its refusal says
+REFUSED = {("gemma2", "sdpa"): "cannot soft-cap the scores",
+           ("gemma2", "tiled"): "cannot soft-cap the scores"}  # fmt: skip
+
+
+def switch(model: nn.Module, name: str, backend: str, run: Callable[[], object]) -> None:
+    """Switch ``model`` to dikkat on ``backend``; where that backend cannot serve the model, check
+    that ``run`` (a call of the model) raises its reason, and skip the test with it."""
+    model.set_attn_implementation(NAMES[backend])
+    refusal = REFUSED.get((name, backend))
+    if refusal is None:
+        return
+    with pytest.raises(ValueError, match=f"backend '{backend}' cannot serve this call") as e:
+        run()
+    assert refusal in str(e.value)
+    pytest.skip(str(e.value))
 
 
 def make(name: str, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
@@ -92,7 +124,7 @@ def test_logits_equal_eager(name, backend):
     model, ids, mask = make(name)
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits
-        model.set_attn_implementation(NAMES[backend])
+        switch(model, name, backend, lambda: model(ids, attention_mask=mask))
         got = model(ids, attention_mask=mask).logits
     # padded positions' outputs are nobody's (a query that sees no key: dikkat gives 0 where
     # eager averages every value)
@@ -117,7 +149,7 @@ def test_greedy_generate_with_cache_equals_eager(name, backend, cache):
         cache_implementation=cache,
     )  # fmt: skip
     want = model.generate(ids, **kwargs)
-    model.set_attn_implementation(NAMES[backend])
+    switch(model, name, backend, lambda: model.generate(ids, **kwargs))
     got = model.generate(ids, **kwargs)
     assert want.shape == (B, T + 8)
     assert torch.equal(got, want)
@@ -141,7 +173,7 @@ def test_gradients_equal_eager(name, backend):
     model, ids, mask = make(name, seed=2)
     model.train()  # every dropout is 0: train mode changes nothing but what HF passes
     want = _grads(model, ids, mask)
-    model.set_attn_implementation(NAMES[backend])
+    switch(model, name, backend, lambda: _grads(model, ids, mask))
     got = _grads(model, ids, mask)
     assert got.keys() == want.keys() and len(want) > 10
     for key in want:
@@ -192,3 +224,18 @@ def test_dropout_on_a_backend_without_it_raises():
     model.train().set_attn_implementation(NAMES["tiled"])
     with pytest.raises(ValueError, match="'tiled' cannot serve this call: it has no dropout"):
         model(ids, attention_mask=mask)
+
+
+def test_gemma2_soft_capping_reaches_the_logits():
+    """Without the cap the same weights give other logits: the comparisons above see it."""
+    torch.manual_seed(0)
+    capped = gemma2().eval()
+    torch.manual_seed(0)
+    uncapped = gemma2(softcap=None).eval()
+    _, ids, mask = make("gemma2")
+    capped.set_attn_implementation(NAMES["reference"])
+    uncapped.set_attn_implementation(NAMES["reference"])
+    with torch.no_grad():
+        a = capped(ids, attention_mask=mask).logits
+        b = uncapped(ids, attention_mask=mask).logits
+    assert float((a - b)[mask.bool()].abs().max()) > 0.1

@@ -33,7 +33,6 @@ _RESERVED = ("sdpa", "flash", "flex", "paged", "/", "|")
 
 # Keyword arguments whose meaning dikkat does not implement yet: refused, never ignored.
 _UNSUPPORTED = {
-    "softcap": "logit soft-capping (Gemma 2)",
     "position_bias": "a position bias passed beside the mask (T5)",
     "s_aux": "attention sinks",
 }
@@ -99,6 +98,7 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Non
             bias=bias,
             q_offset=q_offset,
             dropout=dropout,
+            softcap=kwargs.get("softcap"),  # Gemma 2's attn_logit_softcapping
             backend=backend,
         )  # (B, H, T, Dv)
         return out.transpose(1, 2).contiguous(), None  # (B, T, H, Dv), no weights
