@@ -123,6 +123,13 @@ def test_weights_and_lse_are_those_of_the_capped_scores() -> None:
     s = s.masked_fill(~allowed(mask, 3), -math.inf)
     torch.testing.assert_close(lse, torch.logsumexp(s, dim=-1), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(weights, torch.exp(s - lse[..., None]), atol=1e-12, rtol=1e-12)
+    # and dikkat.attention_weights recomputes chosen rows of them from the lse
+    rows, heads = [0, 2, 5], [1, 3]
+    part = dikkat.attention_weights(
+        q, k, lse, rows=rows, heads=heads, mask=mask, scale=SCALE, bias=bias, q_offset=3,
+        softcap=CAP,
+    )  # fmt: skip
+    torch.testing.assert_close(part, weights[:, heads][:, :, rows], atol=1e-12, rtol=1e-12)
 
 
 def test_gradcheck_through_the_reference() -> None:

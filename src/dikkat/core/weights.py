@@ -3,7 +3,8 @@
 A fused or tiled backend never holds the (B, H, T, S) weights. With each row's log-sum-exp
 ``lse`` (``out, (_, lse) = dikkat.attention(..., return_lse=True)``) the weights of any rows are
 one product away: ``α_ij = exp(q_i · k_j · scale + bias_ij − lse_i)`` over the allowed keys —
-exactly the reference's softmax, for only the rows asked for.
+exactly the reference's softmax, for only the rows asked for. With ``softcap`` c the score is
+capped first, ``c · tanh(q_i · k_j · scale / c)``, as in the attention call.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dikkat.core.checks import check_bias, check_mask, check_qkv, check_scale
+from dikkat.core.checks import check_bias, check_mask, check_qkv, check_scale, check_softcap
 from dikkat.core.masks import Mask
 
 
@@ -39,6 +40,7 @@ def attention_weights(
     scale: float | None = None,
     bias: Tensor | None = None,
     q_offset: int = 0,
+    softcap: float | None = None,
 ) -> Tensor:
     """Weights (B, len(heads), len(rows), S) of the chosen query rows and heads.
 
@@ -46,7 +48,7 @@ def attention_weights(
         q: (B, H, T, D), k: (B, G, S, D) — the attention call's inputs.
         lse: (B, H, T): ``aux.lse`` of ``out, aux = dikkat.attention(..., return_lse=True)``.
         rows, heads: query positions (0 … T − 1) and heads to compute; None = all.
-        mask, scale, bias, q_offset: as in the attention call.
+        mask, scale, bias, q_offset, softcap: as in the attention call.
     """
     shape = check_qkv(q, k, k)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != (shape.B, shape.H, shape.T):
@@ -57,12 +59,15 @@ def attention_weights(
     m = check_mask(mask, shape, q_offset)
     b4 = check_bias(bias, q, shape)
     scale = check_scale(scale, shape.D)
+    softcap = check_softcap(softcap)
     r = _indices("rows", rows, shape.T, q.device)
     h = _indices("heads", heads, shape.H, q.device)
     acc = torch.promote_types(q.dtype, torch.float32)
     qs = q[:, h][:, :, r].to(acc)  # (B, h, r, D)
     ks = k[:, h // shape.group].to(acc)  # the key/value head of each chosen query head
     scores = (qs @ ks.transpose(-2, -1)) * scale  # (B, h, r, S)
+    if softcap is not None:  # capped before the bias, as dikkat.attention does
+        scores = softcap * torch.tanh(scores / softcap)
     if b4 is not None:
         bb = b4.expand(shape.B, shape.H, shape.T, shape.S)[:, h][:, :, r]
         scores = scores + bb.to(acc)
