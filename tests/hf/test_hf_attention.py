@@ -239,3 +239,25 @@ def test_gemma2_soft_capping_reaches_the_logits():
         a = capped(ids, attention_mask=mask).logits
         b = uncapped(ids, attention_mask=mask).logits
     assert float((a - b)[mask.bool()].abs().max()) > 0.1
+
+
+def test_recording_says_which_backend_each_layer_took_and_why():
+    """auto's choice per layer, with explain's reasons: Gemma 2's soft-capped calls cannot go to
+    sdpa or tiled, so every one of its layers says reference and why; a fixed backend says so."""
+    model, ids, mask = make("gemma2")
+    model.set_attn_implementation(NAMES["auto"])
+    with torch.no_grad(), dikkat.hf.recording() as calls:
+        model(ids, attention_mask=mask)
+    layers = model.config.num_hidden_layers
+    assert [c.layer for c in calls] == [f"Gemma2Attention[{i}]" for i in range(layers)]
+    assert all(c.backend == "reference" for c in calls)
+    assert all("cannot soft-cap the scores" in c.why for c in calls)
+    model, ids, mask = make("llama")
+    model.set_attn_implementation(NAMES["tiled"])
+    with torch.no_grad(), dikkat.hf.recording() as calls:
+        model(ids, attention_mask=mask)
+    assert len(calls) == model.config.num_hidden_layers
+    assert {c.backend for c in calls} == {"tiled"}
+    with torch.no_grad():
+        model(ids, attention_mask=mask)  # outside the block nothing is kept
+    assert len(calls) == model.config.num_hidden_layers

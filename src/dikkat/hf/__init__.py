@@ -8,7 +8,7 @@ transformers is an optional dependency: it is imported by :func:`register` and b
 functions transformers calls, never by ``import dikkat``.
 """
 
-from dikkat.hf.attention import attention_function, register
+from dikkat.hf.attention import LayerCall, attention_function, recording, register
 from dikkat.hf.masks import HFMask, hf_mask
 
-__all__ = ["HFMask", "attention_function", "hf_mask", "register"]
+__all__ = ["HFMask", "LayerCall", "attention_function", "hf_mask", "recording", "register"]

@@ -14,16 +14,19 @@ a 4-D tensor the caller built (transformers passes those through unchanged).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 
-from dikkat.core.attention import attention, check_backend_name
+from dikkat.core.attention import attention, check_backend_name, explain
 from dikkat.core.masks import Mask
 from dikkat.hf.masks import HFMask, hf_mask
 
-__all__ = ["attention_function", "register"]
+__all__ = ["LayerCall", "attention_function", "recording", "register"]
 
 # transformers gives these words a meaning in an attn_implementation name: "sdpa" anywhere runs
 # torch's SDPA checks and fallbacks (modeling_utils.get_correct_attn_implementation), "flash" the
@@ -36,6 +39,49 @@ _UNSUPPORTED = {
     "position_bias": "a position bias passed beside the mask (T5)",
     "s_aux": "attention sinks",
 }
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One attention call of a Hugging Face model through dikkat, as :func:`recording` keeps it."""
+
+    layer: str  # the attention module's class and layer index, "LlamaAttention[0]"
+    backend: str  # the dikkat backend that ran it
+    why: str  # dikkat.explain's reasons (for "auto"), or that the backend was fixed
+
+
+_calls: ContextVar[list[LayerCall] | None] = ContextVar("dikkat_hf_calls", default=None)
+
+
+@contextmanager
+def recording() -> Iterator[list[LayerCall]]:
+    """Within the block, every attention call a model makes through dikkat is appended to the
+    list it yields — which backend ran it and why (``dikkat.explain``'s reasons, given for the
+    call without dropout, as at evaluation)::
+
+        with dikkat.hf.recording() as calls:
+            model(ids)
+        for c in calls:
+            print(c.layer, c.backend, c.why)
+    """
+    calls: list[LayerCall] = []
+    token = _calls.set(calls)
+    try:
+        yield calls
+    finally:
+        _calls.reset(token)
+
+
+def _record(module: nn.Module, backend: str, *args: Any, **kwargs: Any) -> None:
+    calls = _calls.get()
+    if calls is None:
+        return
+    layer = f"{type(module).__name__}[{getattr(module, 'layer_idx', '?')}]"
+    if backend == "auto":
+        why = explain(*args, **kwargs)  # "name (reasons): doc"
+        calls.append(LayerCall(layer, why.split(" ", 1)[0], why))
+    else:
+        calls.append(LayerCall(layer, backend, f"{backend}: registered with backend={backend!r}"))
 
 
 def register(name: str = "dikkat", *, backend: str = "auto") -> str:
@@ -89,6 +135,10 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Non
             if kwargs.get(word) is not None:
                 raise ValueError(f"dikkat's HF attention does not support {word}= ({what}) yet")
         mask, bias, q_offset = _mask_and_bias(module, query, key, attention_mask, kwargs)
+        softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping
+        _record(
+            module, backend, query, key, value, mask, bias=bias, q_offset=q_offset, softcap=softcap
+        )
         out = attention(
             query,
             key,
@@ -98,7 +148,7 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Non
             bias=bias,
             q_offset=q_offset,
             dropout=dropout,
-            softcap=kwargs.get("softcap"),  # Gemma 2's attn_logit_softcapping
+            softcap=softcap,
             backend=backend,
         )  # (B, H, T, Dv)
         return out.transpose(1, 2).contiguous(), None  # (B, T, H, Dv), no weights
