@@ -25,7 +25,7 @@ from dikkat import (
     masks,
 )
 from dikkat.layers import alibi_slopes
-from dikkat.layers.positional import resolve_positions, sinusoidal_table
+from dikkat.layers.positional import resolve_positions, sinusoidal_table, valid_positions
 
 PERM = torch.tensor([3, 0, 6, 4, 1, 7, 2, 5])  # T = 8, no token stays in place
 
@@ -392,3 +392,11 @@ def test_rope_frequencies_survive_a_cast_to_bf16():
     low = mha.rope.rotate(x.to(torch.bfloat16), pos).double()
     # only x's own rounding (bf16 ≈ 3 significant digits), not a rounded angle at position 3000
     assert (low - exact).abs().max() < 0.05 * x.abs().max()
+
+
+def test_valid_positions_count_each_rows_real_tokens_from_zero():
+    valid = torch.tensor([[False, False, True, True], [True, True, True, False]])
+    assert valid_positions(valid).tolist() == [[0, 0, 0, 1], [0, 1, 2, 2]]
+    for bad in (valid.long(), valid[0], [[True]]):
+        with pytest.raises(TypeError, match="valid must be a"):
+            valid_positions(bad)

@@ -187,3 +187,21 @@ def test_ctrl_c_finishes_the_step_then_saves(lm_task, tmp_path):
     straight.train(progress=False)
     losses = lambda tr: [r["loss"] for r in tr.history if "loss" in r]  # noqa: E731
     assert losses(resumed) == losses(straight)
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "match"),
+    [
+        (3, TypeError, "device must be a device name"),
+        ("nope", ValueError, "not a device torch knows"),
+        pytest.param(
+            "cuda",
+            ValueError,
+            "CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
+        ),
+    ],
+)
+def test_a_device_that_cannot_train_is_refused_by_name(lm_task, device, error, match):
+    with pytest.raises(error, match=match):
+        Trainer(fresh(lm_task), CONFIG, device=device)

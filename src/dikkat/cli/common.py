@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dikkat.layers.inputs import check_device
+
 RAW = argparse.RawDescriptionHelpFormatter
 
 # what a command may raise for bad input, printed as one line (a TypeError is not among them:
@@ -95,14 +97,7 @@ def add_device(parser: argparse.ArgumentParser) -> None:
 
 def device_of(args: argparse.Namespace) -> torch.device:
     """The ``torch.device`` that ``--device`` names, refused in one line if it is unusable."""
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise ValueError(f"--device {args.device!r} is not a device torch knows: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {args.device}: CUDA is not available (torch {torch.__version__})"
-        )
+    device = check_device("--device", args.device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {args.device}: dikkat's commands run on cpu or cuda")
     return device

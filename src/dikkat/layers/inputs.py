@@ -127,3 +127,19 @@ def _mixed_ok(x: Tensor, weight: Tensor, mixed: bool) -> bool:
         return True
     low_precision = x.dtype in (torch.bfloat16, torch.float16)
     return mixed and low_precision and weight.dtype == torch.float32
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that can run a model here: a name torch knows ("cpu",
+    "cuda", "cuda:1") or a device, and CUDA only where CUDA is available."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"{name} must be a device name or torch.device, got {type(device).__name__}"
+        )
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{name} {str(device)!r} is not a device torch knows: {e}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name} {d}: CUDA is not available (torch {torch.__version__})")
+    return d

@@ -56,6 +56,9 @@ def valid_positions(valid: Tensor) -> Tensor:
     """Positions (B, T) of a padded batch from ``valid`` (B, T) (False = padding): each real
     token's index among the real tokens of its row, so a left-padded row is positioned as it
     would be alone; a pad takes the position of the real token before it (or 0)."""
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+        got = f"{valid.dtype} {tuple(valid.shape)}" if isinstance(valid, Tensor) else type(valid)
+        raise TypeError(f"valid must be a (B, T) bool tensor, got {got}")
     return (valid.long().cumsum(-1) - 1).clamp_min(0)
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dikkat.files import atomic_write
+from dikkat.layers.inputs import check_device
 from dikkat.tasks import Task, TaskSpec, build_task, step_generator
 from dikkat.text import load_tokenizer
 from dikkat.training.checkpoint import (
@@ -101,7 +102,7 @@ class Trainer:
         _resuming: bool = False,
     ) -> None:
         self.task, self.config = task, config
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         self.model = task.model.to(self.device)
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.made_by = made_by
