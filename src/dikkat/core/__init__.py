@@ -13,6 +13,7 @@ from dikkat.core.attention import (
     register_backend,
 )
 from dikkat.core.caches import cache_sizes, clear_caches
+from dikkat.core.capture import Capture, CapturedCall, attention_layers, capture
 from dikkat.core.reference import reference_attention, repeat_kv
 from dikkat.core.weights import attention_weights
 
@@ -21,11 +22,15 @@ __all__ = [
     "AttentionAux",
     "AttentionRequest",
     "Backend",
+    "Capture",
+    "CapturedCall",
     "attention",
+    "attention_layers",
     "attention_weights",
     "auto_order",
     "available_backends",
     "cache_sizes",
+    "capture",
     "clear_caches",
     "explain",
     "masks",

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dikkat.core.backends import BUILTIN, AttentionRequest, Backend
+from dikkat.core.capture import capture_target, record
 from dikkat.core.checks import (
     check_bias,
     check_dropout,
@@ -254,7 +255,24 @@ def attention(
         raise ValueError(
             f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}"
         )
-    out, weights, lse = _run_finite_rule(chosen, request)
+    target = capture_target()  # inside a layer dikkat.capture selected
+    if target is None:
+        out, weights, lse = _run_finite_rule(chosen, request)
+    else:  # the same backend, asked for the lse when it can give it (the output is the same)
+        with_lse = dataclasses.replace(request, return_lse=True)
+        run = with_lse if chosen.supports(with_lse) is None else request
+        out, weights, lse = _run_finite_rule(chosen, run)
+        record(
+            target,
+            request.q,
+            request.k,
+            lse,
+            mask=request.mask,
+            scale=request.scale,
+            bias=request.bias,
+            q_offset=request.q_offset,
+            softcap=request.softcap,
+        )
     if not (request.return_weights or request.return_lse):
         return out
     return out, AttentionAux(

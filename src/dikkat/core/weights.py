@@ -32,7 +32,7 @@ def _indices(
 def attention_weights(
     q: Tensor,
     k: Tensor,
-    lse: Tensor,
+    lse: Tensor | None,
     *,
     rows: Sequence[int] | Tensor | None = None,
     heads: Sequence[int] | Tensor | None = None,
@@ -46,12 +46,16 @@ def attention_weights(
 
     Args:
         q: (B, H, T, D), k: (B, G, S, D) — the attention call's inputs.
-        lse: (B, H, T): ``aux.lse`` of ``out, aux = dikkat.attention(..., return_lse=True)``.
+        lse: (B, H, T): ``aux.lse`` of ``out, aux = dikkat.attention(..., return_lse=True)``;
+            None: each chosen row's log-sum-exp is computed from its scores (the same
+            O(rows × S) work, for a backend that does not return it).
         rows, heads: query positions (0 … T − 1) and heads to compute; None = all.
         mask, scale, bias, q_offset, softcap: as in the attention call.
     """
     shape = check_qkv(q, k, k)
-    if not isinstance(lse, Tensor) or tuple(lse.shape) != (shape.B, shape.H, shape.T):
+    if lse is not None and (
+        not isinstance(lse, Tensor) or tuple(lse.shape) != (shape.B, shape.H, shape.T)
+    ):
         raise ValueError(
             f"lse must have shape (B, H, T) = {(shape.B, shape.H, shape.T)}, "
             f"got {tuple(getattr(lse, 'shape', ()))}"
@@ -68,8 +72,9 @@ def attention_weights(
     scores = (qs @ ks.transpose(-2, -1)) * scale  # (B, h, r, S)
     if softcap is not None:  # capped before the bias, as dikkat.attention does
         scores = softcap * torch.tanh(scores / softcap)
-    if b4 is not None:
-        bb = b4.expand(shape.B, shape.H, shape.T, shape.S)[:, h][:, :, r]
+    if b4 is not None:  # index the dims the bias has before broadcasting: never (B, H, T, S)
+        bb = b4[:, h] if b4.shape[1] != 1 else b4
+        bb = bb[:, :, r] if b4.shape[2] != 1 else bb
         scores = scores + bb.to(acc)
     if m is not None:  # the predicate on the chosen rows and heads only, never T × S
         allowed = m.evaluate(
@@ -79,6 +84,9 @@ def attention_weights(
             torch.arange(shape.S, device=q.device),
         )
         scores = scores.masked_fill(~allowed, float("-inf"))
-    row_lse = lse[:, h][:, :, r].to(acc).unsqueeze(-1)
+    if lse is None:
+        row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    else:
+        row_lse = lse[:, h][:, :, r].to(acc).unsqueeze(-1)
     # a row with no allowed key has lse = −inf: its weights are all 0
     return torch.exp(scores - row_lse.masked_fill(torch.isneginf(row_lse), float("inf")))

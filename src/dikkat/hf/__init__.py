@@ -8,7 +8,17 @@ transformers is an optional dependency: it is imported by :func:`register` and b
 functions transformers calls, never by ``import dikkat``.
 """
 
+from dikkat.core.capture import Capture, capture
 from dikkat.hf.attention import LayerCall, attention_function, recording, register
 from dikkat.hf.masks import HFMask, hf_mask
 
-__all__ = ["HFMask", "LayerCall", "attention_function", "hf_mask", "recording", "register"]
+__all__ = [
+    "Capture",
+    "HFMask",
+    "LayerCall",
+    "attention_function",
+    "capture",
+    "hf_mask",
+    "recording",
+    "register",
+]

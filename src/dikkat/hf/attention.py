@@ -20,10 +20,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from dikkat.core.attention import attention, check_backend_name, explain
 from dikkat.core.masks import Mask
+from dikkat.core.weights import attention_weights
 from dikkat.hf.masks import HFMask, hf_mask
 
 __all__ = ["LayerCall", "attention_function", "recording", "register"]
@@ -116,9 +118,15 @@ def register(name: str = "dikkat", *, backend: str = "auto") -> str:
 
 
 @functools.cache
-def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, None]]:
+def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Tensor | None]]:
     """The function ``AttentionInterface`` calls, running ``dikkat.attention`` on ``backend``
-    (one function object per backend)."""
+    (one function object per backend).
+
+    When the layer passes ``output_attentions=True`` (Llama, BERT and most models of
+    transformers 5 do; GPT-2 does not — :func:`dikkat.capture` serves every model), the
+    weights (B, H, T, S) are recomputed after the call from q, k and each row's log-sum-exp
+    (:func:`dikkat.attention_weights`): the softmax's, before dropout, as eager's at evaluation.
+    """
     check_backend_name("backend", backend, exact_only=True)
 
     def dikkat_attention(
@@ -130,7 +138,7 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Non
         dropout: float = 0.0,
         scaling: float | None = None,
         **kwargs: Any,
-    ) -> tuple[Tensor, None]:
+    ) -> tuple[Tensor, Tensor | None]:
         for word, what in _UNSUPPORTED.items():
             if kwargs.get(word) is not None:
                 raise ValueError(f"dikkat's HF attention does not support {word}= ({what}) yet")
@@ -151,7 +159,15 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Non
             softcap=softcap,
             backend=backend,
         )  # (B, H, T, Dv)
-        return out.transpose(1, 2).contiguous(), None  # (B, T, H, Dv), no weights
+        weights = None
+        if kwargs.get("output_attentions"):
+            with torch.no_grad():  # eager's weights carry gradient; these are for looking at
+                weights = attention_weights(
+                    query.detach(), key.detach(), None, mask=mask, scale=scaling,
+                    bias=None if bias is None else bias.detach(), q_offset=q_offset,
+                    softcap=softcap,
+                ).to(value.dtype)  # fmt: skip
+        return out.transpose(1, 2).contiguous(), weights  # (B, T, H, Dv), (B, H, T, S) | None
 
     dikkat_attention.__qualname__ = f"dikkat_attention[{backend}]"
     return dikkat_attention
