@@ -8,7 +8,8 @@ attention_mask, dropout=..., scaling=..., **kwargs)`` with q (B, H, T, D), k and
 — grouped-query heads not repeated — and take back ``(out (B, T, H, D), weights | None)``
 (https://huggingface.co/docs/transformers/attention_interface). The mask is what the mask
 function registered under the same name returned: dikkat's :class:`~dikkat.hf.masks.HFMask`, or
-a 4-D tensor the caller built (transformers passes those through unchanged).
+a 4-D tensor the caller built (transformers passes those through unchanged). T5's relative
+position bias comes as ``position_bias=`` beside the mask and is dikkat's additive ``bias``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ _RESERVED = ("sdpa", "flash", "flex", "paged", "/", "|")
 
 # Keyword arguments whose meaning dikkat does not implement yet: refused, never ignored.
 _UNSUPPORTED = {
-    "position_bias": "a position bias passed beside the mask (T5)",
     "s_aux": "attention sinks",
 }
 
@@ -143,6 +143,7 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Ten
             if kwargs.get(word) is not None:
                 raise ValueError(f"dikkat's HF attention does not support {word}= ({what}) yet")
         mask, bias, q_offset = _mask_and_bias(module, query, key, attention_mask, kwargs)
+        bias = _with_position_bias(bias, kwargs.get("position_bias"))
         softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping
         _record(
             module, backend, query, key, value, mask, bias=bias, q_offset=q_offset, softcap=softcap
@@ -213,3 +214,13 @@ def _mask_and_bias(
         f"{type(attention_mask).__name__}: was the model's mask function registered by "
         "dikkat.hf.register?"
     )
+
+
+def _with_position_bias(bias: Tensor | None, position_bias: Tensor | None) -> Tensor | None:
+    """The call's additive bias with T5's ``position_bias`` (1 or B, H, T, S) added. T5's eager
+    attention adds it to the scores (its scaling is 1.0) beside the mask rather than folded into
+    it, so it becomes dikkat's ``bias`` (checked there) and the mask stays a dikkat mask whose key
+    ranges the tiled backend skips by."""
+    if position_bias is None:
+        return bias
+    return position_bias if bias is None else position_bias + bias

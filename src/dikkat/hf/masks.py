@@ -94,7 +94,10 @@ def hf_mask(
 ) -> HFMask:
     """The mask function ``dikkat.hf.register`` gives ``AttentionMaskInterface``: the arguments
     of ``transformers.masking_utils.sdpa_mask`` in, an :class:`HFMask` out (never None, so that a
-    layer receiving None knows no mask function ran)."""
+    layer receiving None knows no mask function ran). An encoder-decoder's cross-attention mask
+    comes through here too (``create_bidirectional_mask`` with the encoder's states:
+    ``kv_length`` the encoder's length, the bidirectional predicate): the encoder's padding
+    alone, never causal."""
     from transformers.masking_utils import causal_mask_function  # optional dependency
 
     if isinstance(attention_mask, HFMask):  # prepared ahead (generate, static cache): as it is
