@@ -4,9 +4,11 @@ and the mask, as Gemma 2's attention does (docs/attention.md, "Soft-capping").
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads, ``T``/``S`` query/key length,
 ``D``/``Dv`` head dims.
 
-The oracle is the formula written out below in float64; the reference backend (forward and
-gradients, gradcheck too) and flex (forward; its CPU backward is refused with softcap) are held
-to it. sdpa, tiled and linear refuse with a reason, so auto takes the reference.
+The oracle is the formula written out below in float64; the reference and tiled backends
+(forward and gradients, gradcheck too) and flex (forward, and its CPU backward, which is the tiled
+backend's) are held to it. sdpa and linear refuse with a reason, so auto takes tiled (or the
+reference where tiled cannot serve). ``test_softcap_tiled.py`` cuts the tiled backend's work
+into many small tiles.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _leaves(x: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
     return {n: None if t is None else t.clone().requires_grad_(n != "dout") for n, t in x.items()}
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
 @pytest.mark.parametrize("q_offset", [0, 3])
 @pytest.mark.parametrize("mask_name", MASKS)
 def test_forward_and_gradients_equal_the_fp64_formula(
@@ -132,7 +134,8 @@ def test_weights_and_lse_are_those_of_the_capped_scores() -> None:
     torch.testing.assert_close(part, weights[:, heads][:, :, rows], atol=1e-12, rtol=1e-12)
 
 
-def test_gradcheck_through_the_reference() -> None:
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_gradcheck(backend: str) -> None:
     g = torch.Generator().manual_seed(4)
     q, k, v = (
         torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
@@ -142,7 +145,7 @@ def test_gradcheck_through_the_reference() -> None:
 
     def f(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
         return dikkat.attention(
-            q, k, v, masks.causal(), scale=SCALE, softcap=0.7, bias=bias, backend="reference"
+            q, k, v, masks.causal(), scale=SCALE, softcap=0.7, bias=bias, backend=backend
         )
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
@@ -188,22 +191,22 @@ def test_a_compiled_flex_kernel_soft_caps() -> None:
 
 
 @pytest.mark.skipif(not HAS_FLEX, reason="torch has no flex_attention")
-def test_flex_refuses_a_soft_capped_backward_it_cannot_give() -> None:
-    q, k, v = (t.float() for t in (inputs()[n] for n in "qkv"))
-    bias = torch.zeros(1, H, T, S, requires_grad=True)
-    refused = r"'flex' cannot serve this call: it cannot soft-cap the scores \(softcap=\) "
-    with pytest.raises(ValueError, match=refused + "with a bias that needs a gradient"):
-        dikkat.attention(q, k, v, bias=bias, softcap=CAP, backend="flex")
-    q.requires_grad_()  # on CPU
-    with pytest.raises(ValueError, match=refused + "in a backward pass on CPU"):
-        dikkat.attention(q, k, v, softcap=CAP, backend="flex")
-    with torch.no_grad():  # no backward will follow: flex serves it
-        dikkat.attention(q, k, v, softcap=CAP, backend="flex")
-    # auto sends the training call to the reference instead
-    assert dikkat.explain(q, k, v, softcap=CAP).startswith("reference (")
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window", "padding"])
+def test_flex_gradients_on_cpu_equal_the_fp64_formula(mask_name: str) -> None:
+    """On CPU flex has no backward: its gradients are the tiled backend's, soft-capped too, and
+    so are those of a bias on any device."""
+    mask = MASKS[mask_name]
+    x, y = _leaves(inputs(seed=8)), _leaves(inputs(seed=8))
+    want = _grads(formula(y["q"], y["k"], y["v"], allowed(mask, 3), y["bias"], CAP), y)
+    out = dikkat.attention(
+        x["q"], x["k"], x["v"], mask, scale=SCALE, softcap=CAP, bias=x["bias"], q_offset=3,
+        backend="flex",
+    )  # fmt: skip
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), _grads(out, x), want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "tiled", "linear"])
+@pytest.mark.parametrize("backend", ["sdpa", "linear"])
 def test_backends_that_cannot_soft_cap_refuse_with_the_reason(backend: str) -> None:
     q = k = v = torch.randn(1, 2, 4, 8)
     mask = masks.causal() if backend == "linear" else None
@@ -216,14 +219,18 @@ def test_backends_that_cannot_soft_cap_refuse_with_the_reason(backend: str) -> N
 def test_auto_takes_a_backend_that_can_and_explain_says_why() -> None:
     q = k = v = torch.randn(1, 2, 4, 8)
     text = dikkat.explain(q, k, v, masks.causal(), softcap=CAP)
-    assert text.startswith("reference (")
+    assert text.startswith("tiled (")
     assert "not sdpa: it cannot soft-cap the scores" in text
-    assert "not tiled: it cannot soft-cap the scores" in text
+    assert "not flex: it cannot soft-cap" not in text
     assert dikkat.explain(q, k, v, masks.causal()).startswith("sdpa (the first choice)")
     torch.testing.assert_close(
         dikkat.attention(q, k, v, masks.causal(), softcap=CAP),
         dikkat.attention(q, k, v, masks.causal(), softcap=CAP, backend="reference"),
     )
+    # where tiled cannot serve (the weights, dropout), auto takes the reference
+    weights = dikkat.explain(q, k, v, masks.causal(), softcap=CAP, return_weights=True)
+    assert weights.startswith("reference (")
+    assert "not tiled: it never holds the full weights" in weights
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])

@@ -8,8 +8,8 @@ in float32, on randomly initialised tiny models built from configs (nothing down
 GPT-2 (right padding, a scale of 1/(√D·(layer + 1))), BERT (padding through
 ``attention_mask``), Llama (grouped-query heads and RoPE, left padding), Mistral (a sliding
 window shorter than the sequence, left padding) and Gemma 2 (logit soft-capping, a sliding window
-on every other layer, left padding). A backend that cannot serve a model's calls (sdpa and tiled
-cannot soft-cap) must refuse them with its reason, and the test is then skipped with it.
+on every other layer, left padding). A backend that cannot serve a model's calls (sdpa cannot
+soft-cap) must refuse them with its reason, and the test is then skipped with it.
 """
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ MODELS = {"gpt2": (gpt2, False), "bert": (bert, False), "llama": (llama, True),
           "mistral": (mistral, True), "gemma2": (gemma2, True)}  # fmt: skip
 DECODERS = ["gpt2", "llama", "mistral", "gemma2"]
 # (model, backend) pairs the backend cannot serve, and what its refusal says
-REFUSED = {("gemma2", "sdpa"): "cannot soft-cap the scores",
-           ("gemma2", "tiled"): "cannot soft-cap the scores"}  # fmt: skip
+REFUSED = {("gemma2", "sdpa"): "cannot soft-cap the scores"}
 
 
 def switch(model: nn.Module, name: str, backend: str, run: Callable[[], object]) -> None:
@@ -243,15 +242,15 @@ def test_gemma2_soft_capping_reaches_the_logits():
 
 def test_recording_says_which_backend_each_layer_took_and_why():
     """auto's choice per layer, with explain's reasons: Gemma 2's soft-capped calls cannot go to
-    sdpa or tiled, so every one of its layers says reference and why; a fixed backend says so."""
+    sdpa, so every one of its layers says tiled and why; a fixed backend says so."""
     model, ids, mask = make("gemma2")
     model.set_attn_implementation(NAMES["auto"])
     with torch.no_grad(), dikkat.hf.recording() as calls:
         model(ids, attention_mask=mask)
     layers = model.config.num_hidden_layers
     assert [c.layer for c in calls] == [f"Gemma2Attention[{i}]" for i in range(layers)]
-    assert all(c.backend == "reference" for c in calls)
-    assert all("cannot soft-cap the scores" in c.why for c in calls)
+    assert all(c.backend == "tiled" for c in calls)
+    assert all("not sdpa: it cannot soft-cap the scores" in c.why for c in calls)
     model, ids, mask = make("llama")
     model.set_attn_implementation(NAMES["tiled"])
     with torch.no_grad(), dikkat.hf.recording() as calls:

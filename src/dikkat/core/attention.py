@@ -218,7 +218,8 @@ def attention(
         scale: multiplies the scores; default 1/√D.
         softcap: logit soft-capping (Gemma 2): a positive c bounds the scaled scores s to
             (−c, c) as ``c · tanh(s / c)``, before the bias and the mask; None: no capping.
-            The reference and flex backends can (docs/attention.md, "Soft-capping").
+            The reference, tiled and flex backends can; sdpa and linear refuse
+            (docs/attention.md, "Soft-capping").
         bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
         q_offset: absolute position of the first query, for masks when decoding with a cache.
         dropout: dropout probability on the weights (pass 0 at evaluation).

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from dikkat.core import flex, tuning
@@ -155,14 +154,12 @@ SDPA = Backend(
 
 def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
     out, lse = tiled_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
+        r.q, r.k, r.v, r.mask, scale=r.scale, softcap=r.softcap, bias=r.bias, q_offset=r.q_offset
     )
     return out, None, lse
 
 
 def _tiled_supports(r: AttentionRequest) -> str | None:
-    if r.softcap is not None:
-        return NO_SOFTCAP + ": its tile kernels take no score modifier"
     if r.return_weights:
         return "it never holds the full weights (use return_lse)"
     if r.dropout > 0:
@@ -190,12 +187,9 @@ def _run_flex(r: AttentionRequest) -> tuple[Tensor, None, Tensor | None]:
 
 
 def _flex_supports(r: AttentionRequest) -> str | None:
-    grad = torch.is_grad_enabled()
     return flex.flex_supports(
-        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse,
-        softcap=r.softcap, needs_grad=grad and any(t.requires_grad for t in (r.q, r.k, r.v)),
-        bias_needs_grad=grad and r.bias is not None and r.bias.requires_grad,
-    )  # fmt: skip
+        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse
+    )
 
 
 def _flex_verdict(r: AttentionRequest) -> tuple[str | None, str | None]:

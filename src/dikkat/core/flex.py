@@ -30,10 +30,9 @@ lse −inf). On CPU torch (2.13) gives flex neither a backward nor, compiled, a 
 the lse is refused and the gradients are the tiled backend's, which recomputes its own forward (so
 a CPU training step pays one extra forward pass). A bias that needs a gradient takes that route on
 every device: flex's own gradient for a tensor captured by ``score_mod`` is not checked here. The
-tiled backend cannot soft-cap, so with ``softcap`` flex refuses the calls that would take that
-route (a backward on CPU, a bias that needs a gradient); should dynamo fail on a soft-capped call,
-it runs on the reference instead. A call with no score cells (B, T or S = 0), which flex itself
-cannot reduce over, is the tiled backend's: zeros, and lse −inf.
+tiled backend soft-caps as flex does, so a soft-capped call takes that route alike. A call with no
+score cells (B, T or S = 0), which flex itself cannot reduce over, is the tiled backend's: zeros,
+and lse −inf.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ from dikkat.core import tuning
 from dikkat.core.flex_masks import BlockMaskCache, block_masks, flex_module
 from dikkat.core.mask_keys import describe, is_builtin
 from dikkat.core.masks import Mask
-from dikkat.core.reference import reference_attention
 from dikkat.core.tiled import tiled_attention
 
 __all__ = [
@@ -206,21 +204,16 @@ def _call(
     except TypeError as e:
         if not _dynamo_failed(e):
             raise
-        instead = "tiled" if softcap is None else "reference"  # tiled cannot soft-cap
         warnings.warn(
             f"flex: torch's dynamo failed ({type(e).__name__}: {e}); this call ran on the "
-            f"{instead} backend instead (the same attention). dikkat does not reset dynamo, "
+            "tiled backend instead (the same attention). dikkat does not reset dynamo, "
             "which would drop every compiled graph in the process.",
             RuntimeWarning,
             stacklevel=2,
         )
-        if softcap is not None:
-            out, aux = reference_attention(
-                q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset, return_lse=return_lse,
-                softcap=softcap,
-            )  # fmt: skip
-            return out, aux.lse  # fp32 (fp64 for fp64), or None
-        out, lse = tiled_attention(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset)
+        out, lse = tiled_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, bias=bias, q_offset=q_offset
+        )
         return out, (lse.to(torch.promote_types(q.dtype, torch.float32)) if return_lse else None)
     if not return_lse:
         return result, None
@@ -236,14 +229,14 @@ class _FlexTiledBackward(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Mask | None,
-        scale: float, q_offset: int, return_lse: bool,
+        scale: float, q_offset: int, return_lse: bool, softcap: float | None,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         ctx.save_for_backward(q, k, v, bias)
-        ctx.args = (mask, scale, q_offset)
+        ctx.args = (mask, scale, q_offset, softcap)
         # flex refuses CPU inputs that require grad, even with grad mode off
         q, k, v = q.detach(), k.detach(), v.detach()
         bias = None if bias is None else bias.detach()
-        out, lse = _call(q, k, v, mask, bias, scale, q_offset, return_lse)
+        out, lse = _call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
         if lse is None:
             return out
         ctx.mark_non_differentiable(lse)
@@ -256,12 +249,14 @@ class _FlexTiledBackward(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[3]:
             bias = bias.detach().requires_grad_()
             inputs.append(bias)
-        mask, scale, q_offset = ctx.args
+        mask, scale, q_offset, softcap = ctx.args
         with torch.enable_grad():
-            out, _ = tiled_attention(*inputs[:3], mask, scale=scale, bias=bias, q_offset=q_offset)
+            out, _ = tiled_attention(
+                *inputs[:3], mask, scale=scale, softcap=softcap, bias=bias, q_offset=q_offset
+            )
             grads = torch.autograd.grad(out, inputs, dout)
         dbias = grads[3] if len(grads) == 4 else None
-        return grads[0], grads[1], grads[2], dbias, None, None, None, None
+        return grads[0], grads[1], grads[2], dbias, None, None, None, None, None
 
 
 def flex_attention(
@@ -278,16 +273,15 @@ def flex_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Attention through FlexAttention: ``(out (B, H, T, Dv), lse (B, H, T) or None)``, shapes
     as in the reference; see :func:`flex_supports` for what it refuses."""
-    reason = flex_supports(
-        q, return_lse=return_lse, softcap=softcap, needs_grad=_needs_grad(q, k, v),
-        bias_needs_grad=bias is not None and _needs_grad(bias),
-    )  # fmt: skip
+    reason = flex_supports(q, return_lse=return_lse)
     if reason is not None:
         raise ValueError(f"flex_attention cannot serve this call: {reason}")
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     if q.shape[0] * q.shape[2] * k.shape[2] == 0:  # no score cells: nothing for flex to reduce
-        out, lse = tiled_attention(q, k, v, mask, scale=scale, bias=bias, q_offset=q_offset)
+        out, lse = tiled_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, bias=bias, q_offset=q_offset
+        )
         return out, lse if return_lse else None
     tiled_backward = bias is not None and _needs_grad(bias)
     if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
@@ -296,7 +290,7 @@ def flex_attention(
         else:
             tiled_backward = True
     if tiled_backward:
-        result = _FlexTiledBackward.apply(q, k, v, bias, mask, scale, q_offset, return_lse)
+        result = _FlexTiledBackward.apply(q, k, v, bias, mask, scale, q_offset, return_lse, softcap)
         return result if return_lse else (result, None)
     bias = None if bias is None else bias.detach()
     return _call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
@@ -311,12 +305,8 @@ def flex_supports(
     dropout: float = 0.0,
     return_weights: bool = False,
     return_lse: bool = False,
-    softcap: float | None = None,
-    needs_grad: bool = False,
-    bias_needs_grad: bool = False,
 ) -> str | None:
-    """None when flex can serve a call like this, else the reason it cannot (``needs_grad``:
-    q, k or v will want a gradient; ``bias_needs_grad``: the bias will)."""
+    """None when flex can serve a call like this, else the reason it cannot."""
     if flex_module() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs ≥ 2.5)"
     if return_weights:
@@ -327,17 +317,6 @@ def flex_supports(
         return f"FlexAttention runs on {', '.join(_DEVICES)}, not {q.device.type}"
     if return_lse and q.device.type == "cpu":
         return f"compiled FlexAttention on CPU returns no log-sum-exp (torch {torch.__version__})"
-    if softcap is not None and bias_needs_grad:
-        return (
-            "it cannot soft-cap the scores (softcap=) with a bias that needs a gradient: that "
-            "gradient is the tiled backend's, which cannot soft-cap"
-        )
-    if softcap is not None and needs_grad and q.device.type == "cpu":
-        return (
-            "it cannot soft-cap the scores (softcap=) in a backward pass on CPU: FlexAttention "
-            f"has no CPU backward (torch {torch.__version__}), and the tiled backend's it uses "
-            "instead cannot soft-cap"
-        )
     return None
 
 

@@ -28,7 +28,9 @@ rounding), matmuls run in the input dtype but the softmax statistics and accumul
 (fp64 for fp64 inputs), and there is no dropout. Rows with every key masked give output 0 and
 ``lse = −inf``; a call with no score cells (B, T or S = 0) gives zeros. A bias is added in fp32
 (fp64 for fp64 inputs), and it is differentiable: a tile whose bias needs a gradient runs the
-plain-ops backward, which also gives the scores' gradient.
+plain-ops backward, which also gives the scores' gradient. With ``softcap`` c each tile caps its
+scaled scores, c · tanh(s / c), before the mask and the bias, as the reference does; the fused
+CPU kernel cannot, so a soft-capped call runs every tile in plain ops.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from dikkat.core.checks import check_softcap
 from dikkat.core.masks import Mask
 from dikkat.core.tiled.autograd import TiledAttention
 from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
@@ -71,8 +74,8 @@ def _prepared(
                    q.device, cache)  # fmt: skip
 
 
-def _fused(q: Tensor, v: Tensor, fused: bool | None) -> bool:
-    reason = fused_unavailable(q, v)
+def _fused(q: Tensor, v: Tensor, fused: bool | None, softcap: float | None) -> bool:
+    reason = fused_unavailable(q, v, softcap)
     if fused and reason is not None:
         raise ValueError(f"fused=True, but the fused kernel cannot run this call: {reason}")
     return reason is None if fused is None else fused
@@ -85,6 +88,7 @@ def tiled_attention(
     mask: Mask | None = None,
     *,
     scale: float,
+    softcap: float | None = None,
     bias: Tensor | None = None,
     q_offset: int = 0,
     block: int | None = None,
@@ -98,8 +102,10 @@ def tiled_attention(
     fp64 inputs). Differentiable in q, k, v and the bias.
 
     Args:
-        q, k, v, mask, scale, bias, q_offset: as in :func:`dikkat.attention` (``mask`` a
-            :class:`~dikkat.core.masks.Mask` or None, ``bias`` broadcastable to (B, H, T, S)).
+        q, k, v, mask, scale, softcap, bias, q_offset: as in :func:`dikkat.attention` (``mask``
+            a :class:`~dikkat.core.masks.Mask` or None, ``softcap`` None or a positive finite
+            float, ``bias`` broadcastable to (B, H, T, S)); the lse is that of the capped
+            scores.
         block: query rows per block; None: :data:`BLOCK`, or for windows the size the plan
             finds fastest on this device (:func:`~dikkat.core.tiled.plan.choose_block`).
         key_tile: keys per tile in a run of rows; cells: score cells per tile, over batch and
@@ -107,19 +113,20 @@ def tiled_attention(
         windows: force (True) or forbid (False) gathered key windows, which need a mask and no
             bias (with a bias the plan is of rows); None: the mask's key ranges decide.
         fused: run each tile in PyTorch's fused CPU flash kernel (True: fail if this call cannot,
-            e.g. off the CPU or with Dv ≠ D), in plain tensor ops (False), or None: the kernel
-            wherever it can run.
+            e.g. off the CPU, with Dv ≠ D or with a softcap, which that kernel cannot apply), in
+            plain tensor ops (False), or None: the kernel wherever it can run.
         plans: the plan cache to use; None: the shared :data:`plans`.
     """
+    softcap = check_softcap(softcap)
     prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
-    use_fused = _fused(q, v, fused)
+    use_fused = _fused(q, v, fused, softcap)
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     if q.shape[0] > 1 and any(isinstance(item, Windows) for item in prepared.plan):
         # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
         # those two dims are laid out contiguously (one copy of k and v here, not one per tile)
         k, v = k.contiguous(), v.contiguous()
-    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused)
+    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap)
 
 
 @dataclass(frozen=True)

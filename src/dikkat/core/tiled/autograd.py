@@ -8,7 +8,8 @@ Forward: each tile of rows runs its key tiles in turn, merged by the online soft
 (a running log-sum-exp per row; out = Σ exp(lse_tile − lse) · out_tile), so no row ever needs
 all its scores at once; each windows tile is one kernel call. Backward recomputes each tile's
 weights from the saved log-sum-exp, following the same plan and tile masks, so training memory
-is O(n) too.
+is O(n) too. ``softcap`` (None or c > 0) caps each tile's scaled scores, c · tanh(s / c), before
+its mask and bias (:mod:`~dikkat.core.tiled.kernel`); the caller runs such a call unfused.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def rows_tiles(
 
 def _rows_forward(
     i: int, item: Rows, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None,
-    prepared: Prepared, key_tile: int, fused: bool, out: Tensor, lse: Tensor,
+    prepared: Prepared, key_tile: int, fused: bool, softcap: float | None, out: Tensor,
+    lse: Tensor,
 ) -> None:  # fmt: skip
     """Rows item i of q (B, G, g, T, D) into out (B, G, g, T, Dv) and lse (B, G, g, T)."""
     B, G, g, _, _ = q.shape
@@ -82,7 +84,8 @@ def _rows_forward(
     total_out = total_lse = None
     for k0, k1, tm in rows_tiles(i, item, prepared, key_tile, q.device):
         additive = with_bias(tm.additive, rows_bias(bias, G, g, r0, r1, k0, k1))
-        o, l = tile_forward(qb, k[:, :, k0:k1], v[:, :, k0:k1], additive, scale, fused)  # noqa: E741
+        kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
+        o, l = tile_forward(qb, kb, vb, additive, scale, fused, softcap)  # noqa: E741
         if tm.unseen is not None:  # rows with no visible key in this tile
             l = l.masked_fill(tm.unseen, float("-inf"))  # noqa: E741
         if total_out is None:
@@ -102,14 +105,14 @@ def _rows_forward(
 
 def _windows_forward(
     i: int, item: Windows, q: Tensor, k: Tensor, v: Tensor, scale: float, prepared: Prepared,
-    fused: bool, out: Tensor, lse: Tensor,
+    fused: bool, softcap: float | None, out: Tensor, lse: Tensor,
 ) -> None:  # fmt: skip
     """Windows item i of q (B, G, g, T, D) into out and lse, as :func:`_rows_forward`."""
     t = gather(item, q, k, v, prepared.block)
     B, G, g = q.shape[:3]
     n = item.starts.numel()
     tm = prepared.masks.windows(i, item, q.device)
-    o, l = tile_forward(t.q, t.k, t.v, tm.additive, scale, fused)  # noqa: E741 — (B·G, n, g·block, ·)
+    o, l = tile_forward(t.q, t.k, t.v, tm.additive, scale, fused, softcap)  # noqa: E741 — (B·G, n, g·block, ·)
     if tm.unseen is not None:
         l = l.view(B, G, n, -1).masked_fill(tm.unseen, float("-inf"))  # noqa: E741
     t.scatter(out, from_kernel(o, B, G, g))
@@ -118,7 +121,7 @@ def _windows_forward(
 
 def forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, prepared: Prepared,
-    key_tile: int, fused: bool,
+    key_tile: int, fused: bool, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the accumulator dtype)."""
     B, H, T, D = q.shape
@@ -133,15 +136,18 @@ def forward(
         lse = torch.full((B, G, H // G, T), float("-inf"), dtype=acc, device=q.device)
     for i, item in enumerate(prepared.plan):
         if isinstance(item, Windows):
-            _windows_forward(i, item, qg, k, v, scale, prepared, fused, out, lse)
+            _windows_forward(i, item, qg, k, v, scale, prepared, fused, softcap, out, lse)
         else:
-            _rows_forward(i, item, qg, k, v, scale, bias, prepared, key_tile, fused, out, lse)
+            _rows_forward(
+                i, item, qg, k, v, scale, bias, prepared, key_tile, fused, softcap, out, lse
+            )
     return out.view(B, H, T, Dv).to(q.dtype), lse.view(B, H, T)
 
 
 def backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float,
-    bias: Tensor | None, prepared: Prepared, key_tile: int, fused: bool, bias_grad: bool,
+    bias: Tensor | None, prepared: Prepared, key_tile: int, fused: bool, softcap: float | None,
+    bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """(dq, dk, dv, dbias): dbias (the bias's 4-D shape) when ``bias_grad``, else None."""
     B, H, T, D = q.shape
@@ -169,7 +175,9 @@ def backward(
 
             tm = prepared.masks.windows(i, item, q.device)
             dob, ob, lb = windows(dog), windows(og), windows(lse_g.unsqueeze(-1)).squeeze(-1)
-            dqb, dkb, dvb = tile_backward(dob, t.q, t.k, t.v, ob, lb, tm.additive, scale, fused)
+            dqb, dkb, dvb = tile_backward(
+                dob, t.q, t.k, t.v, ob, lb, tm.additive, scale, fused, softcap
+            )
             t.scatter(dq, from_kernel(dqb, B, G, g).to(acc))
             index = t.index.flatten()
             dk.index_add_(2, index, dkb.reshape(B, G, -1, D).to(acc))
@@ -182,9 +190,9 @@ def backward(
             additive = with_bias(tm.additive, rows_bias(bias, G, g, r0, r1, k0, k1))
             tile = (dob, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lb, additive, scale)
             if dbias is None:
-                dqb, dkb, dvb = tile_backward(*tile, fused)
+                dqb, dkb, dvb = tile_backward(*tile, fused, softcap)
             else:  # the fused kernel's backward gives no dS: plain ops for this tile
-                dqb, dkb, dvb, ds = plain_tile_backward(*tile)
+                dqb, dkb, dvb, ds = plain_tile_backward(*tile, softcap)
                 add_bias_grad(dbias, ds, g, r0, r1, k0, k1)
             dq[:, :, :, r0:r1] += unstack(dqb.to(acc), g)
             dk[:, :, k0:k1] += dkb.to(acc)
@@ -199,11 +207,11 @@ class TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None,
-        prepared: Prepared, key_tile: int, fused: bool,
+        prepared: Prepared, key_tile: int, fused: bool, softcap: float | None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        out, lse = forward(q, k, v, scale, bias, prepared, key_tile, fused)
+        out, lse = forward(q, k, v, scale, bias, prepared, key_tile, fused, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, bias, prepared, key_tile, fused)
+        ctx.args = (scale, bias, prepared, key_tile, fused, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -212,4 +220,4 @@ class TiledAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[4]
         dq, dk, dv, dbias = backward(q, k, v, out, lse, dout.contiguous(), *ctx.args, bias_grad)
-        return dq, dk, dv, None, dbias, None, None, None
+        return dq, dk, dv, None, dbias, None, None, None, None
