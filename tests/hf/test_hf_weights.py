@@ -107,3 +107,31 @@ def test_every_architecture_has_attention_layers_capture_finds() -> None:
         model, _, _ = make(name)
         layers = dikkat.attention_layers(model)
         assert len(layers) == model.config.num_hidden_layers, name
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_weights_equal_eager(name: str) -> None:
+    """The encoder's, the decoder's and the cross-attention weights; with right padding every
+    query row sees some real key, so every row is compared."""
+    from test_hf_encoder_decoder import NAMES as ED_NAMES
+    from test_hf_encoder_decoder import make as make_ed
+
+    model, batch = make_ed(name)
+    kinds = ("encoder_attentions", "decoder_attentions", "cross_attentions")
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True)
+        model.set_attn_implementation(ED_NAMES["tiled"])
+        got = model(**batch, output_attentions=True)
+        with dikkat.capture(model) as cap:
+            model(**batch)
+    for kind in kinds:
+        assert len(got[kind]) == len(want[kind]) == 2, kind
+        for g, w in zip(got[kind], want[kind], strict=True):
+            torch.testing.assert_close(g, w, atol=TOL, rtol=0)
+    # capture sees the same matrices; its layers in module order: the encoder's, then each
+    # decoder layer's own attention and its cross-attention
+    enc, dec, cross = (want[kind] for kind in kinds)
+    in_module_order = [enc[0], enc[1], dec[0], cross[0], dec[1], cross[1]]
+    assert len(cap.layers) == 6
+    for layer, w in enumerate(in_module_order):
+        torch.testing.assert_close(cap[layer], w, atol=TOL, rtol=0)
