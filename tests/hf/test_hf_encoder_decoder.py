@@ -217,6 +217,9 @@ def test_recording_lists_the_cross_attention_calls(name):
     decoder = [call for i in range(LAYERS) for call in (layer[i], layer[i])]  # self, cross
     assert [c.layer for c in calls] == layer + decoder
     assert {c.backend for c in calls} == {"tiled"}
+    # the shapes tell them apart: (B, H, T, S) with S encoder keys for cross-attention
+    encoder, self_, cross = (B, 4, S, S), (B, 4, T, T), (B, 4, T, S)
+    assert [c.shape for c in calls] == [encoder] * LAYERS + [self_, cross] * LAYERS
     # generating, each step's decoder makes its own call and a cross-attention call per layer
     with dikkat.hf.recording() as calls:
         model.generate(

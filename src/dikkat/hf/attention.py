@@ -50,6 +50,7 @@ class LayerCall:
     layer: str  # the attention module's class and layer index, "LlamaAttention[0]"
     backend: str  # the dikkat backend that ran it
     why: str  # dikkat.explain's reasons (for "auto"), or that the backend was fixed
+    shape: tuple[int, int, int, int]  # (B, H, T, S): a cross-attention call has S ≠ T
 
 
 _calls: ContextVar[list[LayerCall] | None] = ContextVar("dikkat_hf_calls", default=None)
@@ -79,11 +80,14 @@ def _record(module: nn.Module, backend: str, *args: Any, **kwargs: Any) -> None:
     if calls is None:
         return
     layer = f"{type(module).__name__}[{getattr(module, 'layer_idx', '?')}]"
+    q, k = args[0], args[1]
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if backend == "auto":
         why = explain(*args, **kwargs)  # "name (reasons): doc"
-        calls.append(LayerCall(layer, why.split(" ", 1)[0], why))
+        calls.append(LayerCall(layer, why.split(" ", 1)[0], why, shape))
     else:
-        calls.append(LayerCall(layer, backend, f"{backend}: registered with backend={backend!r}"))
+        fixed = f"{backend}: registered with backend={backend!r}"
+        calls.append(LayerCall(layer, backend, fixed, shape))
 
 
 def register(name: str = "dikkat", *, backend: str = "auto") -> str:
