@@ -36,6 +36,11 @@ class Case:
     mask: Mask | Tensor | None  # a bare tensor is wrapped by attention() at q_offset
     bias_shape: tuple[int, ...] | None  # broadcastable to (B, H, T, S)
     seed: int
+    shared_kv: bool = False  # k and v of batch size 1, shared by the B sequences of q
+
+    @property
+    def kv_batch(self) -> int:
+        return 1 if self.shared_kv else self.B
 
     @property
     def group(self) -> int:
@@ -50,8 +55,8 @@ class Case:
 
         return {
             "q": randn(self.B, self.H, self.T, self.D),
-            "k": randn(self.B, self.G, self.S, self.D),
-            "v": randn(self.B, self.G, self.S, self.Dv),
+            "k": randn(self.kv_batch, self.G, self.S, self.D),
+            "v": randn(self.kv_batch, self.G, self.S, self.Dv),
             "bias": None if self.bias_shape is None else randn(*self.bias_shape),
             "dout": randn(self.B, self.H, self.T, self.Dv),
         }
@@ -112,8 +117,16 @@ def run(
 
 
 def oracle(case: Case, inputs: dict[str, Tensor | None], dtype: torch.dtype) -> Result:
-    """The reference in float64 on the inputs exactly as ``dtype`` holds them."""
-    return run(case, rounded(inputs, dtype), torch.float64, "reference")
+    """The reference in float64 on the inputs exactly as ``dtype`` holds them. Keys and values
+    shared by the batch are copied out to every sequence first, and their gradients summed back
+    over the batch: no broadcasting of dikkat's own is trusted."""
+    x = rounded(inputs, dtype)
+    if not case.shared_kv:
+        return run(case, x, torch.float64, "reference")
+    for name in "kv":
+        x[name] = x[name].repeat(case.B, 1, 1, 1)  # a copy per sequence
+    got = run(case, x, torch.float64, "reference")
+    return Result(got.out, got.dq, got.dk.sum(0, keepdim=True), got.dv.sum(0, keepdim=True))
 
 
 def max_err(x: Tensor, exact: Tensor) -> float:
@@ -139,7 +152,8 @@ def term_sizes(case: Case, inputs: dict[str, Tensor | None], dtype: torch.dtype)
     dS = P * (dP + (P * dP).sum(dim=-1, keepdim=True))
 
     def per_kv_head(t: Tensor) -> Tensor:  # (B, H, S, ·) → (B, G, S, ·): a group's heads add up
-        return t.unflatten(1, (case.G, group)).sum(dim=2)
+        t = t.unflatten(1, (case.G, group)).sum(dim=2)
+        return t.sum(0, keepdim=True) if case.shared_kv else t  # and a shared k's sequences
 
     return Result(
         out=P @ v.abs(),
@@ -189,9 +203,14 @@ def mask_leaves(B: int, H: int, T: int, S: int, q_offset: int) -> dict[str, st.S
         starts = draw(st.lists(st.booleans(), min_size=rows * N, max_size=rows * N))
         return torch.tensor(starts).view(rows, N).long().cumsum(dim=1)
 
-    return {
+    leaves = {
         "causal": st.just(masks.causal()),
-        "sliding_window": st.integers(1, S + 1).map(masks.sliding_window),
+        # look-ahead windows too: 0 (causal) half of the time, else up to past the last key
+        "sliding_window": st.builds(
+            masks.sliding_window,
+            st.integers(1, S + 1),
+            ahead=st.one_of(st.just(0), st.integers(1, S + 1)),
+        ),
         # a length of 0 masks every key of that sequence
         "padding": batch_ints.map(masks.padding),
         "padding_valid": seeds.map(lambda s: masks.padding(valid=_random_bool((B, S), s))),
@@ -199,6 +218,15 @@ def mask_leaves(B: int, H: int, T: int, S: int, q_offset: int) -> dict[str, st.S
         "prefix_lm": st.one_of(st.integers(0, S), batch_ints).map(masks.prefix_lm),
         "dense": dense_tensors(B, H, T, S).map(lambda t: masks.dense(t, q_offset)),
     }
+    if q_offset < 0:  # queries before key 0: the masks that place queries in a sequence refuse
+        for kind in BEFORE_KEY_0_REFUSED:
+            del leaves[kind]
+    return leaves
+
+
+# the mask kinds that refuse a negative q_offset (a query before key 0 has no document, and is
+# neither in the prefix nor after it)
+BEFORE_KEY_0_REFUSED = ("document", "prefix_lm")
 
 
 MASK_KINDS = (
@@ -249,32 +277,46 @@ def mask_strategy(B: int, H: int, T: int, S: int, q_offset: int, kind: str) -> s
 
 @st.composite
 def attention_cases(
-    draw, *, mask_kind: str | None = None, bias: bool | None = None, max_len: int = 24
+    draw,
+    *,
+    mask_kind: str | None = None,
+    bias: bool | None = None,
+    max_len: int = 24,
+    shared_kv: bool | None = None,
 ) -> Case:
     """A random attention call.
 
     ``mask_kind`` fixes the kind of mask (one of ``MASK_KINDS``; None: any); ``bias`` True/False
-    forces a bias on/off (None: either).
+    forces a bias on/off (None: either); ``shared_kv`` True/False forces k and v of batch size 1
+    (shared by q's sequences) or of q's batch size (None: either).
     """
     B = draw(st.integers(1, 2))
     G = draw(st.integers(1, 3))
     H = G * draw(st.integers(1, 3))
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(MASK_KINDS)) if mask_kind is None else mask_kind
+    places = ["start", "cache"] + ([] if kind in BEFORE_KEY_0_REFUSED else ["before"])
+    place = draw(st.sampled_from(places))
+    if place == "cache":
         # Decoding with a cache: the T queries sit at q_offset … q_offset + T − 1 and the keys
         # run from 0 to at least the last query.
         T = draw(st.integers(1, max_len - 1))
         q_offset = draw(st.integers(1, max_len - T))
         S = draw(st.integers(T + q_offset, max_len))
+    elif place == "before":
+        # The first queries sit before key 0 (bottom-right alignment when T > S: q_offset = S − T)
+        T = draw(st.integers(2, max_len))
+        q_offset = draw(st.integers(1 - T, -1))
+        S = draw(st.one_of(st.just(max(1, T + q_offset)), st.integers(1, max_len)))
     else:
         T, S, q_offset = draw(st.integers(1, max_len)), draw(st.integers(1, max_len)), 0
     D = draw(st.sampled_from(HEAD_DIMS))
     Dv = draw(st.one_of(st.just(D), st.sampled_from(HEAD_DIMS)))
-    kind = draw(st.sampled_from(MASK_KINDS)) if mask_kind is None else mask_kind
     mask = draw(mask_strategy(B, H, T, S, q_offset, kind))
     with_bias = draw(st.booleans()) if bias is None else bias
     bias_shape = draw(broadcast_shapes((B, H, T, S))) if with_bias else None
     seed = draw(st.integers(0, 2**31 - 1))
-    return Case(B, H, G, T, S, D, Dv, q_offset, mask, bias_shape, seed)
+    shared = draw(st.booleans()) if shared_kv is None else shared_kv
+    return Case(B, H, G, T, S, D, Dv, q_offset, mask, bias_shape, seed, shared)
 
 
 def scramble(

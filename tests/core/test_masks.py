@@ -37,10 +37,11 @@ def full(mask: masks.Mask, B: int, H: int, T: int, S: int, q_offset: int) -> Ten
 
 @st.composite
 def grids(draw, max_len: int = 7) -> tuple[int, int, int, int, int]:
-    """(B, H, T, S, q_offset) with the queries inside the keys when q_offset > 0."""
+    """(B, H, T, S, q_offset) with the queries inside the keys when q_offset > 0, and the first
+    queries before key 0 when it is negative."""
     B, H, T = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, max_len))
-    q_offset = draw(st.integers(0, 4))
-    S = draw(st.integers(1, max_len)) if q_offset == 0 else draw(st.integers(T + q_offset, 12))
+    q_offset = draw(st.integers(-4, 4))
+    S = draw(st.integers(1, max_len)) if q_offset <= 0 else draw(st.integers(T + q_offset, 12))
     return B, H, T, S, q_offset
 
 
@@ -50,16 +51,15 @@ def grids(draw, max_len: int = 7) -> tuple[int, int, int, int, int]:
 @st.composite
 def masks_with_rules(draw, B: int, H: int, T: int, S: int, q_offset: int):
     """A built-in mask that fits the grid, with the rule it must implement."""
-    kind = draw(
-        st.sampled_from(
-            ["causal", "window", "lengths", "valid", "document", "prefix", "dense", "bare"]
-        )
-    )
+    kinds = ["causal", "window", "lengths", "valid", "dense", "bare"]
+    if q_offset >= 0:  # the masks that place queries in a sequence refuse positions before 0
+        kinds += ["document", "prefix"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "causal":
         return masks.causal(), lambda b, h, p, j: p >= j
     if kind == "window":
-        w = draw(st.integers(1, S + 2))
-        return masks.sliding_window(w), lambda b, h, p, j: 0 <= p - j < w
+        w, r = draw(st.integers(1, S + 2)), draw(st.integers(0, S + 1))
+        return masks.sliding_window(w, ahead=r), lambda b, h, p, j: p - w < j <= p + r
     if kind == "lengths":
         n = draw(st.sampled_from([1, B]))  # one length for the batch, or one per sequence
         lengths = draw(st.lists(st.integers(0, S + 1), min_size=n, max_size=n))

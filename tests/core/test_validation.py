@@ -71,10 +71,16 @@ def test_dtypes_differ(q, k, v) -> None:
 
 
 def test_batch_sizes_differ(q, k, v) -> None:
-    with pytest.raises(ValueError, match=r"batch sizes differ: q \(2, 4, 5, 8\), k \(1, 2, 6, 8\)"):
-        attention(q, k[:1], v[:1])
-    with pytest.raises(ValueError, match=r"batch sizes differ"):
+    # k and v may have batch size 1 (shared by q's sequences) or q's, and must agree
+    k3, v3 = (torch.cat([t, t[:1]]) for t in (k, v))  # batch size 3 against q's 2
+    with pytest.raises(ValueError, match=r"batch sizes differ: q \(2, 4, 5, 8\), k \(3, 2, 6, 8\)"):
+        attention(q, k3, v3)
+    with pytest.raises(
+        ValueError, match=r"batch sizes differ: .*k \(2, 2, 6, 8\), v \(1, 2, 6, 8\)"
+    ):
         attention(q, k, v[:1])
+    with pytest.raises(ValueError, match=r"batch sizes differ"):
+        explain(q, k[:1], v)
 
 
 def test_head_dims_of_q_and_k_differ(q, k, v) -> None:
@@ -165,6 +171,30 @@ def test_sliding_window_must_be_positive(window) -> None:
 def test_sliding_window_must_be_an_int(window) -> None:
     with pytest.raises(TypeError, match=r"window must be an int"):
         masks.sliding_window(window)
+
+
+@pytest.mark.parametrize("ahead", [-1, -5])
+def test_sliding_window_ahead_must_be_non_negative(ahead) -> None:
+    with pytest.raises(ValueError, match=rf"ahead must be non-negative .*got {ahead}"):
+        masks.sliding_window(3, ahead=ahead)
+
+
+@pytest.mark.parametrize("ahead", [1.5, True, "1", None], ids=repr)
+def test_sliding_window_ahead_must_be_an_int(ahead) -> None:
+    with pytest.raises(TypeError, match=r"ahead must be an int"):
+        masks.sliding_window(3, ahead=ahead)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [masks.document(torch.zeros(S, dtype=torch.long)), masks.prefix_lm(2)],
+    ids=["document", "prefix_lm"],
+)
+def test_masks_that_place_queries_in_the_sequence_refuse_a_negative_q_offset(q, k, v, mask):
+    with pytest.raises(ValueError, match=r"needs q_offset ≥ 0 .*got q_offset=-1"):
+        attention(q, k, v, mask, q_offset=-1)
+    with pytest.raises(ValueError, match=r"needs q_offset ≥ 0"):
+        attention(q, k, v, masks.causal() & mask, q_offset=-2)  # inside a combination too
 
 
 def test_padding_lengths_must_match_the_batch(q, k, v) -> None:
@@ -268,9 +298,9 @@ def test_bias_must_be_a_float_tensor(q, k, v) -> None:
         attention(q, k, v, bias=0.0)
 
 
-@pytest.mark.parametrize("q_offset", [-1, 1.5, True], ids=repr)
-def test_q_offset_must_be_a_non_negative_int(q, k, v, q_offset) -> None:
-    with pytest.raises(ValueError, match=r"q_offset must be a non-negative int, got"):
+@pytest.mark.parametrize("q_offset", [1.5, True, "2"], ids=repr)
+def test_q_offset_must_be_an_int(q, k, v, q_offset) -> None:
+    with pytest.raises(ValueError, match=r"q_offset must be an int .*, got"):
         attention(q, k, v, masks.causal(), q_offset=q_offset)
 
 
@@ -350,7 +380,7 @@ def test_a_meta_mask_tensor_is_refused_by_attention(q, k, v) -> None:
         attention(q, k, v, torch.ones(T, S, dtype=torch.bool, device="meta"))
 
 
-@pytest.mark.parametrize("q_offset, error", [(-1, ValueError), ("1", TypeError), (True, TypeError)])
+@pytest.mark.parametrize("q_offset, error", [(1.5, TypeError), ("1", TypeError), (True, TypeError)])
 def test_dense_mask_q_offset(q_offset, error) -> None:
     with pytest.raises(error, match=r"q_offset must be"):
         masks.dense(torch.ones(T, S, dtype=torch.bool), q_offset=q_offset)

@@ -34,6 +34,7 @@ from torch import Tensor
 from dikkat.core.backends import BUILTIN, AttentionRequest, Backend
 from dikkat.core.capture import capture_target, record
 from dikkat.core.checks import (
+    broadcast_kv,
     check_bias,
     check_dropout,
     check_flag,
@@ -177,8 +178,8 @@ def _request(
     shape = check_qkv(q, k, v)
     return AttentionRequest(
         q=q,
-        k=k,
-        v=v,
+        k=broadcast_kv(k, shape.B),  # every backend sees (B, G, S, ·): views, never copies
+        v=broadcast_kv(v, shape.B),
         mask=check_mask(mask, shape, q_offset),
         bias=check_bias(bias, q, shape),
         scale=check_scale(scale, shape.D),
@@ -212,7 +213,9 @@ def attention(
     Args:
         q: queries (B, H, T, D).
         k: keys (B, G, S, D); G must divide H (grouped-query attention; G = H is multi-head).
-        v: values (B, G, S, Dv).
+            Batch size 1 instead of B shares one set of keys among all B sequences (a shared
+            prefix or memory): broadcast as a view, its gradient summed over the batch.
+        v: values (B, G, S, Dv), with k's batch size.
         mask: a :mod:`dikkat.masks` mask or a bool tensor broadcastable to (B, H, T, S);
             **True = may attend**. A row with no allowed key gives output 0.
         scale: multiplies the scores; default 1/√D.
@@ -221,7 +224,11 @@ def attention(
             The reference, tiled and flex backends can; sdpa and linear refuse
             (docs/attention.md, "Soft-capping").
         bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
-        q_offset: absolute position of the first query, for masks when decoding with a cache.
+        q_offset: absolute position of the first query among the keys, for masks: S − T aligns
+            the queries with the last keys (bottom-right causal, a decoding step); negative
+            when T > S puts the first queries before key 0, where causal() and
+            sliding_window() let them see nothing (docs/attention.md, "Causal masks when
+            T ≠ S").
         dropout: dropout probability on the weights (pass 0 at evaluation).
         backend: ``"auto"`` or one of :func:`available_backends`.
         return_weights: also return the weights (B, H, T, S) (only the reference backend

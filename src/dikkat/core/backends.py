@@ -33,12 +33,12 @@ class AttentionRequest:
     """One validated attention call, as every backend receives it."""
 
     q: Tensor  # (B, H, T, D)
-    k: Tensor  # (B, G, S, D)
-    v: Tensor  # (B, G, S, Dv)
+    k: Tensor  # (B, G, S, D); keys shared by the batch arrive as a stride-0 view of (1, G, S, D)
+    v: Tensor  # (B, G, S, Dv), likewise
     mask: Mask | None  # True = may attend; None = every key
     bias: Tensor | None  # additive, broadcastable to (B, H, T, S)
     scale: float
-    q_offset: int  # absolute position of query 0 (decoding with a cache)
+    q_offset: int  # absolute position of query 0 (decoding with a cache; < 0: before key 0)
     dropout: float
     return_weights: bool
     shape: AttentionShape

@@ -38,7 +38,9 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
-    """Validate q (B, H, T, D), k (B, G, S, D), v (B, G, S, Dv) and return their sizes."""
+    """Validate q (B, H, T, D), k (B, G, S, D), v (B, G, S, Dv) and return their sizes; k and v
+    may have batch size 1 instead of B (one set of keys and values for every sequence of the
+    batch: a shared prefix, a shared memory), see :func:`broadcast_kv`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -52,9 +54,10 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, H, T, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    if k.shape[0] != v.shape[0] or k.shape[0] not in (1, B):
         raise ValueError(
-            f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 0 is B)"
+            f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 0 is B; k and "
+            f"v share one batch size, q's or 1 for keys and values shared by the whole batch)"
         )
     if k.shape[3] != D:
         raise ValueError(f"q has head dim {D} but k has {k.shape[3]}: q {_shape(q)}, k {_shape(k)}")
@@ -71,6 +74,12 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
             f"q {_shape(q)}, k {_shape(k)}"
         )
     return AttentionShape(B, H, G, T, S, D, v.shape[3])
+
+
+def broadcast_kv(k: Tensor, B: int) -> Tensor:
+    """k or v of batch size 1 as a (B, ·, ·, ·) view of itself (stride 0 along the batch, no
+    copy); its gradient, through ``expand``, is the sum over the batch. Batch size B: k itself."""
+    return k if k.shape[0] == B else k.expand(B, *k.shape[1:])
 
 
 def check_scale(scale: float | None, D: int) -> float:
@@ -97,8 +106,11 @@ def check_softcap(softcap: float | None) -> float | None:
 
 def check_mask(mask: Mask | Tensor | None, shape: AttentionShape, q_offset: int) -> Mask | None:
     """Wrap a tensor mask and check that the mask applies to the (B, H, T, S) scores."""
-    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
-        raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+        raise ValueError(
+            f"q_offset must be an int (the position of the first query among the keys; negative "
+            f"when it sits before key 0), got {q_offset!r}"
+        )
     m = as_mask(mask, q_offset)
     if m is not None:
         m.validate(shape.B, shape.H, shape.T, shape.S, q_offset)

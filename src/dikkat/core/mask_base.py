@@ -193,7 +193,8 @@ class DenseMask(Mask):
     """Any bool tensor broadcastable to (B, H, T, S); its rows are the queries as passed.
 
     ``q_offset`` is the absolute position of row 0 (the attention call sets it when it wraps a
-    plain tensor), so a dense mask composes with the absolute-position predicates.
+    plain tensor), so a dense mask composes with the absolute-position predicates; negative
+    when the first rows sit before key 0.
     """
 
     tensor: Tensor
@@ -208,8 +209,6 @@ class DenseMask(Mask):
         not_meta("mask tensor", self.tensor)
         if isinstance(self.q_offset, bool) or not isinstance(self.q_offset, int):
             raise TypeError(f"q_offset must be an int, got {type(self.q_offset).__name__}")
-        if self.q_offset < 0:
-            raise ValueError(f"q_offset must be non-negative, got {self.q_offset}")
         if self.tensor.dtype != torch.bool:
             raise TypeError(
                 f"mask tensor must be bool (True = may attend), got dtype {self.tensor.dtype}; "

@@ -8,7 +8,10 @@ Shapes: ``B`` batch, ``H`` query heads, ``T`` query length, ``S`` key length.
 
 Every mask is a predicate ``mask(b, h, q_idx, kv_idx) -> bool`` evaluated on broadcastable integer
 tensors. ``q_idx`` is the *absolute* position of a query: when decoding with a KV cache the queries
-sit at positions ``q_offset … q_offset + T - 1`` while the keys run from 0. A backend may evaluate
+sit at positions ``q_offset … q_offset + T - 1`` while the keys run from 0 (a negative
+``q_offset`` puts the first queries before key 0: bottom-right alignment when T > S, see
+docs/attention.md "Causal masks when T ≠ S"; :func:`document` and :func:`prefix_lm` refuse it).
+A backend may evaluate
 the predicate on the whole (B, H, T, S) grid (:meth:`Mask.materialize`) or on one tile of it to
 decide whether the tile can be skipped.
 
@@ -85,7 +88,7 @@ class Causal(Mask):
         return q_idx >= kv_idx
 
     def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
-        return 0, min(S, q1)
+        return 0, max(0, min(S, q1))  # queries before key 0 (q_offset < 0) see none
 
     @property
     def is_causal(self) -> bool:
@@ -94,22 +97,35 @@ class Causal(Mask):
 
 @dataclass(frozen=True, eq=False)
 class SlidingWindow(Mask):
-    """Causal, and position i sees itself and the ``window - 1`` keys before it."""
+    """A band around the diagonal: the query at position i sees the keys j with
+    ``i − window < j ≤ i + ahead`` — itself, the ``window − 1`` keys before it and the ``ahead``
+    keys after it. ``ahead = 0`` (the default) is the causal sliding window of Mistral and
+    Gemma; flash-attention's ``window_size=(left, right)`` is ``window = left + 1, ahead =
+    right``."""
 
     window: int
+    ahead: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int):
-            raise TypeError(f"window must be an int, got {type(self.window).__name__}")
+        for name in ("window", "ahead"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if self.window <= 0:
             raise ValueError(f"window must be positive, got {self.window}")
+        if self.ahead < 0:
+            raise ValueError(
+                f"ahead must be non-negative (the keys a query sees after its own position), "
+                f"got {self.ahead}"
+            )
 
     def predicate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         distance = q_idx - kv_idx
-        return (distance >= 0) & (distance < self.window)
+        return (distance >= -self.ahead) & (distance < self.window)
 
     def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
-        return max(0, q0 - self.window + 1), min(S, q1)
+        lo = max(0, q0 - self.window + 1)
+        return lo, max(lo, min(S, q1 + self.ahead))
 
 
 def _batch_vector(name: str, value: Tensor | int, *, dtype_kind: str = "int") -> Tensor:
@@ -128,6 +144,16 @@ def _batch_vector(name: str, value: Tensor | int, *, dtype_kind: str = "int") ->
 def _check_batch(name: str, n: int, B: int) -> None:
     if n not in (1, B):
         raise ValueError(f"{name} has {n} entries but the batch has B={B}")
+
+
+def _no_position_before_key_0(mask: str, q_offset: int) -> None:
+    """Masks that give each query a place in a sequence (its document, whether it is in the
+    prefix) have none for a query before key 0: a negative ``q_offset`` is refused, not guessed."""
+    if q_offset < 0:
+        raise ValueError(
+            f"{mask}() places each query in the sequence of the keys, so it needs q_offset ≥ 0 "
+            f"(a query before key 0 has no place there), got q_offset={q_offset}"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,6 +215,7 @@ class Document(Mask):
         return min(int(starts.min()), hi), hi
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        _no_position_before_key_0("document", q_offset)
         _check_batch("document ids", self.ids.shape[0], B)
         needed = max(q_offset + T, S)
         if self.ids.shape[1] < needed:
@@ -212,6 +239,7 @@ class PrefixLM(Mask):
         return 0, min(S, max(q1, int(self.prefix_len.max())))
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
+        _no_position_before_key_0("prefix_lm", q_offset)
         _check_batch("prefix_len", self.prefix_len.numel(), B)
 
 
@@ -228,9 +256,21 @@ def causal() -> Mask:
     return Causal()
 
 
-def sliding_window(window: int) -> Mask:
-    """Causal sliding window: query i attends to keys i − window + 1 … i (``window`` keys)."""
-    return SlidingWindow(window)
+def sliding_window(window: int, *, ahead: int = 0) -> Mask:
+    """Sliding window: the query at position i attends to the keys j with
+    ``i − window < j ≤ i + ahead``, i.e. keys i − window + 1 … i + ahead.
+
+    With the default ``ahead = 0`` it is causal: ``window`` keys, the query's own and the
+    ``window − 1`` before it (Mistral's and Gemma's ``sliding_window``). ``ahead > 0`` lets each
+    query look ahead too, as flash-attention's ``window_size=(left, right)`` does: that is
+    ``sliding_window(left + 1, ahead=right)``. (flash-attention's −1, an unbounded side, is a
+    window longer than the keys: ``window ≥ q_offset + T``, ``ahead ≥ S``.) Positions are
+    absolute, so with ``q_offset`` the band follows the queries' positions among the keys.
+
+    >>> sliding_window(2, ahead=1).materialize(1, 1, 4, 4)[0, 0].int().tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
+    """
+    return SlidingWindow(window, ahead)
 
 
 def padding(lengths: Tensor | None = None, *, valid: Tensor | None = None) -> Mask:

@@ -44,12 +44,14 @@ def reference_attention(
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) V, with its weights.
 
     Args:
-        q: (B, H, T, D); k: (B, G, S, D); v: (B, G, S, Dv), G dividing H.
+        q: (B, H, T, D); k: (B, G, S, D); v: (B, G, S, Dv), G dividing H (k and v of batch
+            size 1 broadcast against q's, through the matmuls).
         mask: True = may attend; masked scores become −inf, so exp(−inf) = 0.
         scale: multiplies the scores (1/√D in eq. 1 of the paper).
         bias: additive scores, broadcastable to (B, H, T, S); the scores are cast to its dtype
             before it is added (so an fp32 bias with bf16 q is added, and softmaxed, in fp32).
-        q_offset: absolute position of the first query (for masks, when decoding with a cache).
+        q_offset: absolute position of the first query (for masks, when decoding with a cache;
+            negative when the first queries sit before key 0).
         dropout: probability of dropping a weight before it multiplies V (training only).
         return_lse: also return each row's log-sum-exp of the scores (B, H, T), in fp32 (fp64
             for fp64 inputs).

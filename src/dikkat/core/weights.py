@@ -14,7 +14,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dikkat.core.checks import check_bias, check_mask, check_qkv, check_scale, check_softcap
+from dikkat.core.checks import (
+    broadcast_kv,
+    check_bias,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_softcap,
+)
 from dikkat.core.masks import Mask
 
 
@@ -45,7 +52,7 @@ def attention_weights(
     """Weights (B, len(heads), len(rows), S) of the chosen query rows and heads.
 
     Args:
-        q: (B, H, T, D), k: (B, G, S, D) — the attention call's inputs.
+        q: (B, H, T, D), k: (B, G, S, D) or (1, G, S, D) — the attention call's inputs.
         lse: (B, H, T): ``aux.lse`` of ``out, aux = dikkat.attention(..., return_lse=True)``;
             None: each chosen row's log-sum-exp is computed from its scores (the same
             O(rows × S) work, for a backend that does not return it).
@@ -53,6 +60,7 @@ def attention_weights(
         mask, scale, bias, q_offset, softcap: as in the attention call.
     """
     shape = check_qkv(q, k, k)
+    k = broadcast_kv(k, shape.B)  # keys shared by the batch: a view
     if lse is not None and (
         not isinstance(lse, Tensor) or tuple(lse.shape) != (shape.B, shape.H, shape.T)
     ):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from dikkat.core.checks import check_softcap
+from dikkat.core.checks import broadcast_kv, check_softcap
 from dikkat.core.masks import Mask
 from dikkat.core.tiled.autograd import TiledAttention
 from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
@@ -104,8 +104,8 @@ def tiled_attention(
     Args:
         q, k, v, mask, scale, softcap, bias, q_offset: as in :func:`dikkat.attention` (``mask``
             a :class:`~dikkat.core.masks.Mask` or None, ``softcap`` None or a positive finite
-            float, ``bias`` broadcastable to (B, H, T, S)); the lse is that of the capped
-            scores.
+            float, ``bias`` broadcastable to (B, H, T, S), k and v of batch size B or 1); the
+            lse is that of the capped scores.
         block: query rows per block; None: :data:`BLOCK`, or for windows the size the plan
             finds fastest on this device (:func:`~dikkat.core.tiled.plan.choose_block`).
         key_tile: keys per tile in a run of rows; cells: score cells per tile, over batch and
@@ -118,13 +118,16 @@ def tiled_attention(
         plans: the plan cache to use; None: the shared :data:`plans`.
     """
     softcap = check_softcap(softcap)
+    # k, v of batch size 1 (shared by the batch): stride-0 views; autograd sums their gradient
+    k, v = broadcast_kv(k, q.shape[0]), broadcast_kv(v, q.shape[0])
     prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
     use_fused = _fused(q, v, fused, softcap)
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     if q.shape[0] > 1 and any(isinstance(item, Windows) for item in prepared.plan):
         # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
-        # those two dims are laid out contiguously (one copy of k and v here, not one per tile)
+        # those two dims are laid out contiguously (one copy of k and v here, not one per tile;
+        # for k, v shared by the batch, that copy is B of them)
         k, v = k.contiguous(), v.contiguous()
     return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap)
 
