@@ -116,6 +116,16 @@ def test_bidirectional_becomes_padding_alone(pad):
     assert parts(made.mask) == ([] if pad == "none" else [masks.Padding])
 
 
+@pytest.mark.parametrize("pad", list(PADDINGS))
+def test_a_bidirectional_window_becomes_a_window_that_looks_ahead(pad):
+    made = compare(
+        mu.create_bidirectional_mask, config(), attention_mask=PADDINGS[pad],
+        and_mask_function=mu.sliding_window_bidirectional_overlay(2),
+    )  # fmt: skip
+    assert masks.SlidingWindow in parts(made.mask)
+    assert made.mask.kv_range(4, 6, T) == (2, 8)  # queries 4, 5 see keys 2 … 7, no more
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_packed_sequences_become_documents(window):
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]] * B)

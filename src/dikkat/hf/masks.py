@@ -10,8 +10,9 @@ sliding-window and chunked overlays, packed sequences, padding — combined with
 ``attn_implementation`` (``AttentionMaskInterface``). :func:`hf_mask` is dikkat's: it reads
 that tree of predicates back (the closures transformers builds keep their parameters) and
 rebuilds it from dikkat's masks, whose ``kv_range`` bounds tell the tiled backend which keys a
-block of queries can see. A predicate it does not recognise (a model's own ``or_mask_function``,
-a look-ahead window) is evaluated densely by transformers' own ``sdpa_mask`` and kept as a
+block of queries can see (a bidirectional sliding window, ``|q − kv| ≤ w``, becomes a window
+that looks ahead). A predicate it does not recognise (a model's own ``or_mask_function``) is
+evaluated densely by transformers' own ``sdpa_mask`` and kept as a
 :class:`~dikkat.masks.DenseMask` — exact, only without the skipping.
 
 Coordinates: transformers numbers keys from ``kv_offset`` (a sliding-window cache keeps only the
@@ -158,6 +159,9 @@ def _convert(fn: Callable, grid: _Grid) -> Mask:
         return out
     if name == "padding_mask_function.<locals>.inner_mask":
         return _padding(_captured(fn)["padding_mask"], grid)
+    if name == "sliding_window_bidirectional_overlay.<locals>.inner_mask":
+        w = int(_captured(fn)["sliding_window"])  # |q − kv| ≤ w: w keys back, w ahead
+        return masks.sliding_window(w + 1, ahead=w)
     return _dense(fn, grid)
 
 
