@@ -81,9 +81,10 @@ class Checked:
     rtol: float  # a change counts above rtol × the output scale
 
     def __str__(self) -> str:
+        trials = f"{self.trials} trial" + ("" if self.trials == 1 else "s")
         return (
-            f"{self.trials} trial(s) × {self.batch} rows × {self.seq_len} positions, each key "
-            f"perturbed in each ({self.forward_passes} forward passes); a change counts above "
+            f"{trials} of {self.batch} rows × {self.seq_len} positions, every key perturbed once "
+            f"a trial ({self.forward_passes} calls of the model); a change counts above "
             f"{self.rtol:g} × the output scale"
         )
 
