@@ -5,7 +5,7 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-from dikkat import hf, masks
+from dikkat import audit, hf, masks
 from dikkat.core import (
     AttentionAux,
     Capture,
@@ -63,6 +63,7 @@ __all__ = [
     "attention",
     "attention_layers",
     "attention_weights",
+    "audit",
     "available_backends",
     "capture",
     "clear_caches",

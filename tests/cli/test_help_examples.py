@@ -104,7 +104,7 @@ def command_of(argv: list[str]) -> str:
 def reads(args: argparse.Namespace) -> list[Path]:
     """The folders a parsed command line reads: a run or model folder, or the run --resume
     continues."""
-    given = [getattr(args, name, None) for name in ("checkpoint", "run", "hf_gpt2")]
+    given = [getattr(args, name, None) for name in ("checkpoint", "run", "hf_gpt2", "hf")]
     if getattr(args, "resume", False):
         given.append(args.out)
     return [Path(p) for p in given if p is not None]

@@ -1,0 +1,30 @@
+"""Audits of causality and masks for any model (docs/audit.md).
+
+    import dikkat
+    report = dikkat.audit.causality(model, vocab_size=256, seq_len=16)
+    print(report)              # a short table; report.ok, report.leaks, report.first_leak
+    dikkat.audit.mask(lambda ids: model(ids, mask=m), causal() & document(doc), 256, 16)
+    dikkat.audit.kv_cache(model)                # cached decoding = a full forward
+    dikkat.audit.permutation(block, x)          # blind to position, or not
+
+Each probes the model from outside — random tokens, perturbed one position at a time, and the
+gradients through its token embedding — so it applies to a dikkat model, a Hugging Face one or
+any callable from token ids (B, T) to outputs (B, T, …).
+"""
+
+from dikkat.audit.decoding import KVCacheReport, PermutationReport, kv_cache, permutation
+from dikkat.audit.dependence import causality, mask
+from dikkat.audit.report import Checked, MaskReport, Report, describe
+
+__all__ = [
+    "Checked",
+    "KVCacheReport",
+    "MaskReport",
+    "PermutationReport",
+    "Report",
+    "causality",
+    "describe",
+    "kv_cache",
+    "mask",
+    "permutation",
+]
