@@ -45,11 +45,11 @@ def vit_maps(
     *,
     layers: Selection = None,
     heads: Selection = None,
-    rows: Selection = None,
+    rows: Selection = 0,
     title: str = "",
 ) -> AttentionMaps:
-    """Kind ``"image"``: the class token's row (``rows`` (0,) by default; None keeps every
-    token's, which rollout needs) over the class token and the patches."""
+    """Kind ``"image"``: the class token's row (``rows=0``; None keeps every token's, which
+    rollout needs) over the class token and the patches."""
     if model.cls_token is None:
         raise ValueError("this ViT pools the mean of its tokens and has no class token to follow")
     x = _image(model, image)
