@@ -53,8 +53,8 @@ def test_png_names_the_main_picture_and_rollout_replaces_the_maps(gpt_run, tmp_p
 
 
 def test_translator_shows_the_alignment(tmp_path_factory, tmp_path, capsys):
-    spec = TaskSpec(task="translate",
-                    model_overrides={**SMALL, "n_encoder_layers": 1, "n_decoder_layers": 2})  # fmt: skip
+    sizes = {**SMALL, "n_encoder_layers": 1, "n_decoder_layers": 2}
+    spec = TaskSpec(task="translate", model_overrides=sizes)
     run = _run(tmp_path_factory.mktemp("translate") / "run", spec)
     code, out, err = run_cli(["show", str(run), "--text", "4721", "--faithfulness",
                               "--out", str(tmp_path)], capsys)  # fmt: skip
@@ -85,7 +85,7 @@ def test_vit_run_shows_the_class_token_over_the_image(tmp_path_factory, tmp_path
     ],
 )
 def test_bad_requests_are_one_line(gpt_run, tmp_path, capsys, extra, message):
-    code, out, err = run_cli(["show", str(gpt_run), "--out", str(tmp_path), *extra], capsys)
+    code, _, err = run_cli(["show", str(gpt_run), "--out", str(tmp_path), *extra], capsys)
     assert code == 2 and message in err and err.strip().count("\n") == 0
 
 

@@ -82,8 +82,8 @@ def test_a_long_input_captures_only_the_row_asked_for():
 
 def test_translation_maps_are_the_decoders_cross_attention():
     torch.manual_seed(0)
-    cfg = Seq2SeqConfig.preset("tiny", d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=2,
-                               src_vocab_size=45, tgt_vocab_size=45)  # fmt: skip
+    sizes = {"d_model": 16, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 2}
+    cfg = Seq2SeqConfig.preset("tiny", **sizes, src_vocab_size=45, tgt_vocab_size=45)
     model = Seq2Seq(cfg).double().eval()
     t = maps.Translation(source=(8, 11, 6), produced=(20, 30, 2), bos_id=1)
     m = maps.translation_maps(model, NumberTokenizer(), t)
@@ -102,7 +102,7 @@ def test_vit_maps_are_the_class_tokens_row():
     model = ViT(ViTConfig.preset("tiny", n_layers=2)).eval()
     image = torch.rand(1, 8, 8)
     m = maps.vit_maps(model, image)
-    expected = model.attention_maps(image[None]).weights[:, 0]  # (L, H, T), the reference path
+    expected = model.attention_maps(image[None]).weights[:, 0]  # (L, H, T): the reference path
     assert m.kind == "image" and m.queries == ("[CLS]",) and m.keys[1] == "(0,0)"
     np.testing.assert_allclose(m.weights[:, :, 0], expected.numpy(), rtol=0, atol=1e-5)
 

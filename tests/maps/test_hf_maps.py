@@ -51,5 +51,5 @@ def test_hf_encoder_maps_equal_eager_weights(tmp_path):
 def test_a_folder_without_config_is_refused(tmp_path):
     from dikkat import maps
 
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         maps.hf_model(tmp_path)

@@ -36,8 +36,8 @@ def test_rows_stay_distributions_and_a_blind_row_is_the_identity():
 def _full(L: int = 2, T: int = 4) -> AttentionMaps:
     w = np.full((L, 2, T, T), 1 / T, dtype=np.float32)
     return AttentionMaps(
-        queries=tuple("abcd"[:T]), keys=tuple("abcd"[:T]), layers=tuple(f"layer {i}" for i in range(L)),
-        heads=(0, 1), weights=w,
+        queries=tuple("abcd"[:T]), keys=tuple("abcd"[:T]),
+        layers=tuple(f"layer {i}" for i in range(L)), heads=(0, 1), weights=w,
     )  # fmt: skip
 
 
