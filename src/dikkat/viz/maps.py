@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["AttentionMaps"]
+__all__ = ["MEAN_OF_HEADS", "AttentionMaps"]
 
 KINDS = ("self", "cross", "image")
+
+# the head number of a map averaged over every head (attention rollout, arXiv:2005.00928)
+MEAN_OF_HEADS = -1
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,3 +68,8 @@ class AttentionMaps:
     def query_positions(self) -> tuple[int, ...]:
         """The input position of each query row."""
         return tuple(range(self.weights.shape[2])) if self.rows is None else self.rows
+
+    @property
+    def head_labels(self) -> tuple[str, ...]:
+        """A label per kept head: ``"head 3"``, or ``"mean of heads"`` for :data:`MEAN_OF_HEADS`."""
+        return tuple("mean of heads" if h == MEAN_OF_HEADS else f"head {h}" for h in self.heads)

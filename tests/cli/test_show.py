@@ -1,0 +1,94 @@
+"""``dikkat show`` on tiny run folders: the pictures it promises, the table, the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+import pytest
+
+from dikkat.tasks import TaskSpec, build_task
+from dikkat.training.trainer import TrainConfig, Trainer
+from helpers import run_cli
+
+SMALL = {"d_model": 16, "n_heads": 2}
+
+
+def _run(path, spec: TaskSpec):
+    Trainer(build_task(spec), TrainConfig(steps=1, batch_size=2), path).save()  # step 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    spec = TaskSpec(task="lm", seq_len=16, data=json.__file__,
+                    model_overrides={**SMALL, "n_layers": 2, "max_len": 64})  # fmt: skip
+    return _run(tmp_path_factory.mktemp("gpt") / "run", spec)
+
+
+def _png(path) -> None:
+    assert path.is_file() and path.read_bytes()[:4] == b"\x89PNG"
+    assert matplotlib.image.imread(path).std() > 0.01  # not blank
+
+
+def test_gpt_run_grid_focus_and_faithfulness(gpt_run, tmp_path, capsys):
+    argv = ["show", str(gpt_run), "--text", "import os", "--token", "o", "--faithfulness",
+            "--out", str(tmp_path)]  # fmt: skip
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    for name in ("attention.png", "attention_focus.png", "attention_faithfulness.png"):
+        _png(tmp_path / name)
+    assert "where 'o' (position 3) looks" in out  # the first 'o' of "import os"
+    assert "Spearman rank correlation" in out and "rollout to layer 1" in out
+
+
+def test_png_names_the_main_picture_and_rollout_replaces_the_maps(gpt_run, tmp_path, capsys):
+    target = tmp_path / "here" / "maps.png"
+    code, out, err = run_cli(["show", str(gpt_run), "--text", "abc", "--rollout",
+                              "--layer", "-1", "--png", str(target)], capsys)  # fmt: skip
+    assert code == 0, err
+    _png(target)
+    _png(tmp_path / "here" / "maps_focus.png")
+    assert "rollout to layer 1" in out
+
+
+def test_translator_shows_the_alignment(tmp_path_factory, tmp_path, capsys):
+    sizes = {**SMALL, "n_encoder_layers": 1, "n_decoder_layers": 2}
+    spec = TaskSpec(task="translate", model_overrides=sizes)
+    run = _run(tmp_path_factory.mktemp("translate") / "run", spec)
+    code, out, err = run_cli(["show", str(run), "--text", "4721", "--faithfulness",
+                              "--out", str(tmp_path)], capsys)  # fmt: skip
+    assert code == 0, err
+    for name in ("attention.png", "attention_grid.png", "attention_focus.png"):
+        _png(tmp_path / name)
+    assert out.startswith("4721 → ") and "gradient × input" in out
+
+
+def test_vit_run_shows_the_class_token_over_the_image(tmp_path_factory, tmp_path, capsys):
+    spec = TaskSpec(task="digits", preset="tiny", model_overrides=SMALL)
+    run = _run(tmp_path_factory.mktemp("digits") / "run", spec)
+    code, out, err = run_cli(["show", str(run), "--image", "2", "--rollout", "--faithfulness",
+                              "--out", str(tmp_path)], capsys)  # fmt: skip
+    assert code == 0, err
+    _png(tmp_path / "attention.png")
+    assert "'[CLS]'" in out and "rollout to layer 0" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "give the text to read"),
+        (["--text", "ab", "--token", "zz"], "token 'zz' is not among"),
+        (["--text", "ab", "--rollout", "--head", "0"], "--head does not apply"),
+        (["--text", "ab", "--layer", "5"], "layers [5] do not exist"),
+        (["--text", "ab", "--model", "minilm"], "give one model"),
+    ],
+)
+def test_bad_requests_are_one_line(gpt_run, tmp_path, capsys, extra, message):
+    code, _, err = run_cli(["show", str(gpt_run), "--out", str(tmp_path), *extra], capsys)
+    assert code == 2 and message in err and err.strip().count("\n") == 0
+
+
+def test_nothing_to_show_is_refused(capsys):
+    code, _, err = run_cli(["show", "--text", "hi"], capsys)
+    assert code == 2 and "give one model" in err
