@@ -129,7 +129,10 @@ WRITES: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "vit-attention": lambda a: [Path(a.out or Path(a.run) / "vit_attention.png")],
     "detect": lambda a: [Path(a.out or Path(a.run) / "detections.png")],
     "bench attention": bench_files,
-    "show": lambda a: [Path(a.png) if a.png else Path(a.out or a.run or ".") / "attention.png"],
+    "show": lambda a: (
+        [Path(a.png) if a.png else Path(a.out or a.run or ".") / "attention.png"]
+        + ([Path(a.html)] if a.html else [])
+    ),
 }
 
 SMALL = {"d_model": 16, "n_heads": 2}

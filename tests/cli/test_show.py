@@ -52,6 +52,30 @@ def test_png_names_the_main_picture_and_rollout_replaces_the_maps(gpt_run, tmp_p
     assert "rollout to layer 1" in out
 
 
+def test_html_writes_the_report_of_the_maps_drawn(gpt_run, tmp_path, capsys):
+    """--html: the same maps as the PNGs, in the interactive report (docs/report.md); with
+    --rollout its one head is labelled as the mean of the heads."""
+    page = tmp_path / "report" / "attention.html"
+    argv = ["show", str(gpt_run), "--text", "abc", "--layer", "0,1", "--head", "1",
+            "--out", str(tmp_path), "--html", str(page)]  # fmt: skip
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    data = _report_data(page)
+    assert data["layers"] == ["layer 0", "layer 1"] and data["head_labels"] == ["head 1"]
+    assert data["queries"] == ["a", "b", "c"] and f"{page}: interactive report" in out
+    code, _, err = run_cli(["show", str(gpt_run), "--text", "abc", "--rollout",
+                            "--out", str(tmp_path), "--html", str(page)], capsys)  # fmt: skip
+    assert code == 0, err
+    assert _report_data(page)["head_labels"] == ["mean of heads"]
+
+
+def _report_data(page) -> dict:
+    text = page.read_text()
+    start = text.index('<script type="application/json"')
+    body = text[text.index(">", start) + 1 : text.index("</script>", start)]
+    return json.loads(body)
+
+
 def test_translator_shows_the_alignment(tmp_path_factory, tmp_path, capsys):
     sizes = {**SMALL, "n_encoder_layers": 1, "n_decoder_layers": 2}
     spec = TaskSpec(task="translate", model_overrides=sizes)

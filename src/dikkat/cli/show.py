@@ -26,6 +26,7 @@ from dikkat.viz.figure import save_png
 from dikkat.viz.heatmaps import draw_alignment, draw_focus, draw_grid
 from dikkat.viz.maps import AttentionMaps
 from dikkat.viz.overlay import draw_image_attention, draw_importance
+from dikkat.viz.report import write_html
 
 FULL_ROWS = 256  # up to this many tokens the grid keeps every query row; past it, the focus only
 
@@ -53,12 +54,21 @@ class Figures:
             self.main = Path(args.png)
         else:
             self.main = Path(args.out or args.run or ".") / "attention.png"
+        self.html = None if args.html is None else Path(args.html)
         self.written: list[tuple[Path, str]] = []
 
     def save(self, fig: Any, suffix: str, what: str) -> None:
         path = self.main if not suffix else self.main.with_name(f"{self.main.stem}_{suffix}.png")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.written.append((save_png(fig, path), what))
+
+    def report(self, m: AttentionMaps) -> None:
+        """With --html, the interactive report of the maps drawn (docs/report.md)."""
+        if self.html is not None:
+            self.html.parent.mkdir(parents=True, exist_ok=True)
+            self.written.append(
+                (write_html(m, self.html), "interactive report (open in a browser)")
+            )
 
 
 def _focus_summary(m: AttentionMaps, row: int) -> str:
@@ -100,6 +110,7 @@ def _show_text(
     row = m.query_positions.index(focus)
     figures.save(draw_grid(m), "", f"{len(m.layers)} layers × {len(m.heads)} heads")
     figures.save(draw_focus(m, row), "focus", f"where {labels[focus]!r} looks, per head")
+    figures.report(m)
     print(_focus_summary(m, row))
     return maps.text_faithfulness(tm, args.text, focus) if args.faithfulness else None
 
@@ -124,6 +135,7 @@ def _show_translation(args: argparse.Namespace, figures: Figures) -> Faithfulnes
     figures.save(draw_alignment(m), "", "cross-attention: target × source, per layer")
     figures.save(draw_grid(m), "grid", f"{len(m.layers)} layers × {len(m.heads)} heads")
     figures.save(draw_focus(m, focus), "focus", f"where {m.queries[focus]!r} looks, per head")
+    figures.report(m)
     print(_focus_summary(m, focus))
     return maps.translation_faithfulness(model, tokenizer, t, focus) if args.faithfulness else None
 
@@ -145,6 +157,7 @@ def _show_image(args: argparse.Namespace, figures: Figures) -> Faithfulness | No
         m = maps.vit_maps(model, image, layers=args.layer, heads=args.head, title=title)
     picture = image[0].float().cpu().numpy()
     figures.save(draw_image_attention(m, picture), "", "the class token over the patches")
+    figures.report(m)
     return maps.image_faithfulness(model, image) if args.faithfulness else None
 
 
@@ -209,6 +222,7 @@ def add_commands(sub: Any) -> None:
             ),
             ("dikkat show runs/gpt --text 'import os' --rollout --faithfulness", ""),
             ("dikkat show runs/translate --text 4721 --layer -1", "the alignment"),
+            ("dikkat show runs/gpt --text 'def f(x):' --html attention.html", "open in a browser"),
             ("dikkat show runs/digits --image 3 --png digit.png", ""),
             ("dikkat show --hf ./gpt2 --text 'Hello there' --head 0,1 --out maps", ""),
         ],
@@ -233,6 +247,7 @@ def add_commands(sub: Any) -> None:
         help="rank attention against leave-one-out importance",
     )
     p.add_argument("--png", metavar="PATH", help="the main picture's path (others beside it)")
+    p.add_argument("--html", metavar="PATH", help="also one self-contained interactive HTML report")
     p.add_argument(
         "--out", metavar="DIR", help="folder for the pictures (default: run folder or .)"
     )

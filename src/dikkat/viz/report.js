@@ -61,7 +61,7 @@
       update();
     });
     const chip = make("label", { class: "chip", style: `--c: ${colours[h]}` });
-    chip.append(box, `head ${head}`);
+    chip.append(box, data.head_labels[h]);
     document.getElementById("heads").append(chip);
     return box;
   });
@@ -150,14 +150,14 @@
   }
 
   grid.append(make("span"));
-  data.heads.forEach((head) => grid.append(make("span", { class: "label head-label" }, `head ${head}`)));
+  data.head_labels.forEach((label) => grid.append(make("span", { class: "label head-label" }, label)));
   const cells = [];
   data.layers.forEach((name, l) => {
     grid.append(make("span", { class: "label" }, name));
     data.heads.forEach((head, h) => {
       const cell = make("canvas", {
         class: "cell", width: Tk, height: Tq, "data-layer": l, "data-head": h,
-        title: `${name}, head ${head}: click to show it in the head view`,
+        title: `${name}, ${data.head_labels[h]}: click to show it in the head view`,
       });
       cell.style.width = `${Math.max(4, Math.round(Tk * px))}px`;
       cell.style.height = `${Math.max(4, Math.round(Tq * px))}px`;

@@ -129,6 +129,7 @@ def write_html(
         "keys": [str(t) for t in maps.keys],
         "layers": [str(t) for t in maps.layers],
         "heads": [int(h) for h in maps.heads],
+        "head_labels": list(maps.head_labels),  # "head 3", or "mean of heads" for a rollout
         "rows": [int(r) for r in maps.query_positions],
         "scale": SCALE,
         "weights": q.reshape(L, H, Tq * Tk).tolist(),  # [layer][head][i * Tk + j]
