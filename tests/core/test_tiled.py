@@ -16,6 +16,7 @@ import dikkat
 from dikkat import masks
 from dikkat.core import cache_sizes, clear_caches, tiled, tuning
 from dikkat.core.masks import as_mask
+from dikkat.core.tiled.cache import prepare
 from helpers import Case, attention_cases, oracle
 
 
@@ -187,6 +188,50 @@ def test_kv_range_bounds_every_visible_key(case, data):
     allowed = case.allowed()[:, :, a:b]  # (B, H, b − a, S)
     visible = allowed.any(dim=(0, 1, 2)).nonzero().flatten().tolist()
     assert all(lo <= j < hi for j in visible), (lo, hi, visible)
+
+
+@given(case=attention_cases(max_len=40), data=st.data())
+def test_kv_full_range_holds_only_keys_every_query_sees(case, data):
+    """Every key of the range a mask says every query sees is allowed to each query, in
+    every batch row and head: the tiled backend runs those tiles without a mask."""
+    if case.mask is None:
+        return
+    mask = as_mask(case.mask, case.q_offset)
+    a = data.draw(st.integers(0, case.T - 1))
+    b = data.draw(st.integers(a + 1, case.T))
+    lo, hi = mask.kv_full_range(case.q_offset + a, case.q_offset + b, case.S)
+    assert lo >= hi or (lo >= 0 and hi <= case.S)
+    allowed = case.allowed()[:, :, a:b]  # (B, H, b − a, S)
+    assert bool(allowed[..., lo:hi].all()), (lo, hi)
+
+
+def test_the_part_of_a_window_every_row_sees_runs_unmasked():
+    """A window wider than a key tile: each run of rows is cut where the part every row sees
+    starts and ends, so only its two edges build masks; the result is the reference's."""
+    n, w, b = 640, 300, 64
+    mask = masks.sliding_window(w)
+    assert mask.kv_full_range(400, 464, n) == (464 - w, 401)
+    assert (masks.causal() & mask).kv_full_range(400, 464, n) == (464 - w, 401)
+    assert masks.padding(torch.tensor([7, 5])).kv_full_range(0, 4, 9) == (0, 5)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for _ in range(3))
+    cache, tiling = tiled.PlanCache(), dict(block=b, key_tile=256, cells=2 * b * 256)
+    prepared = prepare(
+        mask, (1, 2, 2, n, n), 0, **tiling, windows=False, dtype=q.dtype, device=q.device,
+        cache=cache,
+    )  # fmt: skip
+    out, _ = tiled.tiled_attention(q, k, v, mask, scale=0.3, **tiling, windows=False, plans=cache)
+    assert cache.hits == 1  # the call ran the plan above
+    assert [item.r1 - item.r0 for item in prepared.plan] == [b] * (n // b)
+    for item in prepared.plan:  # rows r0 … r0 + b − 1 all see keys r0 + b − w … r0
+        full = sum(k1 - k0 for k0, k1, seen in item.key_tiles(256) if seen)
+        assert full == (w - b + 1 if item.r0 + b >= w else item.r0 + 1)
+    # every tile mask kept is an edge's: at most one block of rows by one block of keys wide
+    assert all(
+        t.additive is None or t.additive.shape[-1] <= b for t in prepared.masks.kept.values()
+        if not isinstance(t, bool)
+    )  # fmt: skip
+    ref, _ = dikkat.attention(q, k, v, mask, scale=0.3, backend="reference", return_weights=True)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
 @given(case=attention_cases(max_len=30), data=st.data())

@@ -139,3 +139,28 @@ def test_the_caches_tell_windows_apart_by_ahead(backend):
         dense = flash_window(24, 24, 0, 4, ahead)
         want = dikkat.attention(q, k, v, dense, backend="reference")
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("window", "q_offset", "flag"), [(8, 0, True), (8, 3, False), (5, 0, False)]
+)
+def test_sdpa_runs_a_window_that_hides_nothing_more_as_causal(monkeypatch, window, q_offset, flag):
+    """A causal window reaching back past key 0 from every query is the causal mask: SDPA gets
+    its ``is_causal`` flag (no dense mask to build), with the reference's result."""
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("is_causal", False), kwargs.get("attn_mask") is None))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    T, S = 6, 6 + q_offset
+    q, k, v = torch.randn(1, 2, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+    mask = masks.sliding_window(window)
+    got = dikkat.attention(q, k, v, mask, q_offset=q_offset, backend="sdpa")
+    want = dikkat.attention(q, k, v, mask, q_offset=q_offset, backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert seen == [(flag, flag)]  # the flag and no mask, or a dense mask and no flag

@@ -83,6 +83,12 @@ class Mask:
         may see (a conservative bound), so a tiled backend need not even look at the rest."""
         return 0, S
 
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        """Keys ``lo … hi − 1`` that every query at absolute positions q0 … q1 − 1 sees, in
+        every batch row and head (a conservative bound: fewer is always right; ``lo >= hi``:
+        none known), so a tiled backend runs them without a mask. Default: none."""
+        return 0, 0
+
     def __and__(self, other: Mask | Tensor) -> Mask:
         return And(self, _operand(other, "&"))
 
@@ -149,6 +155,11 @@ class And(Mask):
         (a, b), (c, d) = self.left.kv_range(q0, q1, S), self.right.kv_range(q0, q1, S)
         return max(a, c), min(b, d)
 
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        (a, b) = self.left.kv_full_range(q0, q1, S)
+        (c, d) = self.right.kv_full_range(q0, q1, S)
+        return max(a, c), min(b, d)  # seen by both parts
+
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         self.left.validate(B, H, T, S, q_offset)
         self.right.validate(B, H, T, S, q_offset)
@@ -168,6 +179,13 @@ class Or(Mask):
     def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
         (a, b), (c, d) = self.left.kv_range(q0, q1, S), self.right.kv_range(q0, q1, S)
         return min(a, c), max(b, d)
+
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        (a, b) = self.left.kv_full_range(q0, q1, S)
+        (c, d) = self.right.kv_full_range(q0, q1, S)
+        if a < b and c < d and max(a, c) <= min(b, d):  # overlapping or touching: the union
+            return min(a, c), max(b, d)
+        return (a, b) if b - a >= d - c else (c, d)  # seen through either part: the longer
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         self.left.validate(B, H, T, S, q_offset)

@@ -79,6 +79,9 @@ class Full(Mask):
     def is_full(self) -> bool:
         return True
 
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        return 0, S
+
 
 @dataclass(frozen=True, eq=False)
 class Causal(Mask):
@@ -89,6 +92,9 @@ class Causal(Mask):
 
     def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
         return 0, max(0, min(S, q1))  # queries before key 0 (q_offset < 0) see none
+
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        return 0, max(0, min(S, q0 + 1))  # keys up to the first query's own
 
     @property
     def is_causal(self) -> bool:
@@ -126,6 +132,11 @@ class SlidingWindow(Mask):
     def kv_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
         lo = max(0, q0 - self.window + 1)
         return lo, max(lo, min(S, q1 + self.ahead))
+
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        # the last query's window starts latest, the first query's ends earliest
+        lo = max(0, q1 - self.window)
+        return lo, max(lo, min(S, q0 + self.ahead + 1))
 
 
 def _batch_vector(name: str, value: Tensor | int, *, dtype_kind: str = "int") -> Tensor:
@@ -178,6 +189,11 @@ class Padding(Mask):
         if self.lengths is None:
             return 0, S
         return 0, max(0, min(S, int(self.lengths.max())))
+
+    def kv_full_range(self, q0: int, q1: int, S: int) -> tuple[int, int]:
+        if self.lengths is None:
+            return 0, 0
+        return 0, max(0, min(S, int(self.lengths.min())))  # real in every row
 
     def validate(self, B: int, H: int, T: int, S: int, q_offset: int = 0) -> None:
         if self.lengths is not None:

@@ -1,11 +1,12 @@
 """PyTorch's fused ``F.scaled_dot_product_attention`` as a dikkat backend.
 
 Differences from the reference: no weights; a dikkat mask is handed over as SDPA's ``is_causal``
-flag when it is the plain causal mask at offset 0, otherwise materialised as a dense bool mask
-(or folded into a float mask when there is a bias); fully masked rows are opened for the kernel
-and their outputs zeroed afterwards, so they give 0 and finite gradients like every backend. A
-bias is handed over in fp32 (fp64 for fp64 q) on CPU, in q's dtype elsewhere; its gradient is
-SDPA's own.
+flag when it is the plain causal mask at offset 0 (or a causal sliding window wider than every
+query's distance to key 0, which then hides nothing more), otherwise materialised as a dense
+bool mask (or folded into a float mask when there is a bias); fully masked rows are opened for
+the kernel and their outputs zeroed afterwards, so they give 0 and finite gradients like every
+backend. A bias is handed over in fp32 (fp64 for fp64 q) on CPU, in q's dtype elsewhere; its
+gradient is SDPA's own.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dikkat.core.masks import Mask
+from dikkat.core.masks import Causal, Mask, SlidingWindow
 from dikkat.core.reference import repeat_kv
 
 # ``enable_gqa`` arrived in torch 2.5; before it, key/value heads are repeated by hand.
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+CAUSAL = Causal()
 
 
 def sdpa_attention(
@@ -42,6 +44,8 @@ def sdpa_attention(
         else:  # torch < 2.5
             k, v = repeat_kv(k, H // G), repeat_kv(v, H // G)
 
+    if isinstance(mask, SlidingWindow) and mask.ahead == 0 and q_offset + T - 1 < mask.window:
+        mask = CAUSAL  # every query's window reaches back past key 0: it hides what causal does
     if mask is not None and mask.is_causal and q_offset >= S - 1:
         mask = None  # every query sits at or after the last key: the causal mask hides nothing
     if bias is None and (mask is None or (mask.is_causal and q_offset == 0)):

@@ -31,6 +31,8 @@ from dikkat.core.tiled.kernel import (
 from dikkat.core.tiled.plan import Rows, Windows
 from dikkat.core.tiled.tile_masks import TileMask
 
+UNMASKED = TileMask(None, None)  # a tile whose every pair is allowed
+
 
 def bias_tile(bias: Tensor | None, G: int, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
     """The bias (B|1, H|1, T|1, S|1) entries of one tile, viewable against (B, G, g, rows, keys)."""
@@ -64,10 +66,10 @@ def with_bias(additive: Tensor | None, bias: Tensor | None) -> Tensor | None:
 def rows_tiles(
     i: int, item: Rows, prepared: Prepared, key_tile: int, device: torch.device
 ) -> Iterator[tuple[int, int, TileMask]]:
-    """(k0, k1, tile mask) of each key tile of rows item i that the mask does not hide."""
-    for k0 in range(item.k0, item.k1, key_tile):
-        k1 = min(k0 + key_tile, item.k1)
-        tm = prepared.masks.rows(i, item, k0, k1, device)
+    """(k0, k1, tile mask) of each key tile of rows item i that the mask does not hide; a
+    tile every row sees whole needs no mask at all."""
+    for k0, k1, full in item.key_tiles(key_tile):
+        tm = UNMASKED if full else prepared.masks.rows(i, item, k0, k1, device)
         if tm is not False:
             yield k0, k1, tm  # type: ignore[misc]
 

@@ -34,12 +34,28 @@ CELLS = 1 << 22  # score cells per tile, over batch and heads: 16 MiB of fp32 sc
 
 @dataclass(frozen=True)
 class Rows:
-    """Query rows r0:r1 against keys k0:k1, in key tiles of ``key_tile``."""
+    """Query rows r0:r1 against keys k0:k1, in key tiles of ``key_tile``; keys f0:f1 are seen by
+    every one of the rows (:meth:`~dikkat.core.masks.Mask.kv_full_range`), so their tiles run
+    without a mask and the tiles are cut where that part starts and ends."""
 
     r0: int
     r1: int
     k0: int
     k1: int
+    f0: int = 0
+    f1: int = 0
+
+    def key_tiles(self, key_tile: int) -> list[tuple[int, int, bool]]:
+        """(k0, k1, seen by every row) of each key tile, at most ``key_tile`` keys each."""
+        f0, f1 = max(self.k0, self.f0), min(self.k1, self.f1)
+        parts = [(self.k0, self.k1, False)] if f0 >= f1 else [
+            (self.k0, f0, False), (f0, f1, True), (f1, self.k1, False)
+        ]  # fmt: skip
+        return [
+            (k0, min(k0 + key_tile, b), full)
+            for a, b, full in parts
+            for k0 in range(a, b, key_tile)
+        ]
 
 
 @dataclass(frozen=True)
@@ -85,8 +101,12 @@ def make_plan(
     plan: Plan = []
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
-        lo, hi = (0, S) if mask is None else mask.kv_range(r0 + q_offset, r1 + q_offset, S)
-        plan.append(Rows(r0, r1, lo, max(lo, hi)))
+        if mask is None:
+            plan.append(Rows(r0, r1, 0, S, 0, S))
+            continue
+        lo, hi = mask.kv_range(r0 + q_offset, r1 + q_offset, S)
+        f0, f1 = mask.kv_full_range(r0 + q_offset, r1 + q_offset, S)
+        plan.append(Rows(r0, r1, lo, max(lo, hi), f0, f1))
     return plan
 
 
