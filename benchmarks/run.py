@@ -1,6 +1,7 @@
 """`make bench`: run every benchmark in turn; each prints a table and writes results/NAME.json.
 
-    python benchmarks/run.py                  all of them (the attention sweep alone ≈ 30 min)
+    python benchmarks/run.py                  all of them (the attention sweep alone ≈ 30 min,
+                                              the long-context one ≈ 25 min)
     python benchmarks/run.py generation vision
     python benchmarks/NAME.py --help          one benchmark's own options
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import attention
 import checkpoint
 import generation
+import hf_long_context
 import training
 import vision
 
@@ -26,6 +28,7 @@ BENCHMARKS = {
     "training": training.main,
     "vision": vision.main,
     "checkpoint": checkpoint.main,
+    "hf_long_context": hf_long_context.main,
 }
 
 
