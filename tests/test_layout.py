@@ -23,7 +23,7 @@ TIERS: tuple[frozenset[str], ...] = tuple(
     for t in (
         "validate version files presets",
         "core runs viz",
-        "masks layers text",
+        "masks layers text distributed",
         "generation seeds",
         "models",
         "interop vision hf",

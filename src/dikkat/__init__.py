@@ -5,7 +5,7 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-from dikkat import audit, hf, maps, masks
+from dikkat import audit, distributed, hf, maps, masks
 from dikkat.core import (
     AttentionAux,
     Capture,
@@ -67,6 +67,7 @@ __all__ = [
     "available_backends",
     "capture",
     "clear_caches",
+    "distributed",
     "explain",
     "generate",
     "hf",
