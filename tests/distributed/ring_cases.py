@@ -39,18 +39,20 @@ def expect_value_error(fn, *needles: str) -> None:
         raise AssertionError(f"no ValueError (expected one naming {needles})")
 
 
-def full_tensors(seed: int, s: int = T) -> tuple[torch.Tensor, ...]:
+def full_tensors(seed: int, s: int = T, t: int = T) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return (
-        torch.randn(B, H, T, D, generator=g, dtype=torch.float64),
+        torch.randn(B, H, t, D, generator=g, dtype=torch.float64),
         torch.randn(B, G, s, D, generator=g, dtype=torch.float64),
         torch.randn(B, G, s, DV, generator=g, dtype=torch.float64),
-        torch.randn(B, H, T, DV, generator=g, dtype=torch.float64),  # the output's gradient
+        torch.randn(B, H, t, DV, generator=g, dtype=torch.float64),  # the output's gradient
     )
 
 
-def check_case(name: str, mask, layout: str, dtype: torch.dtype, seed: int, s: int = T) -> None:
-    q, k, v, dout = full_tensors(seed, s)
+def check_case(
+    name: str, mask, layout: str, dtype: torch.dtype, seed: int, s: int = T, t: int = T
+) -> None:
+    q, k, v, dout = full_tensors(seed, s, t)
     q, k, v = (t.to(dtype).double().requires_grad_() for t in (q, k, v))  # same values as dtype
     ref, aux = dikkat.attention(q, k, v, mask, backend="reference", return_lse=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
@@ -99,8 +101,7 @@ def check_skipped_blocks(rank: int) -> None:
         # chunks of 4; rank i holds chunks i and 7 − i, whose neighbours are on ranks i ± 1
         "zigzag": (3, {0: [0, 1], 1: [0, 1, 2], 2: [1, 2, 3], 3: [2, 3]}[rank]),
     }
-    q, k, v, _ = full_tensors(7, 32)
-    q = torch.randn(B, H, 32, D, dtype=torch.float64)
+    q, k, v, _ = full_tensors(7, 32, 32)
     for layout, (steps, by_rank) in want.items():
         stats = RingStats()
         local = [shard_sequence(t, 2, layout) for t in (q, k, v)]
@@ -128,6 +129,12 @@ def run(rank: int, world: int, port: int) -> None:
                     seed += 1
                     check_case(name, mask, layout, dtype, seed)
                 check_case("causal, S ≠ T", masks.causal(), layout, dtype, seed, s=23)
+                # fewer positions than chunks: some ranks hold one chunk or none
+                check_case("causal, T = S = 5", masks.causal(), layout, dtype, seed, s=5, t=5)
+        if world == 2:  # shards longer than one backward tile of rows
+            window = masks.sliding_window(40)
+            check_case("sliding_window(40), T = 600", window, "contiguous", torch.float64, 99,
+                       s=600, t=600)  # fmt: skip
         if world == 4:
             check_skipped_blocks(rank)
     finally:
