@@ -16,6 +16,7 @@ from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import held, load_model, refusal
+from dikkat.cli.launch import add_nproc, launch, under_launcher
 from dikkat.models.seq2seq import Seq2Seq
 from dikkat.tasks import TaskSpec, build_task, task_info, task_names
 from dikkat.tasks.translate import encode_numbers
@@ -23,6 +24,7 @@ from dikkat.text import load_tokenizer
 from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
 from dikkat.training.checkpoint import check_out_dir
 from dikkat.training.leak import leak_demo
+from dikkat.training.parallel import release
 from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
 DEFAULT_TASK = "lm"  # --task left out of a new run
@@ -87,15 +89,23 @@ def _check_resumable(out: Path, task: str | None) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-
     device = device_of(args)
     out = Path(args.out or f"runs/{args.task or DEFAULT_TASK}")
+    launching = args.nproc > 1 and not under_launcher()
     if args.resume:
         if args.overwrite:
             raise ValueError("--resume continues the run in --out; --overwrite would replace it")
         _check_resumable(out, args.task)
+    elif launching:  # refuse what can be refused here, in one line, not once per process
+        check_out_dir(out, overwrite=args.overwrite, what="--out")
+        if with_recipe(args).batch_size % args.nproc:
+            raise ValueError(f"--batch-size is not a multiple of --nproc {args.nproc}")
+    if launching:
+        return launch(args.nproc, args.argv)
+    if args.resume:
         trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify, device=device)
-        print(f"resuming {out} at step {trainer.step} of {trainer.config.steps}")
+        if trainer.ranks.main:
+            print(f"resuming {out} at step {trainer.step} of {trainer.config.steps}")
     else:
         check_out_dir(out, overwrite=args.overwrite, what="--out")  # before any slow work
         args = with_recipe(args)
@@ -125,12 +135,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             task, config, out, overwrite=args.overwrite, made_by="dikkat train", device=device
         )
         n = sum(p.numel() for p in task.model.parameters())
-        print(
-            f"{spec.task}: {type(task.model).__name__} '{spec.preset}' with {n:,} parameters, "
-            f"{config.steps} steps of {config.batch_size}, {type(task.tokenizer).__name__}"
-        )
+        if trainer.ranks.main:
+            print(
+                f"{spec.task}: {type(task.model).__name__} '{spec.preset}' with {n:,} parameters, "
+                f"{config.steps} steps of {config.batch_size}, {type(task.tokenizer).__name__}"
+            )
     result = trainer.train(progress=not args.no_progress)
-    _summary(result, trainer.task.spec.task)
+    if trainer.ranks.main:
+        _summary(result, trainer.task.spec.task)
+    release(trainer.ranks)
     return 0
 
 
@@ -325,6 +338,7 @@ def add_commands(sub: Any) -> None:
         help="replace the run or model already in --out (without it, such a folder is refused)",
     )
     add_device(train)
+    add_nproc(train)
     add_no_verify(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 

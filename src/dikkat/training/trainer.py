@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,17 @@ from dikkat.training.checkpoint import (
     write_log,
 )
 from dikkat.training.config import TrainConfig, lr_factor, make_optimizer
+from dikkat.training.parallel import (
+    agree_signal,
+    barrier,
+    detect_ranks,
+    rank_device,
+    reduce_step,
+    seed_step,
+    sum_over_ranks,
+    wrap,
+)
+from dikkat.training.results import DivergedError, TrainResult
 from dikkat.training.signals import TrainingInterrupted, finish_step_on_signals
 from dikkat.viz.curves import plot_losses
 
@@ -62,24 +73,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class TrainResult:
-    """What a run reached."""
-
-    steps: int
-    train_loss: float  # last logged training loss, reported unit
-    val_loss: float  # final validation loss, reported unit
-    unit: str
-    seconds: float  # wall time of this call
-    tokens_per_second: float
-    metrics: dict[str, float]
-    out_dir: Path | None
-
-
-class DivergedError(FloatingPointError):
-    """The loss or the gradient norm stopped being finite; the step was not applied."""
-
-
 class Trainer:
     """Trains ``task.model`` on ``task`` with ``config``, saving into ``out_dir`` (optional).
 
@@ -88,6 +81,10 @@ class Trainer:
     training starts. ``made_by`` is recorded in the run's ``run.json``. ``device`` is where the
     model trains (the task's batches are moved there); it is not part of the run, so a run
     trained on one device resumes on another.
+
+    Under ``torchrun`` (or in an initialised process group) it trains data-parallel
+    (:mod:`dikkat.training.parallel`): ``config.batch_size`` is then the batch of a whole step,
+    split between the ranks, and rank 0 alone writes ``out_dir`` and shows progress.
     """
 
     def __init__(
@@ -102,14 +99,18 @@ class Trainer:
         _resuming: bool = False,
     ) -> None:
         self.task, self.config = task, config
-        self.device = check_device("device", device)
+        device = check_device("device", device)
+        self.ranks = detect_ranks(device)
+        self.ranks.rows(config.batch_size)  # a batch the ranks cannot share is refused now
+        self.device = rank_device(device, self.ranks)
         self.model = task.model.to(self.device)
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.made_by = made_by
         self._overwrite = overwrite
-        self._needs_prepare = self.out_dir is not None and not _resuming
-        if self._needs_prepare:
-            check_out_dir(self.out_dir, overwrite=overwrite)  # type: ignore[arg-type]
+        if self.out_dir is not None and not _resuming:  # every rank, before the first collective
+            check_out_dir(self.out_dir, overwrite=overwrite)
+        self._needs_prepare = self.out_dir is not None and not _resuming and self.ranks.main
+        self._step_loss = wrap(task, self.model, self.ranks, self.device)  # (loss, n) of a batch
         self.optimizer = make_optimizer(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config)
@@ -134,6 +135,9 @@ class Trainer:
         """Commit the whole run state as a new checkpoint of ``out_dir`` (all files or none)."""
         if self.out_dir is None:
             return
+        if not self.ranks.main:  # the state is the same on every rank: rank 0 writes it
+            barrier(self.ranks)
+            return
         self._prepare()
         state = {
             "step": self.step,
@@ -153,6 +157,7 @@ class Trainer:
             made_by=self.made_by,
         )
         self.saved_step = self.step
+        barrier(self.ranks)
 
     def _device_rng(self) -> dict[str, torch.Tensor]:
         """The GPU's random state (its dropout draws), saved beside the CPU's when on CUDA."""
@@ -175,7 +180,7 @@ class Trainer:
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise ValueError(f"{source} does not match this model's parameters: {e}") from None
         self.saved_step = self.step
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.ranks.main:
             write_log(self.out_dir, self.history)
 
     # --- the loop -------------------------------------------------------------------------------
@@ -184,9 +189,10 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16)
 
     def _batch(self, split: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """The task's next batch (drawn on the CPU, from ``generator``), on the model's device."""
+        """This rank's rows of the task's next batch (drawn on the CPU), on the model's device."""
         batch = self.task.batch(split, generator, self.config.batch_size)
-        return {name: t.to(self.device) for name, t in batch.items()}
+        rows = self.ranks.rows(self.config.batch_size)
+        return {name: t[rows].to(self.device) for name, t in batch.items()}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -197,9 +203,10 @@ class Trainer:
         total = count = 0.0
         with self._autocast():
             for _ in range(self.config.eval_batches):
-                loss, n = self.task.loss(self.model, self._batch("val", g))
+                loss, n = self._step_loss(self._batch("val", g))
                 total += float(loss) * n
                 count += n
+        total, count = sum_over_ranks(self.ranks, [total, count], self.device)
         self.model.train(was)
         return total / max(count, 1) * self.task.report_scale
 
@@ -209,13 +216,13 @@ class Trainer:
         ``until`` stops early at that step and saves, as an interruption would (Ctrl-C also saves
         before it stops); the schedule stays the one planned for ``config.steps``.
         """
-
         c, task = self.config, self.task
         end = c.steps if until is None else min(until, c.steps)
         self._prepare()  # before the first step: a folder we cannot write fails now, not later
         t0, first_step = time.perf_counter(), self.step
+        shown = progress and self.ranks.main  # one bar: rank 0's
         bar = tqdm(
-            total=c.steps, initial=self.step, disable=not progress, unit="step", dynamic_ncols=True
+            total=c.steps, initial=self.step, disable=not shown, unit="step", dynamic_ncols=True
         )
         self._interrupted = None
         try:
@@ -223,6 +230,7 @@ class Trainer:
                 tokens = self._loop(bar, end)
         finally:
             bar.close()
+        self._interrupted = agree_signal(self.ranks, self._interrupted, self.device)
         if self._interrupted is not None:  # the step in flight finished, so the state is whole
             self.save()
             raise TrainingInterrupted(self._interrupted, self.step, self.out_dir)
@@ -230,15 +238,9 @@ class Trainer:
         rate = tokens / seconds if self.step > first_step else 0.0
         if self.step < c.steps:  # stopped early on request
             self.save()
+            nan = float("nan")
             return TrainResult(
-                self.step,
-                self._last("loss"),
-                float("nan"),
-                task.unit,
-                seconds,
-                rate,
-                {},
-                self.out_dir,
+                self.step, self._last("loss"), nan, task.unit, seconds, rate, {}, self.out_dir
             )
         val = self.evaluate()
         self._log({"step": self.step, "val_loss": val})
@@ -258,11 +260,14 @@ class Trainer:
         self.model.train()
         t0, tokens, window = time.perf_counter(), 0, self._window
         shown: dict[str, str] = {}  # the progress bar's loss, tokens/s and last validation loss
-        while self.step < end and not self._interrupted:
+        stop = False  # agreed by every rank, in the step's all-reduce
+        while self.step < end and not stop:
+            seed_step(self.ranks, c.seed, self.step)
             batch = self._batch("train", step_generator(c.seed, self.step))
             with self._autocast():
-                loss, _ = task.loss(self.model, batch)
-            value = loss.item() * task.report_scale
+                loss, n = self._step_loss(batch)
+            loss, value, stop = reduce_step(self.ranks, loss, n, bool(self._interrupted))
+            value *= task.report_scale
             if not math.isfinite(value):
                 self._diverged(f"the loss is {value}")
             self.optimizer.zero_grad(set_to_none=True)
@@ -276,7 +281,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
-            tokens += task.tokens_in(batch)
+            tokens += task.tokens_in(batch) * self.ranks.world
             window.append(value)
             if self.step % c.log_every == 0 or self.step == end:
                 rate = tokens / (time.perf_counter() - t0)
@@ -294,6 +299,7 @@ class Trainer:
             if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
                 self.save()
             bar.update(1)
+            stop = stop or (not self.ranks.parallel and self._interrupted is not None)
         return tokens
 
     def _flag_signal(self, signum: int) -> None:
@@ -315,16 +321,15 @@ class Trainer:
 
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.ranks.main:
             self._prepare()
             with open(self.out_dir / LOG_FILE, "a") as f:  # append-only: a crash loses one line
                 f.write(json.dumps(record) + "\n")
 
     def plot(self) -> Path | None:
         """Training and validation loss against step, as ``loss.png``."""
-        if self.out_dir is None:
+        if self.out_dir is None or not self.ranks.main:
             return None
-
         path = self.out_dir / PLOT_FILE
         title = f"{self.task.spec.task} · {self.task.spec.preset}"
         atomic_write(

@@ -1,0 +1,24 @@
+"""What a training run returns, and the error that stops a diverging one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TrainResult:
+    """What a run reached."""
+
+    steps: int
+    train_loss: float  # last logged training loss, reported unit
+    val_loss: float  # final validation loss, reported unit
+    unit: str
+    seconds: float  # wall time of this call
+    tokens_per_second: float
+    metrics: dict[str, float]
+    out_dir: Path | None
+
+
+class DivergedError(FloatingPointError):
+    """The loss or the gradient norm stopped being finite; the step was not applied."""
