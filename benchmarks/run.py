@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import attention
 import checkpoint
+import distributed
 import generation
 import hf_long_context
 import training
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "vision": vision.main,
     "checkpoint": checkpoint.main,
     "hf_long_context": hf_long_context.main,
+    "distributed": distributed.main,
 }
 
 
