@@ -128,8 +128,10 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Ten
 
     When the layer passes ``output_attentions=True`` (Llama, BERT and most models of
     transformers 5 do; GPT-2 does not — :func:`dikkat.capture` serves every model), the
-    weights (B, H, T, S) are recomputed after the call from q, k and each row's log-sum-exp
-    (:func:`dikkat.attention_weights`): the softmax's, before dropout, as eager's at evaluation.
+    weights (B, H, T, S) are recomputed after the call from q and k
+    (:func:`dikkat.attention_weights` with ``lse=None``, each row's log-sum-exp taken from its own
+    scores, so the backend the call chose stays the same): the softmax's, before dropout, as
+    eager's at evaluation.
     """
     check_backend_name("backend", backend, exact_only=True)
 
