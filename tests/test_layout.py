@@ -23,8 +23,8 @@ TIERS: tuple[frozenset[str], ...] = tuple(
     for t in (
         "validate version files presets",
         "core runs viz",
-        "masks layers text distributed",
-        "generation seeds",
+        "masks layers text",
+        "generation seeds distributed",
         "models",
         "interop vision hf",
         "tasks audit maps",

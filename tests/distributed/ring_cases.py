@@ -83,6 +83,10 @@ def check_errors(rank: int, world: int) -> None:
     expect_value_error(lambda: ring_attention(longer, k, v), "q shards", "zigzag")
     three = torch.zeros(B, 3, 4, D)
     expect_value_error(lambda: ring_attention(q, three, three), "3 heads")
+    # a NaN on the last rank alone: every rank raises (none waits on the others), naming it
+    bad = q.clone()
+    bad[0, 0, 0, 0] = float("nan") if rank == world - 1 else 0.0
+    expect_value_error(lambda: ring_attention(bad, k, k), "NaN", f"[{world - 1}]")
 
 
 def check_layouts() -> None:

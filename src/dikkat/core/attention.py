@@ -292,8 +292,11 @@ def _run_finite_rule(
     backend: Backend, r: AttentionRequest
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Run the backend under the module's NaN/∞ rule: as it is when every input is finite, else
-    on the finite part of the inputs, with the rows that reach a non-finite value set to NaN."""
+    on the finite part of the inputs, with the rows that reach a non-finite value set to NaN. A
+    backend with ``finite_rule=False`` refuses non-finite inputs itself and runs once."""
     out, weights, lse = backend.run(r)
+    if not backend.finite_rule:
+        return out, weights, lse
     inputs = (r.q, r.k, r.v) if r.bias is None else (r.q, r.k, r.v, r.bias)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if not needs_exact_path(r.q, r.k, r.v, out, backward=backward):

@@ -60,6 +60,9 @@ class Backend:
     # for explain: a sentence when auto's verdict on this backend depends on the state of the
     # process (what it has compiled), else None
     note: Callable[[AttentionRequest], str | None] | None = None
+    # False for a backend that checks its inputs' finiteness itself: one whose call is a
+    # collective (dikkat.distributed's ring) must not be run again by one process alone
+    finite_rule: bool = True
 
 
 # --- reference -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ docs/distributed.md explains the layouts, the masks on global positions and the 
 
 from dikkat.distributed.layout import LAYOUTS, chunk_bounds, gather_sequence, shard_sequence
 from dikkat.distributed.ring import RingStats, ring_attention
+from dikkat.distributed.sequence import SequenceParallel
 
-__all__ = ["LAYOUTS", "RingStats", "chunk_bounds", "gather_sequence", "ring_attention",
-           "shard_sequence"]  # fmt: skip
+__all__ = ["LAYOUTS", "RingStats", "SequenceParallel", "chunk_bounds", "gather_sequence",
+           "ring_attention", "shard_sequence"]  # fmt: skip

@@ -84,7 +84,8 @@ def _steps_needed(world: int, layout: str, T: int, S: int, mask: Mask | None) ->
 
 def _shapes_everywhere(q: Tensor, k: Tensor, v: Tensor, ring_group, world: int) -> list[list[int]]:
     B, H, T, D = q.shape
-    mine = torch.tensor([B, H, k.shape[1], D, v.shape[3], T, k.shape[2]], device=q.device)
+    finite = int(all(bool(torch.isfinite(t).all()) for t in (q, k, v)))
+    mine = torch.tensor([B, H, k.shape[1], D, v.shape[3], T, k.shape[2], finite], device=q.device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=ring_group)
     return [t.tolist() for t in every]
@@ -103,6 +104,12 @@ def _ring(
         raise ValueError(
             f"the ranks' shards disagree on (B, H, G, D, Dv): {[s[:5] for s in every]} "
             f"(this rank: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
+        )
+    bad = [r for r, s in enumerate(every) if not s[7]]
+    if bad:  # every rank raises: none is left waiting for the others
+        raise ValueError(
+            f"ring_attention got NaN or ±inf in q, k or v on rank(s) {bad}: the NaN rule of "
+            "dikkat.attention (docs/attention.md) is not carried across ranks"
         )
     T_total, S_total = sum(s[5] for s in every), sum(s[6] for s in every)
     for name, col, n in (("q", 5, T_total), ("k", 6, S_total)):
