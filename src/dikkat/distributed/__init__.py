@@ -4,8 +4,14 @@
 docs/distributed.md explains the layouts, the masks on global positions and the tests.
 """
 
-from dikkat.distributed.layout import LAYOUTS, chunk_bounds, gather_sequence, shard_sequence
+from dikkat.distributed.layout import (
+    LAYOUTS,
+    chunk_bounds,
+    gather_sequence,
+    shard_positions,
+    shard_sequence,
+)
 from dikkat.distributed.ring import RingStats, ring_attention
 
 __all__ = ["LAYOUTS", "RingStats", "chunk_bounds", "gather_sequence", "ring_attention",
-           "shard_sequence"]  # fmt: skip
+           "shard_positions", "shard_sequence"]  # fmt: skip
