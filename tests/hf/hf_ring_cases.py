@@ -153,8 +153,13 @@ def check_refusals(rank: int) -> None:
     # Gemma 2 does not pass use_cache to its layers: its first call fills a cache with this
     # rank's keys alone, and a call that continues from that cache is refused
     model = build(gemma2)
+    model.set_attn_implementation(REFERENCE)
+    ref = model(ids, use_cache=False).logits.detach()
     model.set_attn_implementation(NAMES["zigzag"])
-    cache = model(ids_z, position_ids=pos_z).cache
+    first = model(ids_z, position_ids=pos_z)
+    got = gather_sequence(first.logits.detach(), 1, **z)
+    torch.testing.assert_close(got, ref, rtol=TOL, atol=TOL, msg="gemma2 with a cache")
+    cache = first.cache
     nxt = dict(position_ids=torch.full((1, 1), N), cache=cache)
     expect_refusal(lambda: model(ids[:, :1], **nxt), "KV cache")
 
