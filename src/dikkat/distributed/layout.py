@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LAYOUTS", "chunk_bounds", "gather_sequence", "rank_chunks", "shard_sequence"]
+__all__ = [
+    "LAYOUTS",
+    "chunk_bounds",
+    "gather_sequence",
+    "rank_chunks",
+    "shard_positions",
+    "shard_sequence",
+]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -81,6 +88,23 @@ def shard_sequence(
     rank, world = rank_and_world(group, "shard_sequence")
     parts = [x.narrow(dim, a, b - a) for a, b in rank_chunks(x.shape[dim], rank, world, layout)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def shard_positions(
+    n: int,
+    layout: str = "zigzag",
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The global positions (int64) of this rank's shard of a sequence of ``n`` positions, in its
+    shard's order: ``shard_sequence(torch.arange(n), 0, layout, group)`` without building the
+    whole range. What a model with position embeddings (RoPE) needs as ``position_ids``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int (the global length), got {n!r}")
+    check_layout(layout)
+    rank, world = rank_and_world(group, "shard_positions")
+    ranges = [torch.arange(a, b, device=device) for a, b in rank_chunks(n, rank, world, layout)]
+    return torch.cat(ranges)
 
 
 def gather_sequence(

@@ -29,7 +29,7 @@ from dikkat.distributed.layout import (
     check_layout,
     gather_sequence,
     rank_and_world,
-    rank_chunks,
+    shard_positions,
     shard_sequence,
 )
 from dikkat.distributed.ring import ring_attention
@@ -92,8 +92,7 @@ class SequenceParallel:
         the model's ``positions=`` needs for learned embeddings and RoPE."""
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"length must be a positive int, got {length!r}")
-        chunks = rank_chunks(length, self.rank, self.world, self.layout)
-        return torch.cat([torch.arange(a, b, device=device) for a, b in chunks])
+        return shard_positions(length, self.layout, self.group, device)
 
     @contextmanager
     def attend(self, model: nn.Module) -> Iterator[nn.Module]:

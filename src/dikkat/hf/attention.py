@@ -99,6 +99,15 @@ def register(name: str = "dikkat", *, backend: str = "auto") -> str:
     dikkat masks (:mod:`dikkat.hf.masks`). Registering the same name again replaces it (with
     the same functions, for the same backend). Returns ``name``.
     """
+    check_name(name)
+    check_backend_name("backend", backend, exact_only=True)
+    install(name, attention_function(backend), hf_mask, "register")
+    return name
+
+
+def check_name(name: object) -> str:
+    """``name`` as an ``attn_implementation`` dikkat may register: a non-empty str without the
+    words transformers reads a meaning into (:data:`_RESERVED`), and not ``"eager"``."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     taken = [word for word in _RESERVED if word in name.lower()]
@@ -108,17 +117,20 @@ def register(name: str = "dikkat", *, backend: str = "auto") -> str:
             f"{taken[0] if taken else 'eager'!r} in an attn_implementation name a meaning of its "
             "own (e.g. any name containing 'sdpa' is run as torch's SDPA); choose another name"
         )
-    check_backend_name("backend", backend, exact_only=True)
+    return name
+
+
+def install(name: str, attention_fn: Callable, mask_fn: Callable, caller: str) -> None:
+    """Register ``attention_fn`` and ``mask_fn`` under ``name`` with transformers."""
     try:  # transformers is an optional dependency, imported only when it is used
         from transformers import AttentionInterface, AttentionMaskInterface
     except ImportError as error:
         raise ImportError(
-            "dikkat.hf.register needs transformers ≥ 4.53 (AttentionInterface and "
+            f"dikkat.hf.{caller} needs transformers ≥ 4.53 (AttentionInterface and "
             "AttentionMaskInterface): pip install 'transformers>=4.53'"
         ) from error
-    AttentionInterface.register(name, attention_function(backend))
-    AttentionMaskInterface.register(name, hf_mask)
-    return name
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, mask_fn)
 
 
 @functools.cache
