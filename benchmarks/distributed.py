@@ -10,7 +10,7 @@ gloo over ``tcp://127.0.0.1``, one torch thread each, zigzag layout: docs/distri
 as ``dikkat.attention(..., backend="tiled")`` in this process with 1 and 2 threads. Each is
 timed forward and forward + backward (``out.backward(dout)``): the median of ``--repeats``
 calls, after one warm-up forward (the forward + backward calls follow it unwarmed, which keeps a
-default run near 3 minutes on 2 cores); a ring call's time is its slowest rank's.
+default run near 3 minutes on 2 cores, and the training rows about 2 more); a ring call's time is its slowest rank's.
 
 The bytes each rank sends per call are measured, not derived: the child wraps
 ``torch.distributed.batch_isend_irecv`` (all ring_attention sends go through it) and adds up
@@ -201,7 +201,9 @@ def print_train_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument(
+        "--sizes", type=int, nargs="*", default=[8192, 16384], help="none: training only"
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after one warm-up")
     parser.add_argument("--train-steps", type=int, default=40, help="0: no training rows")
@@ -215,8 +217,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += [tiled_row(t, n, args.repeats) for t in (1, 2)]
         rows += [ring_row(w, n, args.repeats) for w in args.worlds]
         print_table(rows[-2 - len(args.worlds) :])
-    print()
-    print_table(rows)
+    if rows:
+        print()
+        print_table(rows)
     train = []
     if args.train_steps:
         for processes, threads in ((1, 1), (1, 2), (2, 1)):
