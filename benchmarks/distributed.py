@@ -10,7 +10,8 @@ gloo over ``tcp://127.0.0.1``, one torch thread each, zigzag layout: docs/distri
 as ``dikkat.attention(..., backend="tiled")`` in this process with 1 and 2 threads. Each is
 timed forward and forward + backward (``out.backward(dout)``): the median of ``--repeats``
 calls, after one warm-up forward (the forward + backward calls follow it unwarmed, which keeps a
-default run near 3 minutes on 2 cores, and the training rows about 2 more); a ring call's time is its slowest rank's.
+default run near 3 minutes on 2 cores, and the training rows about 2 more); a ring call's time
+is its slowest rank's.
 
 The bytes each rank sends per call are measured, not derived: the child wraps
 ``torch.distributed.batch_isend_irecv`` (all ring_attention sends go through it) and adds up
