@@ -1,6 +1,8 @@
-"""Ring attention on CPU processes: time and bytes sent, against one process's tiled attention.
+"""Ring attention on CPU processes: time and bytes sent, against one process's tiled attention;
+and data-parallel training throughput, 1 process against 2.
 
     python benchmarks/distributed.py [--sizes 8192 16384] [--worlds 1 2] [--repeats 1]
+                                     [--train-steps 40] [--train-batch 16]
 
 Causal attention, B = 1, H = 8 query heads, G = 2 key/value heads, D = 64, fp32, as
 :func:`dikkat.distributed.ring_attention` over W processes (``torch.multiprocessing.spawn``,
@@ -8,20 +10,32 @@ gloo over ``tcp://127.0.0.1``, one torch thread each, zigzag layout: docs/distri
 as ``dikkat.attention(..., backend="tiled")`` in this process with 1 and 2 threads. Each is
 timed forward and forward + backward (``out.backward(dout)``): the median of ``--repeats``
 calls, after one warm-up forward (the forward + backward calls follow it unwarmed, which keeps a
-default run near 3 minutes on 2 cores); a ring call's time is its slowest rank's.
+default run near 3 minutes on 2 cores, and the training rows about 2 more); a ring call's time
+is its slowest rank's.
 
 The bytes each rank sends per call are measured, not derived: the child wraps
 ``torch.distributed.batch_isend_irecv`` (all ring_attention sends go through it) and adds up
 the ``nbytes`` of every send. The small ``all_gather`` of shapes at the start of a call is not
 counted. docs/distributed.md turns the per-step figure into a communication-vs-compute model.
+
+Training: ``dikkat train --task lm`` (a small GPT, byte tokens, the built-in text) for
+``--train-steps`` steps of ``--train-batch`` sequences, in 1 process with 1 and 2 threads and
+with ``--nproc 2`` (DDP, 1 thread each, the batch split between them); 0 steps skips it. Its
+log.jsonl has, every 10 steps, the tokens/s since the loop began (every rank's tokens); the
+rate reported is that of the steps after the first log line — the tokens of those steps over
+their time, both read off the first and last log lines — so start-up (imports, data, process
+group) and the first steps are left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -143,24 +157,81 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('ring_steps', ''):>5} {mib[0]:>13} {mib[1]:>17}")  # fmt: skip
 
 
+SEQ_LEN = 256
+TRAIN = ["--task", "lm", "--tokenizer", "bytes", "--d-model", "128", "--layers", "2",
+         "--heads", "4", "--seq-len", str(SEQ_LEN), "--max-bytes", "1000000",
+         "--eval-every", "0", "--save-every", "0", "--no-progress", "--overwrite"]  # fmt: skip
+
+
+def train_row(processes: int, threads: int, steps: int, batch: int) -> dict:
+    """``dikkat train`` in ``processes`` processes of ``threads`` threads; its steady tokens/s
+    from the first and last lines of its log.jsonl."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp, "run")
+        sizes = ["--steps", str(steps), "--batch-size", str(batch), "--nproc", str(processes)]
+        command = [sys.executable, "-m", "dikkat", "train", *TRAIN, *sizes, "--out", str(run)]
+        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+        t0 = time.perf_counter()
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    rates = [(r["step"], r["tokens_per_s"]) for r in lines if "tokens_per_s" in r]
+    per_step = batch * SEQ_LEN  # the tokens of one step, over every rank
+    (a, rate_a), (b, rate_b) = rates[0], rates[-1]
+    seconds = b * per_step / rate_b - a * per_step / rate_a  # steps a + 1 … b
+    return {
+        "impl": f"train, {processes} × {threads} thread{'s' * (threads > 1)}",
+        "processes": processes,
+        "threads_per_process": threads,
+        "steps": steps,
+        "batch": batch,
+        "seq_len": SEQ_LEN,
+        "timed_steps": b - a,
+        "tokens_per_s": (b - a) * per_step / seconds,
+        "tokens_per_s_from_step_0": rate_b,
+        "wall_s": wall,
+    }
+
+
+def print_train_table(rows: list[dict]) -> None:
+    print(f"{'training':<22} {'steps timed':>11} {'tokens/s':>9} {'from step 0':>12} {'wall s':>7}")
+    for r in rows:
+        print(f"{r['impl']:<22} {r['timed_steps']:>11} {r['tokens_per_s']:>9,.0f} "
+              f"{r['tokens_per_s_from_step_0']:>12,.0f} {r['wall_s']:>7.1f}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument(
+        "--sizes", type=int, nargs="*", default=[8192, 16384], help="none: training only"
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after one warm-up")
+    parser.add_argument("--train-steps", type=int, default=40, help="0: no training rows")
+    parser.add_argument("--train-batch", type=int, default=16, help="sequences per step")
     args = parser.parse_args(argv)
+    if args.train_steps and args.train_steps < 20:
+        parser.error("--train-steps must be 0 or at least 20 (two log lines, 10 steps apart)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     for n in args.sizes:
         rows += [tiled_row(t, n, args.repeats) for t in (1, 2)]
         rows += [ring_row(w, n, args.repeats) for w in args.worlds]
         print_table(rows[-2 - len(args.worlds) :])
-    print()
-    print_table(rows)
+    if rows:
+        print()
+        print_table(rows)
+    train = []
+    if args.train_steps:
+        for processes, threads in ((1, 1), (1, 2), (2, 1)):
+            train.append(train_row(processes, threads, args.train_steps, args.train_batch))
+        print()
+        print_train_table(train)
     shape = {"B": B, "H": H, "G": G, "D": D, "dtype": "float32", "mask": "causal",
              "layout": "zigzag"}  # fmt: skip
-    print(save_json("distributed", {"shape": shape, "rows": rows}))
-    return rows
+    training = {"args": TRAIN, "rows": train}
+    print(save_json("distributed", {"shape": shape, "rows": rows, "training": training}))
+    return rows + train
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """One rank's work on one key/value block: which chunk pairs it computes, their forward through
-:func:`dikkat.attention`, and their backward recomputed from the final log-sum-exp.
+:func:`dikkat.attention`, and their backward, on the tiled backend, from the final log-sum-exp.
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (``g = H / G``), ``T``/``S``
 query/key length of a chunk, ``D``/``Dv`` head dims.
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from dikkat.core.attention import attention
 from dikkat.core.masks import Mask
+from dikkat.core.tiled import tiled_backward
 
 Range = tuple[int, int]  # global positions [start, end)
 
@@ -117,63 +118,23 @@ def block_forward(
     return len(todo)
 
 
-ROWS = 256  # query rows per backward tile: bounds the recomputed scores to (B, H, ROWS, keys)
-
-
 def block_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, delta: Tensor,
-    mask: Mask | None, scale: float, q_chunks: list[Range], k_chunks: list[Range], S_total: int,
-    dq: Tensor, dk: Tensor, dv: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, mask: Mask | None,
+    scale: float, q_chunks: list[Range], k_chunks: list[Range], S_total: int, dq: Tensor,
+    dk: Tensor, dv: Tensor,
 ) -> None:  # fmt: skip
     """Add this block's share of the gradients to ``dq`` (B, H, T_local, D), ``dk`` (B, G,
-    S_block, D) and ``dv`` in place: the weights recomputed from the final ``lse``,
-    P = exp(s − lse), then dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − delta), dQ = dS K · scale,
-    dK = dSᵀ Q · scale, with delta = rowsum(dO ⊙ O) of the final output (FlashAttention-2,
-    Dao 2023, arXiv:2307.08691, Algorithm 2). Each pair runs in tiles of :data:`ROWS` query
-    rows against the keys the mask's ``kv_range`` leaves them, in plain tensor ops."""
-    safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows seeing nothing: P = 0
+    S_block, D) and ``dv`` in place, given the ring's final ``out`` and ``lse``: each pair the
+    forward computed runs :func:`~dikkat.core.tiled.tiled_backward` (the tiled backend's plan
+    and kernels, the weights recomputed from the final lse), on the same global positions."""
     for q_start, qi, k_start, ki in pairs(mask, q_chunks, k_chunks, S_total):
         rows, keys = q_chunks[qi], k_chunks[ki]
-        shifted = _shifted(mask, keys, S_total)
-        s = keys[1] - keys[0]
-        for r0 in range(rows[0], rows[1], ROWS):
-            r1 = min(r0 + ROWS, rows[1])
-            lo, hi = (0, s) if shifted is None else shifted.kv_range(r0, r1, s)
-            if lo >= hi:
-                continue
-            qs = slice(q_start + r0 - rows[0], q_start + r1 - rows[0])  # local query rows
-            ks = slice(k_start + lo, k_start + hi)  # local keys of the block
-            tile = (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], safe_lse[:, :, qs])
-            grads = _tile_backward(*tile, delta[:, :, qs], shifted, scale, r0, lo)
-            dq[:, :, qs] += grads[0]
-            dk[:, :, ks] += grads[1]
-            dv[:, :, ks] += grads[2]
-
-
-def _tile_backward(
-    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-    mask: Mask | None, scale: float, q0: int, k0: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv) of one tile: q (B, H, R, D) at global positions q0 …, keys k0 … of the
-    (shifted) mask's chunk, k (B, G, K, D), v (B, G, K, Dv)."""
-    B, H, R, _ = q.shape
-    G, K = k.shape[1], k.shape[2]
-    g = H // G
-    qg, dog = q.reshape(B, G, g, R, -1), dout.reshape(B, G, g, R, -1)  # (B, G, g, R, ·)
-    kg, vg = k.unsqueeze(2), v.unsqueeze(2)  # (B, G, 1, K, ·)
-    scores = (qg @ kg.transpose(-1, -2)) * scale  # (B, G, g, R, K)
-    p = torch.exp(scores - lse.reshape(B, G, g, R, 1))
-    if mask is not None:
-        device = q.device
-        allowed = mask.evaluate(
-            torch.arange(B, device=device),
-            torch.arange(H, device=device),
-            torch.arange(q0, q0 + R, device=device),
-            torch.arange(k0, k0 + K, device=device),
-        ).expand(B, H, R, K)
-        p = p.masked_fill(~allowed.reshape(B, G, g, R, K), 0.0)
-    dv = (p.transpose(-1, -2) @ dog).sum(2)
-    ds = p * (dog @ vg.transpose(-1, -2) - delta.reshape(B, G, g, R, 1))
-    dq = (ds @ kg).reshape(B, H, R, -1) * scale
-    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
-    return dq, dk, dv
+        qs = slice(q_start, q_start + rows[1] - rows[0])  # local query rows
+        ks = slice(k_start, k_start + keys[1] - keys[0])  # local keys of the block
+        grads = tiled_backward(
+            q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs], dout[:, :, qs],
+            _shifted(mask, keys, S_total), scale=scale, q_offset=rows[0],
+        )  # fmt: skip
+        dq[:, :, qs] += grads[0]
+        dk[:, :, ks] += grads[1]
+        dv[:, :, ks] += grads[2]

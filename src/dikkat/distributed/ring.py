@@ -129,10 +129,13 @@ def _ring(
     return Ring(group, rank, world, layout, T_total, S_total, m, scale_, steps)
 
 
-def _exchange(ring: Ring, send: list[Tensor], recv: list[Tensor]) -> list[dist.Work]:
+GRAD_TAG = 1  # the backward's dK/dV messages, in flight beside the keys' (tag 0)
+
+
+def _exchange(ring: Ring, send: list[Tensor], recv: list[Tensor], tag: int = 0) -> list[dist.Work]:
     """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
-    ops = [dist.P2POp(dist.isend, t, ring.peer(1), ring.group) for t in send]
-    ops += [dist.P2POp(dist.irecv, t, ring.peer(-1), ring.group) for t in recv]
+    ops = [dist.P2POp(dist.isend, t, ring.peer(1), ring.group, tag) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, ring.peer(-1), ring.group, tag) for t in recv]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -183,28 +186,35 @@ def ring_forward(
 def ring_backward(
     ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shards. At each step the rank computes its share of the
+    held block's dK/dV while two transfers run: the next block's keys, and the gradient the
+    earlier ranks added to the held block, sent at the end of the step before. It then adds
+    its share to that gradient and sends the sum on, to travel during the next step's compute.
+    """
     acc = torch.promote_types(q.dtype, torch.float32)
     q, k, v, out, dout = (t.to(acc) for t in (q, k, v, out, dout))
     D = k.shape[3]
-    delta = (dout * out).sum(-1)  # (B, H, T): rowsum(dO ⊙ O)
     dq = torch.zeros_like(q)
     kv = torch.cat([k, v], dim=-1).contiguous()
-    dkv = torch.zeros_like(kv)  # the gradient of the block held now, travelling with it
+    incoming: Tensor | None = None  # where the held block's gradient so far arrives
+    in_flight: list[dist.Work] = []  # that gradient's exchange, started at the step before
     for step in range(ring.steps + 1):
         owner = (ring.rank - step) % ring.world
-        works, nxt, dnxt = [], None, None
+        works, nxt = [], None
         if step < ring.steps:
             nxt = _kv_buffer(ring, kv, (owner - 1) % ring.world)
             works = _exchange(ring, [kv], [nxt])
-        block_backward(q, kv[..., :D], kv[..., D:], out, lse, dout, delta, ring.mask,
-                       ring.scale, ring.q_chunks(), ring.k_chunks(owner), ring.S_total, dq,
-                       dkv[..., :D], dkv[..., D:])  # fmt: skip
-        _wait(works)  # the keys first: they and the gradients are never in flight together
-        if step < ring.steps:
-            dnxt = torch.empty_like(nxt)
-            _wait(_exchange(ring, [dkv], [dnxt]))
-        if nxt is not None:
-            kv, dkv = nxt, dnxt
+        dkv = torch.zeros_like(kv)  # this rank's share of the held block's gradient
+        block_backward(q, kv[..., :D], kv[..., D:], out, lse, dout, ring.mask, ring.scale,
+                       ring.q_chunks(), ring.k_chunks(owner), ring.S_total, dq, dkv[..., :D],
+                       dkv[..., D:])  # fmt: skip
+        _wait(in_flight)
+        if incoming is not None:
+            dkv += incoming
+        _wait(works)
+        if nxt is not None:  # dkv travels on while the next block computes
+            kv, incoming = nxt, torch.empty_like(nxt)
+            in_flight = _exchange(ring, [dkv], [incoming], tag=GRAD_TAG)
     if ring.steps:  # the block held now, with its whole gradient, goes home
         mine = torch.empty(*k.shape[:3], kv.shape[3], dtype=acc, device=q.device)
         ops = [

@@ -18,6 +18,8 @@ masks only; :mod:`~dikkat.core.tiled.cache`) keeps the plan and its tile masks a
 flex keeps its block masks. Each tile (:mod:`~dikkat.core.tiled.kernel`) runs on CPU in
 PyTorch's fused flash kernel, elsewhere in plain tensor ops; the backward pass
 (:mod:`~dikkat.core.tiled.autograd`) recomputes each tile from the saved log-sum-exp.
+:func:`tiled_backward` runs that backward on its own, for one block of keys of a larger softmax
+given its final output and log-sum-exp (what blockwise and ring attention need).
 
 Extra memory is O((T + S)·D + cells), never O(T·S), plus the kept tile masks (at most
 ``PlanCache.kept_mask_bytes`` per plan, for the few plans the cache holds); training memory is
@@ -39,9 +41,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from dikkat.core.checks import broadcast_kv, check_softcap
+from dikkat.core.checks import broadcast_kv, check_mask, check_qkv, check_scale, check_softcap
 from dikkat.core.masks import Mask
-from dikkat.core.tiled.autograd import TiledAttention
+from dikkat.core.tiled.autograd import TiledAttention, backward
 from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
 from dikkat.core.tiled.kernel import fused_unavailable
 from dikkat.core.tiled.plan import BLOCK, CELLS, KEY_TILE, Windows, windows_cells
@@ -56,6 +58,7 @@ __all__ = [
     "plan_summary",
     "plans",
     "tiled_attention",
+    "tiled_backward",
 ]
 
 
@@ -124,12 +127,92 @@ def tiled_attention(
     use_fused = _fused(q, v, fused, softcap)
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
-    if q.shape[0] > 1 and any(isinstance(item, Windows) for item in prepared.plan):
-        # windows fold batch and kv heads into one dim: a view of (B, G, S, ·) only when
-        # those two dims are laid out contiguously (one copy of k and v here, not one per tile;
-        # for k, v shared by the batch, that copy is B of them)
-        k, v = k.contiguous(), v.contiguous()
+    k, v = _for_windows(prepared, k, v)
     return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap)
+
+
+def _for_windows(prepared: Prepared, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k, v as the plan needs them: windows fold batch and kv heads into one dim, a view of
+    (B, G, S, ·) only when those two dims are laid out contiguously (one copy of k and v here,
+    not one per tile; for k, v shared by the batch, that copy is B of them)."""
+    if k.shape[0] > 1 and any(isinstance(item, Windows) for item in prepared.plan):
+        return k.contiguous(), v.contiguous()
+    return k, v
+
+
+def _check_result(name: str, t: Tensor, shape: tuple[int, ...], q: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(
+            f"{name} must have shape {shape} (from q {tuple(q.shape)} and v), got {tuple(t.shape)}"
+        )
+    if name != "lse" and t.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+
+
+def tiled_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    q_offset: int = 0,
+    block: int | None = None,
+    key_tile: int = KEY_TILE,
+    cells: int = CELLS,
+    windows: bool | None = None,
+    fused: bool | None = None,
+    plans: PlanCache | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients ``(dq, dk, dv)`` of this block of keys given the final ``out`` and ``lse``
+    of a larger softmax: attention of q over a set of keys of which k, v are a part.
+
+    Blockwise attention (ring attention, split-key decoding) cuts the keys into blocks and
+    merges each block's partial result by its log-sum-exp. Its backward needs, per block, the
+    block's share of the gradients: with P = exp(s − lse) recomputed from the *final* lse and
+    delta = rowsum(dO ⊙ O) of the *final* output (FlashAttention-2, Dao 2023, arXiv:2307.08691,
+    Algorithm 2), dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − delta), dQ = dS K · scale, dK = dSᵀ Q · scale.
+    Summed over blocks that partition the keys, these are the gradients of the whole attention;
+    for a single block, with ``out, lse = tiled_attention(...)``, they are what its autograd
+    gives. It runs the plan, tile masks and kernels of :func:`tiled_attention`'s backward.
+
+    Args:
+        q (B, H, T, D), k (B|1, G, S, D), v (B|1, G, S, Dv): the queries and this block's keys
+            and values.
+        out (B, H, T, Dv), dout: the final output (over every block) and its gradient, in q's
+            dtype; lse (B, H, T): the final log-sum-exp (−inf for rows that see no key at all).
+        mask, scale, softcap, q_offset: as in :func:`tiled_attention`, on this block's keys
+            (``q_offset`` places query 0 among them; ``mask`` may also be a bool tensor
+            broadcastable to (B, H, T, S)).
+        block, key_tile, cells, windows, fused, plans: the tiling, as in
+            :func:`tiled_attention`.
+
+    Returns:
+        dq (B, H, T, D), dk and dv of k's and v's shapes (summed over the batch for k, v of
+        batch size 1), in q's dtype.
+    """
+    shape = check_qkv(q, k, v)
+    B, H, T = shape.B, shape.H, shape.T
+    _check_result("out", out, (B, H, T, shape.Dv), q)
+    _check_result("dout", dout, (B, H, T, shape.Dv), q)
+    _check_result("lse", lse, (B, H, T), q)
+    scale, softcap = check_scale(scale, shape.D), check_softcap(softcap)
+    mask = check_mask(mask, shape, q_offset)
+    kb, vb = broadcast_kv(k, B), broadcast_kv(v, B)
+    prepared = _prepared(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
+    use_fused = _fused(q, v, fused, softcap)
+    kb, vb = _for_windows(prepared, kb, vb)
+    dq, dk, dv, _ = backward(q, kb, vb, out, lse, dout.contiguous(), scale, None, prepared,
+                             key_tile, use_fused, softcap, False)  # fmt: skip
+    if k.shape[0] != B:  # one k, v for the whole batch: its gradient is the batch's sum
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    return dq, dk, dv
 
 
 @dataclass(frozen=True)
