@@ -84,13 +84,12 @@ class DDP:
 
 
 class ShardedStepLoss(StepLoss):
-    """``StepLoss`` whose training steps start from rank 0's buffers, as DDP's do (BatchNorm's
+    """``StepLoss`` whose every forward starts from rank 0's buffers, as DDP's does (BatchNorm's
     running statistics would otherwise drift apart, each rank seeing only its rows)."""
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
-        if torch.is_grad_enabled():
-            for buffer in self.model.buffers():
-                dist.broadcast(buffer, 0)
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer, 0)
         return super().forward(batch)
 
 
