@@ -1,9 +1,10 @@
 """One rank of tests/training/test_ddp.py, run by ``python -m torch.distributed.run``.
 
-``python ddp_worker.py SPEC CONFIG OUT SIDE``: trains a new run (SPEC and CONFIG as JSON) into
-OUT, writing beside it, into SIDE, this process's id (``pid-RANK``) and every write into OUT that
-Python's audit hooks saw from this process (``writes-RANK.json``: folders made, files opened for
-writing, renames, removals).
+``python ddp_worker.py SPEC CONFIG OUT SIDE [OPTIONS]``: trains a new run (SPEC and CONFIG as
+JSON) into OUT, writing beside it, into SIDE, this process's id (``pid-RANK``) and every write into
+OUT that Python's audit hooks saw from this process (``writes-RANK.json``: folders made, files
+opened for writing, renames, removals). OPTIONS (JSON) may give the Trainer's ``parallel`` and
+the step to stop at, ``until`` (tests/training/test_fsdp.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PATH_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "
 def main() -> None:
     spec, config = TaskSpec(**json.loads(sys.argv[1])), TrainConfig(**json.loads(sys.argv[2]))
     out, side = Path(sys.argv[3]).resolve(), Path(sys.argv[4])
+    options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     rank = os.environ["RANK"]
     (side / f"pid-{rank}").write_text(str(os.getpid()))
     writes: list[str] = []
@@ -45,7 +47,8 @@ def main() -> None:
             writes.append(f"{event} {args[0]}")
 
     sys.addaudithook(hook)
-    Trainer(build_task(spec), config, out).train(progress=False)
+    trainer = Trainer(build_task(spec), config, out, parallel=options.get("parallel", "ddp"))
+    trainer.train(progress=False, until=options.get("until"))
     (side / f"writes-{rank}.json").write_text(json.dumps(writes))
 
 

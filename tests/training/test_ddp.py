@@ -67,9 +67,13 @@ def launcher(nproc: int, *args: str) -> list[str]:
     ]
 
 
-def start_workers(spec: TaskSpec, config: TrainConfig, out: Path, side: Path) -> subprocess.Popen:
+def start_workers(
+    spec: TaskSpec, config: TrainConfig, out: Path, side: Path, **options: object
+) -> subprocess.Popen:
+    """2 ranks of ddp_worker.py; ``options``: its OPTIONS (``parallel``, ``until``)."""
     side.mkdir(exist_ok=True)
     args = [json.dumps(asdict(spec)), json.dumps(asdict(config)), str(out), str(side)]
+    args.append(json.dumps(options))
     command = launcher(2, str(WORKER), *args)
     return subprocess.Popen(command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

@@ -19,8 +19,8 @@ from dikkat.cli.args import positive_int
 LOOPBACK = "127.0.0.1"
 
 
-def add_nproc(parser: argparse.ArgumentParser) -> None:
-    """The ``--nproc`` flag."""
+def add_parallel(parser: argparse.ArgumentParser) -> None:
+    """The ``--nproc`` and ``--fsdp`` flags."""
     parser.add_argument(
         "--nproc",
         type=positive_int,
@@ -28,6 +28,17 @@ def add_nproc(parser: argparse.ArgumentParser) -> None:
         help="train data-parallel in N processes on this machine (torch.distributed; --batch-size "
         "is the batch of a step, split between them)",
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the weights, gradients and optimizer state between the processes (FSDP2) "
+        "instead of a whole copy in each (DDP); with one process nothing changes",
+    )
+
+
+def parallel_of(args: argparse.Namespace) -> str:
+    """The Trainer's ``parallel`` for parsed ``--fsdp``."""
+    return "fsdp" if args.fsdp else "ddp"
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import held, load_model, refusal
-from dikkat.cli.launch import add_nproc, launch, under_launcher
+from dikkat.cli.launch import add_parallel, launch, parallel_of, under_launcher
 from dikkat.models.seq2seq import Seq2Seq
 from dikkat.tasks import TaskSpec, build_task, task_info, task_names
 from dikkat.tasks.translate import encode_numbers
@@ -89,7 +89,7 @@ def _check_resumable(out: Path, task: str | None) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    device = device_of(args)
+    where: dict[str, Any] = {"device": device_of(args), "parallel": parallel_of(args)}
     out = Path(args.out or f"runs/{args.task or DEFAULT_TASK}")
     launching = args.nproc > 1 and not under_launcher()
     if args.resume:
@@ -103,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if launching:
         return launch(args.nproc, args.argv)
     if args.resume:
-        trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify, device=device)
+        trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify, **where)
         if trainer.ranks.main:
             print(f"resuming {out} at step {trainer.step} of {trainer.config.steps}")
     else:
@@ -132,7 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         task = build_task(spec)
         trainer = Trainer(
-            task, config, out, overwrite=args.overwrite, made_by="dikkat train", device=device
+            task, config, out, overwrite=args.overwrite, made_by="dikkat train", **where
         )
         n = sum(p.numel() for p in task.model.parameters())
         if trainer.ranks.main:
@@ -338,7 +338,7 @@ def add_commands(sub: Any) -> None:
         help="replace the run or model already in --out (without it, such a folder is refused)",
     )
     add_device(train)
-    add_nproc(train)
+    add_parallel(train)
     add_no_verify(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 

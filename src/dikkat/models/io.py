@@ -139,9 +139,16 @@ class SaveLoad:
         return False
 
 
-def write_model(model: SaveLoad, folder: Path) -> None:
-    """Write ``model``'s two files into ``folder`` (no checks of what is there: see ``save``)."""
-    tensors = _state_for_saving(model)  # type: ignore[arg-type]
+def write_model(
+    model: SaveLoad, folder: Path, tensors: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Write ``model``'s two files into ``folder`` (no checks of what is there: see ``save``).
+
+    ``tensors`` replaces the model's own state dict (the full weights gathered from a sharded
+    model, tied names left out); None writes ``model.state_dict()``, each tied tensor once.
+    """
+    if tensors is None:
+        tensors = _state_for_saving(model)  # type: ignore[arg-type]
     written: dict[str, Any] = {}
 
     def weights(tmp: str) -> None:

@@ -69,16 +69,33 @@ def write_checkpoint(
     meta: dict[str, Any],
     state: dict[str, Any],
     made_by: str,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Commit one checkpoint of the run in ``out_dir``; returns its folder."""
+    """Commit one checkpoint of the run in ``out_dir``; returns its folder. ``weights``: the
+    model's full weights where its own state dict holds shards (None: ``model.state_dict()``)."""
 
     def write(folder: Path) -> None:
-        write_model(model, folder)
+        write_model(model, folder, weights)
         tokenizer.save(folder)
         (folder / TASK_FILE).write_text(json.dumps(meta, indent=2))
         torch.save(state, folder / STATE_FILE)
 
     return runs.commit_checkpoint(out_dir, int(state["step"]), write, made_by=made_by)
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The CPU's random state and, on CUDA, the GPU's (its dropout draws), for a trainer state."""
+    state = {"torch_rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` saved (a GPU's state only on CUDA, where it was saved)."""
+    torch.set_rng_state(state["torch_rng"])
+    if device.type == "cuda" and "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
 
 
 @dataclass

@@ -22,3 +22,18 @@ class TrainResult:
 
 class DivergedError(FloatingPointError):
     """The loss or the gradient norm stopped being finite; the step was not applied."""
+
+    @classmethod
+    def at(
+        cls, step: int, what: str, saved_step: int | None, out_dir: Path | None
+    ) -> DivergedError:
+        """The error of step ``step`` (``what`` was not finite) naming the checkpoint kept."""
+        kept = (
+            f"the last checkpoint (step {saved_step}) in {out_dir} is untouched"
+            if saved_step is not None
+            else "nothing was saved"
+        )
+        return cls(
+            f"training diverged at step {step}: {what}; the step was not applied and "
+            f"{kept}. Try a lower lr or a longer warmup."
+        )

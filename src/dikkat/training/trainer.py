@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from dikkat.files import atomic_write
@@ -38,6 +37,8 @@ from dikkat.training.checkpoint import (
     check_out_dir,
     prepare_out_dir,
     read_checkpoint,
+    rng_state,
+    set_rng_state,
     write_checkpoint,
     write_log,
 )
@@ -50,10 +51,10 @@ from dikkat.training.parallel import (
     reduce_step,
     seed_step,
     sum_over_ranks,
-    wrap,
 )
 from dikkat.training.results import DivergedError, TrainResult
 from dikkat.training.signals import TrainingInterrupted, finish_step_on_signals
+from dikkat.training.strategy import strategy
 from dikkat.viz.curves import plot_losses
 
 __all__ = [
@@ -85,6 +86,8 @@ class Trainer:
     Under ``torchrun`` (or in an initialised process group) it trains data-parallel
     (:mod:`dikkat.training.parallel`): ``config.batch_size`` is then the batch of a whole step,
     split between the ranks, and rank 0 alone writes ``out_dir`` and shows progress.
+    ``parallel`` is how the ranks hold the model (:mod:`dikkat.training.strategy`): ``"ddp"``
+    whole on each, ``"fsdp"`` sharded; like ``device`` it is not part of the run.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class Trainer:
         overwrite: bool = False,
         made_by: str = "dikkat.Trainer",
         device: str | torch.device = "cpu",
+        parallel: str = "ddp",
         _resuming: bool = False,
     ) -> None:
         self.task, self.config = task, config
@@ -110,8 +114,9 @@ class Trainer:
         if self.out_dir is not None and not _resuming:  # every rank, before the first collective
             check_out_dir(self.out_dir, overwrite=overwrite)
         self._needs_prepare = self.out_dir is not None and not _resuming and self.ranks.main
-        self._step_loss = wrap(task, self.model, self.ranks, self.device)  # (loss, n) of a batch
-        self.optimizer = make_optimizer(self.model, config)
+        self.parallel = strategy(parallel, self.ranks)
+        self._step_loss = self.parallel.wrap(task, self.model, self.ranks, self.device)  # (loss, n)
+        self.optimizer = make_optimizer(self.model, config)  # on the shards, under fsdp
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config)
         )
@@ -135,16 +140,16 @@ class Trainer:
         """Commit the whole run state as a new checkpoint of ``out_dir`` (all files or none)."""
         if self.out_dir is None:
             return
-        if not self.ranks.main:  # the state is the same on every rank: rank 0 writes it
+        weights, optimizer = self.parallel.full_state(self.model, self.optimizer)  # every rank
+        if not self.ranks.main:  # rank 0 holds the whole state and writes it
             barrier(self.ranks)
             return
         self._prepare()
         state = {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            **self._device_rng(),
+            **rng_state(self.device),
             "history": self.history,
             "loss_window": self._window,
         }
@@ -155,25 +160,18 @@ class Trainer:
             meta={"task": self.task.spec.to_json(), "train": asdict(self.config)},
             state=state,
             made_by=self.made_by,
+            weights=weights,
         )
         self.saved_step = self.step
         barrier(self.ranks)
-
-    def _device_rng(self) -> dict[str, torch.Tensor]:
-        """The GPU's random state (its dropout draws), saved beside the CPU's when on CUDA."""
-        if self.device.type != "cuda":
-            return {}
-        return {"cuda_rng": torch.cuda.get_rng_state(self.device)}
 
     def load_state(self, state: dict[str, Any], source: str | Path = "trainer state") -> None:
         """Restore the optimizer, scheduler, RNG, step and history of a saved trainer state, and
         rewrite ``log.jsonl`` to match it (for --resume)."""
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.parallel.load_optimizer(self.model, self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["torch_rng"])
-            if self.device.type == "cuda" and "cuda_rng" in state:  # dropout on the GPU
-                torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+            set_rng_state(state, self.device)
             self.step = int(state["step"])
             self.history = list(state["history"])
             self._window = [float(x) for x in state.get("loss_window", [])]
@@ -245,7 +243,8 @@ class Trainer:
         val = self.evaluate()
         self._log({"step": self.step, "val_loss": val})
         self.model.eval()
-        metrics = task.evaluate(self.model)
+        with self.parallel.whole(self._step_loss):  # the model's methods, outside _step_loss
+            metrics = task.evaluate(self.model)
         if metrics:
             self._log({"step": self.step, **metrics})
         self.save()
@@ -272,10 +271,9 @@ class Trainer:
                 self._diverged(f"the loss is {value}")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            # the norm is needed to see a non-finite gradient even when not clipping (max_norm
-            # inf scales every gradient by exactly 1.0)
-            max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
-            norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            # the norm shows a non-finite gradient even when not clipping (max_norm inf scales
+            # every gradient by exactly 1.0)
+            norm = self.parallel.clip_grad_norm(self.model, c.grad_clip or math.inf)
             if not math.isfinite(norm):
                 self._diverged(f"the gradient norm is {norm}")
             self.optimizer.step()
@@ -306,15 +304,7 @@ class Trainer:
         self._interrupted = signum  # the loop stops after the step in flight
 
     def _diverged(self, what: str) -> None:
-        kept = (
-            f"the last checkpoint (step {self.saved_step}) in {self.out_dir} is untouched"
-            if self.saved_step is not None
-            else "nothing was saved"
-        )
-        raise DivergedError(
-            f"training diverged at step {self.step + 1}: {what}; the step was not applied and "
-            f"{kept}. Try a lower lr or a longer warmup."
-        )
+        raise DivergedError.at(self.step + 1, what, self.saved_step, self.out_dir)
 
     def _last(self, key: str) -> float:
         return next((r[key] for r in reversed(self.history) if key in r), float("nan"))
@@ -344,9 +334,10 @@ def resume_trainer(
     steps: int | None = None,
     verify: bool = True,
     device: str | torch.device = "cpu",
+    parallel: str = "ddp",
 ) -> Trainer:
     """Rebuild the task, model and trainer saved in ``out_dir`` and restore their state; the
-    run continues on ``device`` (whichever device it was trained on).
+    run continues on ``device`` and under ``parallel`` (whichever it was trained with).
 
     Every file of the checkpoint is checked against its SHA-256 first (``verify=False`` skips
     that). ``steps`` extends the run (the cosine schedule is then re-planned to the new end);
@@ -378,7 +369,9 @@ def resume_trainer(
     task = build_task(spec, tokenizer=load_tokenizer(saved.folder, verify=False))  # checked
     task.model = type(task.model).load(saved.folder, verify=False)  # type: ignore[attr-defined]
     made_by = saved.made_by or "dikkat.Trainer"
-    trainer = Trainer(task, config, d, made_by=made_by, device=device, _resuming=True)
+    trainer = Trainer(
+        task, config, d, made_by=made_by, device=device, parallel=parallel, _resuming=True
+    )
     trainer.load_state(saved.state, saved.folder / STATE_FILE)
     return trainer
 
@@ -391,10 +384,11 @@ def train(
     progress: bool = True,
     overwrite: bool = False,
     device: str | torch.device = "cpu",
+    parallel: str = "ddp",
 ) -> TrainResult:
     """Build ``spec``'s task and model and train them on ``device``; the one-call entry point."""
     if out_dir is not None:  # refuse a folder in use before building anything
         check_out_dir(Path(out_dir), overwrite=overwrite)
     task = build_task(spec)
-    trainer = Trainer(task, config, out_dir, overwrite=overwrite, device=device)
+    trainer = Trainer(task, config, out_dir, overwrite=overwrite, device=device, parallel=parallel)
     return trainer.train(progress=progress)
