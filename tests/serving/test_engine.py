@@ -1,5 +1,5 @@
 """The serving engine: each request's tokens equal ``generate()`` for its prompt alone, whatever
-else runs beside it; blocks are shared, freed and waited for as documented (docs/serving.md).
+else runs beside it; blocks are shared, freed and waited for as documented (docs/engine.md).
 
 The oracle is :func:`dikkat.generation.generate` on one prompt: its own KV cache, no batch, no
 paging, the same seeded generator.
