@@ -327,3 +327,29 @@ def test_default_pool_holds_max_batch_whole_contexts():
     stats = engine.stats()
     assert (stats.total_blocks, stats.block_size) == (3 * 10, 5)  # ⌈48 / 5⌉ = 10 per sequence
     assert engine.max_len == 48 and isinstance(engine.model, GPT)
+
+
+def test_a_step_whose_model_raises_drops_every_request_and_the_engine_goes_on():
+    model = make_gpt(seed=9)
+    engine = Engine(model, block_size=4, max_batch=1)
+    first = engine.submit(prompt(9, 30), SamplingParams(max_tokens=4))
+    engine.submit(prompt(9, 31), SamplingParams(max_tokens=4))
+
+    def fail(module, args):
+        raise RuntimeError("out of memory, say")
+
+    handle = model.blocks[0].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory, say"):
+            engine.step()
+    finally:
+        handle.remove()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.aborted) == (0, 0, 2)
+    assert stats.free_blocks == stats.total_blocks and not engine.has_work()
+    engine.abort(first)  # gone: no error
+    again = engine.submit(prompt(9, 30), SamplingParams(max_tokens=4))
+    streams: dict[int, list[TokenEvent]] = {}
+    drain(engine, streams)
+    assert engine.stats().prefix_hit_tokens == 0  # nothing indexed by the failed step is trusted
+    assert tokens_of(streams[again]) == alone(model, prompt(9, 30), SamplingParams(max_tokens=4))
