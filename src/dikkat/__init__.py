@@ -5,7 +5,7 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-from dikkat import audit, distributed, hf, maps, masks
+from dikkat import audit, distributed, hf, maps, masks, serving
 from dikkat.core import (
     AttentionAux,
     Capture,
@@ -77,5 +77,6 @@ __all__ = [
     "pretrained",
     "reference_attention",
     "register_backend",
+    "serving",
     "train",
 ]
