@@ -28,7 +28,7 @@ TIERS: tuple[frozenset[str], ...] = tuple(
         "models",
         "interop vision hf",
         "tasks audit maps",
-        "training bench",
+        "training bench serving",
         "cli",
         "dikkat __main__",
     )
