@@ -182,3 +182,40 @@ def test_new_cache_honours_max_len_dtype_and_the_context_limit():
     assert all(c.k.shape == (3, 4, 8, 8) and c.k.dtype == torch.float16 for c in caches)
     with pytest.raises(ValueError, match="context"):
         model.new_cache(1, 17)
+
+
+class _Recording:
+    """A SelfAttentionCache that keeps its slots in a KVCache of its own and logs each call."""
+
+    def __init__(self, inner: KVCache) -> None:
+        self.inner, self.calls = inner, []
+
+    def update(self, start, k, v):
+        self.calls.append((start, k.shape[2]))
+        return self.inner.update(start, k, v)
+
+
+def test_gpt_decodes_through_any_self_attention_cache():
+    """GPT takes any object with ``update(start, k, v)`` per layer: a wrapper around KVCache
+    gives the cached logits, which equal the full forward's (fp64)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=17, max_len=12, d_model=16, n_layers=2, n_heads=2))
+    model = model.double().eval()
+    ids = torch.randint(0, 17, (2, 7))
+    caches = [_Recording(c) for c in model.new_cache(2, 7)]
+    with torch.no_grad():
+        full = model(ids)
+        first = model(ids[:, :5], cache=caches)
+        steps = [model(ids[:, t : t + 1], offset=t, cache=caches) for t in (5, 6)]
+    got = torch.cat([first, *steps], dim=1)
+    assert torch.allclose(got, full, atol=1e-12, rtol=0)
+    assert caches[0].calls == caches[1].calls == [(0, 5), (5, 1), (6, 1)]
+
+
+def test_cross_attention_keeps_its_keys_in_a_kv_cache_only():
+    from dikkat.layers import MultiHeadAttention
+
+    mha = MultiHeadAttention(8, 2)
+    x, context = torch.randn(1, 3, 8), torch.randn(1, 4, 8)
+    with pytest.raises(TypeError, match="cross-attention keeps its keys in a KVCache"):
+        mha(x, context, cache=_Recording(KVCache(1, 2, 4, 4)))

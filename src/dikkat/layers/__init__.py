@@ -2,7 +2,7 @@
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
-from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import (
     Linear,
     LinearRows,
@@ -36,6 +36,7 @@ __all__ = [
     "MultiHeadAttention",
     "RotaryEmbedding",
     "Scratch",
+    "SelfAttentionCache",
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "linear_cross_entropy",

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from dikkat.core.attention import attention, check_backend_name
 from dikkat.core.masks import Mask
 from dikkat.layers.inputs import check_meets
-from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
 from dikkat.validate import check_bool, check_int, check_probability
@@ -143,7 +143,7 @@ class MultiHeadAttention(nn.Module):
         *,
         offset: int = 0,
         positions: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | SelfAttentionCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, C) to itself, or to ``context`` (B, S, Cc) for cross-attention.
@@ -154,8 +154,9 @@ class MultiHeadAttention(nn.Module):
             offset: cache slot (and, unless ``positions`` is given, position) of x's first token.
             positions: explicit positions (T,) or (B, T) of x's tokens, for RoPE.
             cache: self-attention: x's keys/values are written at ``offset`` and all filled slots
-                are attended. Cross-attention: filled from ``context`` on first use and reused
-                after, so the source is projected once per generation.
+                are attended (any :class:`~dikkat.layers.kv_cache.SelfAttentionCache`).
+                Cross-attention: a :class:`KVCache`, filled from ``context`` on first use and
+                reused after, so the source is projected once per generation.
             return_weights: also return the weights (B, H, T, S).
         """
         self._check_input("x", x, self.d_model)
@@ -209,9 +210,16 @@ class MultiHeadAttention(nn.Module):
             self._heads(v, self.n_kv_heads),
         )
 
-    def _cross_kv(self, x: Tensor, context: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+    def _cross_kv(
+        self, x: Tensor, context: Tensor, cache: KVCache | SelfAttentionCache | None
+    ) -> tuple[Tensor, Tensor]:
         """Keys and values of the context: projected now, or read from a filled cross cache."""
         self._check_input("context", context, self.context_dim)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(
+                f"cross-attention keeps its keys in a KVCache (read back whole after the first "
+                f"step), got cache of type {type(cache).__name__}"
+            )
         if context.shape[0] != x.shape[0]:
             raise ValueError(
                 f"context batch {context.shape[0]} differs from x batch {x.shape[0]}: "

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from dikkat.core.masks import Mask
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.inputs import check_meets
-from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.mlp import ACTIVATIONS, MLP, Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import ALiBi, RotaryEmbedding
@@ -186,7 +186,7 @@ class Block(nn.Module):
         context_mask: Mask | Tensor | None = None,
         offset: int = 0,
         positions: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | SelfAttentionCache | None = None,
         cross_cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, BlockWeights]:
@@ -230,7 +230,7 @@ class Block(nn.Module):
         mask: Mask | Tensor | None,
         offset: int,
         positions: Tensor | None,
-        cache: KVCache | None,
+        cache: KVCache | SelfAttentionCache | None,
         return_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         out = layer(

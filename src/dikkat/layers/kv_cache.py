@@ -12,10 +12,25 @@ grouped-query attention only G of the H heads are stored, so the cache is H/G ti
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
 from dikkat.validate import check_int
+
+
+class SelfAttentionCache(Protocol):
+    """What self-attention needs of a cache: write the new keys and values at slot ``start`` and
+    return every slot to attend, ``(B, G, start + T, D)`` each.
+
+    :class:`KVCache` is one; a cache that keeps its slots elsewhere (the paged pool of
+    :mod:`dikkat.serving`, where each row's slots are scattered over fixed-size blocks) is
+    another. The returned slots are the key positions that the attention mask and
+    ``q_offset = start`` address, so such a cache lays them out as a contiguous view.
+    """
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 class KVCache(nn.Module):

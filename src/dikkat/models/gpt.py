@@ -10,6 +10,7 @@ which by default is the token embedding itself (tied).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,7 @@ from dikkat.core.masks import Mask, as_mask, causal, padding
 from dikkat.generation.generate import Prompts, generate
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_ids, check_valid
-from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import Activation
@@ -168,7 +169,7 @@ class GPT(SaveLoad, nn.Module):
         valid: Tensor | None = None,
         offset: int = 0,
         positions: Tensor | None = None,
-        cache: list[KVCache] | None = None,
+        cache: Sequence[KVCache | SelfAttentionCache] | None = None,
         last_only: bool = False,
         return_hidden: bool = False,
     ) -> Tensor:
@@ -187,7 +188,9 @@ class GPT(SaveLoad, nn.Module):
                 and ``positions`` itself (as :func:`dikkat.generation.decode_step` does).
             offset: cache slot (and default position) of ids[:, 0].
             positions: explicit positions (T,) or (B, T).
-            cache: per-layer KV caches from :meth:`new_cache`; filled at ``offset``.
+            cache: per-layer KV caches from :meth:`new_cache`, filled at ``offset``; or any
+                per-layer :class:`~dikkat.layers.kv_cache.SelfAttentionCache` (the paged cache
+                of :class:`dikkat.serving.Engine`).
             last_only: logits of the last position only, (B, 1, V) (what generation needs).
         """
         c = self.config

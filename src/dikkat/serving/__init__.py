@@ -1,11 +1,25 @@
-"""Serving: an inference engine (continuous batching over a paged KV cache) and an
-OpenAI-compatible HTTP server over it (docs/serving.md)."""
+"""Serving: many generation requests on one GPT at once — an engine with iteration-level
+continuous batching over a paged KV cache, with prefix reuse (docs/serving.md) — and an
+OpenAI-compatible HTTP server over it, ``create_app`` (docs/server.md)."""
 
 from typing import Any
 
-from dikkat.serving.engine import EngineFull, EngineStats, SamplingParams, TokenEvent
+from dikkat.serving.engine import Engine
+from dikkat.serving.paged import BlockAllocator, PagedKVPool, PagedLayerCache, prefix_hashes
+from dikkat.serving.requests import EngineFull, EngineStats, SamplingParams, TokenEvent
 
-__all__ = ["EngineFull", "EngineStats", "SamplingParams", "TokenEvent", "create_app"]
+__all__ = [
+    "BlockAllocator",
+    "Engine",
+    "EngineFull",
+    "EngineStats",
+    "PagedKVPool",
+    "PagedLayerCache",
+    "SamplingParams",
+    "TokenEvent",
+    "create_app",
+    "prefix_hashes",
+]
 
 
 def __getattr__(name: str) -> Any:
