@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,12 +16,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import torch  # noqa: E402
-from fake_engine import FakeEngine  # noqa: E402
 from live_server import WAIT, metrics, request, serving, settled, wait_for  # noqa: E402
 
 from dikkat.generation import generate  # noqa: E402
 from dikkat.models import GPT, GPTConfig  # noqa: E402
-from dikkat.serving import create_app  # noqa: E402
+from dikkat.serving import Engine, create_app  # noqa: E402
 from dikkat.text import ByteTokenizer  # noqa: E402
 
 NAME = "tiny"
@@ -58,7 +59,7 @@ class Throttled:
 
 
 def engine_for(model: GPT, **kwargs: Any) -> Any:
-    return FakeEngine(model, **kwargs)
+    return Engine(model, **kwargs)
 
 
 def client(url: str, key: str = "unused") -> Any:
@@ -324,3 +325,43 @@ def test_load_16_streams_some_aborted_nothing_lost_no_block_leaked(model):
         assert expected[i].startswith("".join(ch.text for ch in results[i]))
     assert seen[COMPLETIONS] == 16
     assert seen["dikkat_requests_finished_total"] + seen["dikkat_requests_aborted_total"] == 16
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/server.md"])
+def test_the_documented_client_example_runs(model, page, capsys):
+    (block,) = [
+        b for b in re.findall(r"```py\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+        if "openai.OpenAI" in b
+    ]  # fmt: skip
+    key = re.search(r'api_key="([^"]+)"', block).group(1)
+    with serving(create_app(engine_for(model), TOKENIZER, "gpt", api_key=key)) as base:
+        exec(compile(block.replace("http://127.0.0.1:8000", base), page, "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+
+def test_dikkat_serve_serves_a_saved_model(model, tmp_path, monkeypatch):
+    import uvicorn
+
+    from dikkat.cli import main
+
+    model.save(tmp_path / "tiny-gpt")
+    served: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    argv = [str(tmp_path / "tiny-gpt"), "--port", "8123", "--max-batch", "2", "--api-key", "k"]
+    assert main(["serve", *argv]) == 0
+    assert (served["host"], served["port"]) == ("127.0.0.1", 8123)
+    with serving(served["app"]) as base:
+        c = client(base, key="k")
+        assert [m.id for m in c.models.list().data] == ["tiny-gpt"]
+        r = c.completions.create(model="tiny-gpt", prompt=PROMPT, max_tokens=6, temperature=0)
+        assert r.choices[0].text == TOKENIZER.decode(new_tokens(model, TOKENIZER.encode(PROMPT), 6))
+
+
+def test_dikkat_serve_refuses_two_models_or_none(capsys):
+    from dikkat.cli import main
+
+    assert main(["serve"]) == 2
+    assert "--hf-gpt2" in capsys.readouterr().err
