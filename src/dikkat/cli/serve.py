@@ -18,7 +18,7 @@ from dikkat.text import load_tokenizer
 
 def build_app(args: argparse.Namespace) -> Any:
     """The app ``dikkat serve`` would serve: the model and its tokenizer, an engine over them."""
-    if (args.model is None) == (args.hf_gpt2 is None):
+    if (args.checkpoint is None) == (args.hf_gpt2 is None):
         raise ValueError("give either a run or model folder, or --hf-gpt2 PATH")
     device = device_of(args)
     if args.hf_gpt2 is not None:
@@ -26,9 +26,9 @@ def build_app(args: argparse.Namespace) -> Any:
         tokenizer = load_tokenizer(args.hf_gpt2)
         name = Path(args.hf_gpt2).resolve().name
     else:
-        model = load_model(GPT, args.model, "serve", verify=not args.no_verify, device=device)
-        tokenizer = _tokenizer_of(args.model, model.config.vocab_size, not args.no_verify)
-        name = Path(args.model).resolve().name
+        model = load_model(GPT, args.checkpoint, "serve", verify=not args.no_verify, device=device)
+        tokenizer = _tokenizer_of(args.checkpoint, model.config.vocab_size, not args.no_verify)
+        name = Path(args.checkpoint).resolve().name
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
@@ -43,12 +43,21 @@ def build_app(args: argparse.Namespace) -> Any:
     except ModuleNotFoundError as e:
         missing = f"dikkat serve needs {e.name}: pip install 'dikkat[serve]'"
         raise ModuleNotFoundError(missing) from e
+    stats = engine.stats()
+    print(
+        f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "
+        f"{engine.max_len}) on http://{args.host}:{args.port}/v1 — {stats.total_blocks} KV cache "
+        f"blocks of {stats.block_size} tokens, batches of up to {args.max_batch}",
+        flush=True,
+    )
     return create_app(engine, tokenizer, args.name or name, api_key=args.api_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted (Ctrl-C)."""
+    """Serve until interrupted (Ctrl-C); with --dry-run, build everything and stop there."""
     app = build_app(args)
+    if args.dry_run:
+        return 0
     import uvicorn  # optional, like fastapi (build_app checked that the server imports)
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -71,17 +80,21 @@ def add_commands(sub: Any) -> None:
         notes="Weight formats (fp32, bf16, int8) are not selectable here yet: the model is served "
         "in the dtype it was saved in.",
     )
-    serve.add_argument("model", nargs="?", help="a run or model folder (dikkat train, save)")
+    serve.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
     serve.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--name", help="the model's name in the API (default: the folder's)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
-    serve.add_argument("--block-size", type=positive_int, default=16, help="KV cache block")
-    serve.add_argument("--max-batch", type=positive_int, default=16, help="running requests")
-    serve.add_argument("--max-queue", type=positive_int, default=64, help="waiting requests")
+    engine = serve.add_argument_group("the engine")
+    engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    engine.add_argument("--max-batch", type=positive_int, default=16, help="decoded together")
+    engine.add_argument("--max-queue", type=positive_int, default=64, help="may wait (then 503)")
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    serve.add_argument(
+        "--dry-run", action="store_true", help="load the model, build the server, do not serve"
     )
     add_device(serve)
     add_no_verify(serve)
