@@ -78,6 +78,11 @@ SHRINK: dict[str, tuple[str, str]] = {
         "--sizes 256 --min-time 0.001",
         "n = 4096 and 8192 through the reference, 8 heads of n² scores, for 0.3 s a row",
     ),
+    "dikkat serve runs/gpt": ("--dry-run", "it serves until interrupted"),
+    "dikkat serve --hf-gpt2 ./gpt2 --port 8080 --api-key sesame": (
+        "--dry-run",
+        "it serves until interrupted",
+    ),
     "dikkat bench attention --backends sdpa,tiled,flex --masks causal --out runs/bench": (
         "--sizes 128 --min-time 0.001",
         "the default sizes, n = 1k … 32k, fp32 and bf16",

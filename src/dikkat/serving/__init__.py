@@ -1,5 +1,8 @@
 """Serving: many generation requests on one GPT at once — an engine with iteration-level
-continuous batching over a paged KV cache, with prefix reuse (docs/engine.md)."""
+continuous batching over a paged KV cache, with prefix reuse (docs/engine.md) — and an
+OpenAI-compatible HTTP server over it, ``create_app`` (docs/server.md)."""
+
+from typing import Any
 
 from dikkat.serving.engine import Engine
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, PagedLayerCache, prefix_hashes
@@ -14,5 +17,16 @@ __all__ = [
     "PagedLayerCache",
     "SamplingParams",
     "TokenEvent",
+    "create_app",
     "prefix_hashes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # fastapi is an optional dependency (`pip install dikkat[serve]`): the server module, which
+    # imports it, is loaded when create_app is first asked for, never by `import dikkat`
+    if name == "create_app":
+        from dikkat.serving.server import create_app
+
+        return create_app
+    raise AttributeError(f"module 'dikkat.serving' has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""The bridge between the asyncio server and the engine's step loop.
+
+The engine is stepped by one worker thread (``Engine.step`` is not meant for two threads at
+once); the event loop submits and aborts requests (which the engine allows from another thread)
+and receives each :class:`TokenEvent` on an ``asyncio.Queue`` of its request, handed over with
+``loop.call_soon_threadsafe`` (https://docs.python.org/3/library/asyncio-dev.html#concurrency-and-multithreading).
+Because an event is delivered by a callback on the loop, and a request's queue is registered
+on the loop right after ``submit`` returns, no event can arrive before its queue exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger("dikkat.serving")
+
+
+class EngineLike(Protocol):
+    """What the runner needs of :class:`dikkat.serving.Engine`."""
+
+    max_len: int
+
+    def submit(self, prompt: list[int], params: Any) -> int: ...
+
+    def step(self) -> list[Any]: ...
+
+    def abort(self, request_id: int) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Put on a request's queue instead of a token when the engine's step raised."""
+
+    message: str
+
+
+class EngineRunner:
+    """Owns the worker thread; :meth:`start` and :meth:`stop` run on the event loop."""
+
+    def __init__(self, engine: EngineLike, *, idle_wait: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait = idle_wait  # seconds the idle worker sleeps between looks at the engine
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None  # the last step failure, for /health
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._work, name="dikkat-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is still running, then end the worker thread (waiting at most ``timeout``)."""
+        for request_id in list(self._queues):
+            self.abort(request_id)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, prompt: list[int], params: Any) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its events (and a :class:`Failure`, if any) arrive on the queue.
+        Raises what ``engine.submit`` raises (``ValueError``, ``EngineFull``)."""
+        request_id = self.engine.submit(prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._wake.set()
+        return request_id, queue
+
+    def done(self, request_id: int) -> None:
+        """The request's last event was read: forget its queue."""
+        self._queues.pop(request_id, None)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request (the client left, or a stop string ended it): its blocks are freed."""
+        self._queues.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _work(self) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.has_work():
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as e:  # report it to every waiting request, and keep serving
+                log.exception("the engine's step failed")
+                self.error = f"{type(e).__name__}: {e}"
+                self._call(self._fail_all, self.error)
+                continue
+            if events:
+                self._call(self._deliver, events)
+
+    def _call(self, fn: Any, arg: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop is closed: the server is gone
+            self._stopping.set()
+
+    def _deliver(self, events: list[Any]) -> None:
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:  # None: aborted after this step began
+                queue.put_nowait(event)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(Failure(message))
+            self.engine.abort(request_id)
+        self._queues.clear()

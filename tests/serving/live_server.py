@@ -1,0 +1,88 @@
+"""Serve an app on a free loopback port from a thread, for the duration of a ``with`` block;
+every wait is bounded."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+from dikkat.serving.metrics import parse
+
+WAIT = 20.0  # seconds any test waits for a server to start, stop or settle
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """The base URL (http://127.0.0.1:PORT) of ``app`` served by uvicorn in a thread."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), "the server to start")
+        assert server.started, "the server did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def wait_for(done: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.01)
+
+
+def request(
+    url: str, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None
+) -> tuple[int, Any]:
+    """One raw HTTP request: (status, the JSON body, or the text if it is not JSON)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    try:
+        return response.status, json.loads(text)
+    except json.JSONDecodeError:
+        return response.status, text
+
+
+def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    status, text = request(url, "GET", "/metrics", headers=headers)
+    assert status == 200, text
+    return parse(text)
+
+
+def settled(url: str, headers: dict | None = None) -> dict[str, float]:
+    """The metrics once nothing runs or waits and every cache block is free (bounded wait)."""
+    seen: dict[str, float] = {}
+
+    def idle() -> bool:
+        seen.update(metrics(url, headers))
+        return (
+            seen["dikkat_requests_running"] == 0
+            and seen["dikkat_requests_waiting"] == 0
+            and seen["dikkat_cache_blocks_free"] == seen["dikkat_cache_blocks_total"]
+        )
+
+    try:
+        wait_for(idle, "every request to end and every cache block to be free")
+    except TimeoutError as e:
+        raise AssertionError(f"{e}: {seen}") from None
+    return seen
