@@ -24,6 +24,7 @@ from dikkat.core.masks import Mask, causal, padding
 from dikkat.layers.inputs import check_token_id, check_token_ids
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import packed_for_inference
+from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.validate import check_float, check_int, is_int
 
 Prompts = Sequence[Sequence[int]] | Tensor
@@ -249,6 +250,7 @@ def sample_loop(
     top_p: float | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
+    weights: WeightFormat | None = None,
 ) -> Iterator[Tensor]:
     """The decoding loop of every model: yields the new tokens (B,), one step at a time.
 
@@ -258,15 +260,19 @@ def sample_loop(
     next. A row that has produced ``eos_id`` keeps yielding ``eos_id``; the loop stops when
     every row has (checked once a step, only when ``eos_id`` is given) or after
     ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The model's linear
-    layers multiply through packed weights while the loop runs (``packed_for_inference``). The
-    arguments are checked when it is called; the models' own checks (the vocabulary, the
-    context) are the caller's.
+    layers multiply through copies of their weights in the format ``weights`` while the loop
+    runs (:func:`~dikkat.layers.packed_for_inference`: "fp32" packed for oneDNN, "bf16", "int8";
+    None: the format of an enclosing block, else "fp32"). The arguments are checked when it is
+    called; the models' own checks (the vocabulary, the context) are the caller's.
     """
     check_int("max_new_tokens", max_new_tokens, at_least=0)
     check_sampling(temperature, top_k, top_p)
     check_int("eos_id", eos_id, at_least=0, optional=True)
     check_seed(seed)
-    return _loop(model, start, step, max_new_tokens, (temperature, top_k, top_p), eos_id, seed)
+    if weights is not None:
+        weights = check_weights("weights", weights)
+    sampling = (temperature, top_k, top_p)
+    return _loop(model, start, step, max_new_tokens, sampling, eos_id, seed, weights)
 
 
 def _loop(
@@ -277,10 +283,11 @@ def _loop(
     sampling: tuple[float, int | None, float | None],
     eos_id: int | None,
     seed: int | None,
+    weights: WeightFormat | None,
 ) -> Iterator[Tensor]:
     if max_new_tokens == 0:
         return
-    with packed_for_inference(model):  # oneDNN-packed weights: decoding reads them faster
+    with packed_for_inference(model, weights):  # packed or smaller weights: read faster
         logits = start()
         generator = None
         if seed is not None:
@@ -318,12 +325,17 @@ def iter_generate(
     eos_id: int | None = None,
     seed: int | None = None,
     pad_id: int = 0,
+    weights: WeightFormat | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, (B,), one step at a time (for streaming).
 
     A row that has produced ``eos_id`` keeps yielding ``eos_id``; generation stops when every row
-    has, or after ``max_new_tokens``. The arguments are checked here, when it is called, not at
-    the first ``next``.
+    has, or after ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
+    while generating: "fp32" (the weights as they are), "bf16" or "int8" (per-channel int8,
+    weight-only), or None for the format of an enclosing ``packed_for_inference`` block, "fp32"
+    when there is none; the model's own parameters are never changed (see
+    :func:`dikkat.layers.packed_for_inference`). The arguments are checked here, when it is
+    called, not at the first ``next``.
     """
     c = model.config
     check_int("max_new_tokens", max_new_tokens, at_least=0)
@@ -351,6 +363,7 @@ def iter_generate(
         top_p=top_p,
         eos_id=eos_id,
         seed=seed,
+        weights=weights,
     )
 
 
@@ -365,6 +378,7 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     pad_id: int = 0,
+    weights: WeightFormat | None = None,
 ) -> list[list[int]]:
     """Each prompt followed by its new tokens, cut after ``eos_id``: one list per prompt, for a
     (B, T) tensor or a list of prompts alike. The arguments are those of :func:`iter_generate`.
@@ -380,6 +394,7 @@ def generate(
             eos_id=eos_id,
             seed=seed,
             pad_id=pad_id,
+            weights=weights,
         )
     )
     rows = token_rows(tokens, len(prompts), eos_id)
