@@ -15,6 +15,7 @@ queries of a fused q/k/v projection applied to x alone (cross-attention); it own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dikkat.layers.quantized import (
 from dikkat.validate import check_bool, check_int
 
 
+@functools.cache  # asked on every product inside a block; the build does not change
 def onednn_linear_available() -> bool:
     """Whether this PyTorch build has the oneDNN linear ops that :func:`packed_for_inference`
     uses; where it has not, that block is a no-op."""
@@ -140,23 +142,20 @@ class Linear(nn.Linear):
             return self._run_copy(x, start, stop, bias)
         return F.linear(x, self.weight[start:stop], bias)
 
-    def _packs_fp32(self, x: Tensor) -> bool:
-        return x.dtype == self.weight.dtype and _onednn_serves(self.weight)
-
     def _run_copy(self, x: Tensor, start: int, stop: int, bias: Tensor | None) -> Tensor:
         weights = self._formats[-1]
-        if weights == "fp32" and not self._packs_fp32(x):
+        if weights == "fp32" and (x.dtype != self.weight.dtype or not _onednn_serves(self.weight)):
             return F.linear(x, self.weight[start:stop], bias)  # as outside the block
         copy = self.inference_copy(weights, start, stop)
         if isinstance(copy, Int8Copy):
             return int8_linear(x, copy.weight, None if bias is None else copy.bias)
+        dtype = copy.weight.dtype
+        h = x if x.dtype == dtype else x.to(dtype)
         if copy.packed:
-            y = torch.ops.mkldnn._linear_pointwise(
-                x.to(copy.weight.dtype), copy.weight, copy.bias, "none", [], ""
-            )
+            y = torch.ops.mkldnn._linear_pointwise(h, copy.weight, copy.bias, "none", [], "")
         else:
-            y = F.linear(x.to(copy.weight.dtype), copy.weight, copy.bias)
-        return y.to(x.dtype)
+            y = F.linear(h, copy.weight, copy.bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 @dataclass(frozen=True)
