@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = TaskSpec(**json.loads(task_file.read_text())["task"])
     task = build_task(spec, tokenizer=load_tokenizer(args.run))
     model = GPT.load(args.run).eval()
-    val = task.ids["val"]
+    val = task.ids["val"].long()  # bytes may be stored as uint8
     seq = min(spec.seq_len, model.config.max_len)
     if PROMPT + args.new > model.config.max_len:
         raise ValueError(f"--new {args.new} + {PROMPT} passes the context {model.config.max_len}")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     for weights, r in result["formats"].items():
         r["val_loss_rel_diff"] = r["val_loss"] / base - 1
         print(
-            f"  {weights:<5} val loss {r['val_loss']:.4f} ({100 * r['val_loss_rel_diff']:+.2f} %), "
+            f"  {weights:<5} val loss {r['val_loss']:.4f} ({100 * r['val_loss_rel_diff']:+.3f} %), "
             f"greedy tokens equal to fp32: {100 * r['same_tokens_as_fp32']:.1f} %"
         )
     print(f"wrote {save_json('quantized_quality', result)}")

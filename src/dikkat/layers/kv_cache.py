@@ -86,10 +86,10 @@ class KVCache(nn.Module):
                 f"cache is full: {end} tokens do not fit in its {S_max} slots "
                 "(allocate a larger max_len)"
             )
-        ck.narrow(2, start, T).copy_(k)
-        cv.narrow(2, start, T).copy_(v)
+        ck[:, :, start:end] = k
+        cv[:, :, start:end] = v
         self.length = end
-        return ck.narrow(2, 0, end), cv.narrow(2, 0, end)
+        return ck[:, :, :end], cv[:, :, :end]
 
     def reset(self) -> None:
         self.length = 0
