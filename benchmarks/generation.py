@@ -1,14 +1,20 @@
-"""Greedy generation speed: dikkat's GPT against Hugging Face ``generate``, identical weights.
+"""Greedy generation speed: dikkat's GPT (fp32, bf16 and int8 weights) against Hugging Face
+``generate`` (fp32), identical weights, and how close each comes to the memory's bandwidth.
 
     python benchmarks/generation.py [--new 128] [--prompt 16] [--repeats 3]
 
 GPT-2-small shape (12 layers, 12 heads, 768 wide, vocabulary 50257), randomly initialised (no
-download), fp32, batch 1. Both models decode greedily from the same prompt; the tokens must be
-identical. Also: the KV cache against recomputing the whole prefix, on the tiny preset.
-The memory-bandwidth limit is (read bandwidth of a 1 GiB sum) / (bytes of weights per token).
-Each ``generate`` call packs the weights for oneDNN and frees them at its end; "held" times the
-calls inside one ``packed_for_inference`` block, which packs once (as a server holding the model
-would), "each call packs" without it.
+download), batch 1. Every model decodes greedily from the same prompt; dikkat fp32 must give HF's
+tokens (asserted), bf16 and int8 report the fraction of fp32's tokens they reproduce (on random
+weights; benchmarks/quantized_quality.py measures a trained model).
+
+Bandwidth: the same run measures this machine's read bandwidth (a sum over 1 GiB); each
+configuration prints tokens/s, the bytes one token reads (the linear layers' weights in its
+format, the norms, one row of each embedding, and the KV cache at the mean length), the achieved
+GB/s (bytes × tokens/s) and achieved / measured. dikkat's runs hold one ``packed_for_inference``
+block open (the weights are prepared once, as a server holding the model would); "each call
+packs" times fp32 without it. ``kernels`` times one product of the lm_head's shape and the
+MLP's: oneDNN-packed fp32 and bf16, torch's int8 weight-only kernel, and dequantise-then-matmul.
 """
 
 from __future__ import annotations
@@ -16,13 +22,25 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from common import save_json
 from dikkat.interop import gpt_from_hf
-from dikkat.layers import packed_for_inference
+from dikkat.layers import (
+    Linear,
+    dequantize_int8,
+    int8_linear,
+    packed_for_inference,
+    quantize_int8,
+)
 from dikkat.models import GPT, GPTConfig
+
+FORMATS = ("fp32", "bf16", "int8")
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -36,7 +54,7 @@ def read_bandwidth(nbytes: int = 1 << 30) -> float:
     return nbytes / statistics.median(times)
 
 
-def time_generate(fn, repeats: int) -> tuple[float, object, float]:
+def time_generate(fn: Callable[[], object], repeats: int) -> tuple[float, object, float]:
     """(best seconds over ``repeats`` after a warm-up, the output, the warm-up's seconds)."""
     t0 = time.perf_counter()
     fn()
@@ -47,6 +65,31 @@ def time_generate(fn, repeats: int) -> tuple[float, object, float]:
         out = fn()
         best = min(best, time.perf_counter() - t0)
     return best, out, first
+
+
+def bytes_per_token(model: GPT, weights: str, mean_len: float) -> int:
+    """Bytes one decoding step reads: every Linear's weight in ``weights`` (with int8's fp32
+    scales; biases in the weight's dtype for bf16), the other parameters (norms) whole, one row
+    of each embedding, and the fp32 keys and values of ``mean_len`` cached tokens per layer."""
+    c = model.config
+    linear_params, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            n, k = m.weight.shape
+            total += n * k * WEIGHT_BYTES[weights] + (4 * n if weights == "int8" else 0)
+            if m.bias is not None:
+                total += n * (2 if weights == "bf16" else 4)
+            linear_params |= {id(m.weight)} | ({id(m.bias)} if m.bias is not None else set())
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in linear_params:
+                continue
+            linear_params.add(id(p))
+            rows = isinstance(m, nn.Embedding) or p.dim() == 2  # an embedding: one row read
+            total += (p.shape[-1] if rows else p.numel()) * p.element_size()
+    kv_heads, head_dim = c.block().kv_heads, c.d_model // c.n_heads
+    total += int(2 * c.n_layers * kv_heads * head_dim * mean_len * 4)
+    return total
 
 
 def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
@@ -73,22 +116,75 @@ def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
 
     t_hf, out_hf, _ = time_generate(run_hf, repeats)
     t_alone, _, _ = time_generate(run_ours, repeats)  # each call packs the weights
-    with packed_for_inference(ours):
-        t_ours, out_ours, _ = time_generate(run_ours, repeats)  # packed once
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     bw = read_bandwidth()
-    limit = bw / weight_bytes  # tokens/s if each token only had to read the weights once
+    mean_len = n_prompt + (n_new - 1) / 2  # cached tokens a decoding step reads, on average
+    rows = {}
+    outs = {}
+    for weights in FORMATS:
+        with packed_for_inference(ours, weights):  # prepared once
+            t, outs[weights], _ = time_generate(run_ours, repeats)
+        rows[weights] = _row(n_new / t, bytes_per_token(ours, weights, mean_len), bw)
+    rows["hf_fp32"] = _row(n_new / t_hf, bytes_per_token(ours, "fp32", mean_len), bw)
+    identical = out_hf.tolist() == outs["fp32"]
+    assert identical, "dikkat fp32 greedy tokens differ from HF's"
+    fp32_new = outs["fp32"][0][n_prompt:]
+    for weights in ("bf16", "int8"):
+        new = outs[weights][0][n_prompt:]
+        rows[weights]["same_tokens_as_fp32"] = sum(map(int.__eq__, new, fp32_new)) / n_new
     return {
-        "hf_tok_s": n_new / t_hf,
-        "ours_tok_s": n_new / t_ours,
+        "rows": rows,
         "ours_each_call_packs_tok_s": n_new / t_alone,
-        "speedup": t_hf / t_ours,
-        "identical_tokens": out_hf.tolist() == out_ours,
-        "weight_bytes": weight_bytes,
+        "identical_tokens": identical,
         "read_bandwidth_gb_s": bw / 1e9,
-        "bandwidth_limit_tok_s": limit,
-        "fraction_of_limit": (n_new / t_ours) / limit,
+        "int8_vs_hf": rows["int8"]["tok_s"] / rows["hf_fp32"]["tok_s"],
     }
+
+
+def _row(tok_s: float, nbytes: int, bandwidth: float) -> dict:
+    return {
+        "tok_s": tok_s,
+        "bytes_per_token": nbytes,
+        "achieved_gb_s": tok_s * nbytes / 1e9,
+        "fraction_of_bandwidth": tok_s * nbytes / bandwidth,
+    }
+
+
+def kernels(repeats: int = 20) -> dict:
+    """Milliseconds for one row times a weight of each shape, per way of multiplying."""
+    torch.manual_seed(0)
+    results = {}
+    with torch.inference_mode():
+        for n, k in ((50257, 768), (3072, 768)):
+            results[f"{n}x{k}"] = {
+                name: 1e3 * _best(fn, repeats if "dequantise" not in name else 3)
+                for name, fn in _products(torch.randn(n, k), torch.randn(1, k)).items()
+            }
+    return results
+
+
+def _products(w: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    q = quantize_int8(w)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    packed16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)
+    x16 = x.bfloat16()
+    return {
+        "fp32 packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "bf16 packed": lambda: torch.ops.mkldnn._linear_pointwise(
+            x16, packed16, None, "none", [], ""
+        ),
+        "int8 kernel": lambda: int8_linear(x, q),
+        "int8 dequantise + matmul": lambda: F.linear(x, dequantize_int8(q)),
+    }
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def cache_vs_recompute(n_new: int, repeats: int) -> dict:
@@ -125,29 +221,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-new", type=int, default=512, help="tokens for the cache bench")
     args = parser.parse_args(argv)
-    print(f"GPT-2 small, fp32, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
+    print(f"GPT-2 small, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
     r = vs_hf(args.new, args.prompt, args.repeats)
-    print(f"  HF generate     {r['hf_tok_s']:7.1f} tok/s")
-    print(
-        f"  dikkat, held    {r['ours_tok_s']:7.1f} tok/s   ×{r['speedup']:.2f} HF, "
-        f"identical tokens: {r['identical_tokens']}"
-    )
-    each = r["ours_each_call_packs_tok_s"]
-    print(f"  dikkat, each call packs {each:7.1f} tok/s")
-    print(
-        f"  bandwidth limit {r['bandwidth_limit_tok_s']:7.1f} tok/s   "
-        f"({r['weight_bytes'] / 1e6:.0f} MB of weights at {r['read_bandwidth_gb_s']:.1f} GB/s); "
-        f"dikkat reaches {100 * r['fraction_of_limit']:.0f}%"
-    )
+    print(f"  read bandwidth (sum over 1 GiB): {r['read_bandwidth_gb_s']:.1f} GB/s")
+    print(f"  {'':<18} {'tok/s':>7} {'MB/token':>9} {'GB/s':>6} {'of bw':>6}  tokens = fp32")
+    names = {"hf_fp32": "HF fp32", "fp32": "dikkat fp32", "bf16": "dikkat bf16"}
+    for key in ("hf_fp32", "fp32", "bf16", "int8"):
+        row = r["rows"][key]
+        same = row.get("same_tokens_as_fp32")
+        note = "" if same is None else f"{100 * same:.0f}%"
+        if key == "fp32":
+            note = f"identical to HF: {r['identical_tokens']}"
+        print(
+            f"  {names.get(key, 'dikkat int8'):<18} {row['tok_s']:7.1f} "
+            f"{row['bytes_per_token'] / 1e6:9.1f} {row['achieved_gb_s']:6.1f} "
+            f"{100 * row['fraction_of_bandwidth']:5.0f}%  {note}"
+        )
+    print(f"  dikkat fp32, each call packs {r['ours_each_call_packs_tok_s']:.1f} tok/s")
+    print(f"  int8 / HF fp32: ×{r['int8_vs_hf']:.2f}")
+    k = kernels()
+    for shape, ways in k.items():
+        shown = ", ".join(f"{name} {ms:.2f}" for name, ms in ways.items())
+        print(f"  one row × {shape} (ms): {shown}")
     c = cache_vs_recompute(args.cache_new, 1)
     print(
         f"tiny preset, {args.cache_new} greedy tokens: KV cache {c['cached_tok_s']:.0f} tok/s, "
         f"recompute {c['recompute_tok_s']:.0f} tok/s, ×{c['speedup']:.1f}, "
         f"identical tokens: {c['identical_tokens']}"
     )
-    path = save_json("generation", {"args": vars(args), "vs_hf": r, "cache": c})
+    result = {"args": vars(args), "vs_hf": r, "kernels": k, "cache": c}
+    path = save_json("generation", result)
     print(f"wrote {path}")
-    return {"vs_hf": r, "cache": c}
+    return result
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dikkat.core import (
     reference_attention,
     register_backend,
 )
-from dikkat.generation import KVCache, generate, iter_generate
+from dikkat.generation import KVCache, generate, iter_generate, packed_for_inference
 from dikkat.interop import pretrained
 from dikkat.layers import (
     MLP,
@@ -74,6 +74,7 @@ __all__ = [
     "iter_generate",
     "maps",
     "masks",
+    "packed_for_inference",
     "pretrained",
     "reference_attention",
     "register_backend",

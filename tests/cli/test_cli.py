@@ -248,3 +248,11 @@ def test_python_dash_m_dikkat_is_the_command():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: dikkat")
+
+
+def test_generate_with_int8_weights_prints_the_int8_greedy_tokens(tiny_checkpoint, capsys):
+    path, model = tiny_checkpoint
+    assert main(["generate", str(path), "def f(", "-n", "12", "--weights", "int8"]) == 0
+    out = capsys.readouterr().out
+    expected = model.generate([list(b"def f(")], 12, weights="int8")[0]
+    assert out.rstrip("\n") == bytes(expected).decode("utf-8", errors="replace")

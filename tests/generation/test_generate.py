@@ -13,7 +13,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from dikkat.generation import decode_step, iter_generate, left_pad, prefill, sample
+from dikkat.generation import (
+    decode_step,
+    iter_generate,
+    left_pad,
+    packed_for_inference,
+    prefill,
+    sample,
+)
+from dikkat.layers import Linear
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 
@@ -286,3 +294,36 @@ def test_float_prompt_tensor_raises():
     model = make_gpt("learned", seed=20)
     with pytest.raises(TypeError, match="prompts must be an integer tensor"):
         model.generate(torch.zeros(1, 3), 3)
+
+
+# --- weight formats: bf16 and int8 ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_generate_in_a_smaller_format_stays_close_to_fp32_and_keeps_the_weights(weights):
+    """The formats change the numbers (that is their point), so the assertion is a bound: the
+    prefill's logits within 3 % of their range of the fp32 ones (and not equal to them), and the
+    greedy tokens those of the same model decoding step by step in that format."""
+    model = make_gpt("learned").eval()
+    ids = random_ids(2, 6, seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        exact = prefill(model, ids, model.new_cache(2, 6))
+        with packed_for_inference(model, weights):
+            low = prefill(model, ids, model.new_cache(2, 6))
+            stepwise = argmax_loop(model, ids, 5)
+    err = float((low - exact).abs().max())
+    assert 0 < err <= 0.03 * float(exact.max() - exact.min())
+    out = model.generate(ids, 5, weights=weights)
+    assert out == stepwise.tolist()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(m.packed_copies for m in model.modules() if isinstance(m, Linear))
+
+
+def test_an_unknown_weight_format_is_refused_before_any_work():
+    model = make_gpt("learned")
+    refused = r"weights must be one of 'fp32', 'bf16', 'int8', got 'q4'"
+    with pytest.raises(ValueError, match=refused):
+        iter_generate(model, [[1, 2]], 3, weights="q4")
+    with pytest.raises(ValueError, match="got 'q4'"):
+        model.generate([[1, 2]], 3, weights="q4")

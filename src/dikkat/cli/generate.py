@@ -15,7 +15,7 @@ from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import load_model
-from dikkat.generation import iter_generate
+from dikkat.generation import WEIGHT_FORMATS, iter_generate
 from dikkat.interop import load_hf_gpt2_dir
 from dikkat.interop.pretrained import minilm
 from dikkat.models import BERT, GPT
@@ -67,6 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             eos_id=args.eos_id,
             seed=args.seed,
+            weights=args.weights,
         ):
             new.append(int(token[0]))
             text = tokenizer.decode(new)
@@ -128,6 +129,7 @@ def add_commands(sub: Any) -> None:
         examples=[
             ('dikkat generate runs/gpt "import os" -n 100', "a GPT trained with dikkat train"),
             ("dikkat generate --hf-gpt2 ./gpt2 'Hello, my name is' -n 40 --temperature 0.8", ""),
+            ('dikkat generate runs/gpt "import os" --weights int8', "int8 weights: faster"),
         ],
     )
     gen.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
@@ -139,6 +141,13 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--top-p", type=probability, default=None)
     gen.add_argument("--eos-id", type=int, default=None, help="stop at this token id")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="fp32",
+        help="format the linear layers multiply in while generating: fp32 (as trained), bf16, "
+        "or int8 (per-channel, weight-only); the saved weights are not changed",
+    )
     add_device(gen)
     add_no_verify(gen)
 

@@ -1,5 +1,7 @@
-"""Inference: the preallocated KV cache, prefill and one-token decode, sampling, and the decoding
-loop that every model shares."""
+"""Inference: the preallocated KV cache, prefill and one-token decode, sampling, the decoding
+loop that every model shares, and the weight formats it decodes in (``packed_for_inference``,
+re-exported from :mod:`dikkat.layers`: hold ``with packed_for_inference(model, "int8"):`` open
+around many calls to prepare the weights once)."""
 
 from dikkat.generation.generate import (
     decode_step,
@@ -12,13 +14,18 @@ from dikkat.generation.generate import (
     token_rows,
 )
 from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.linear import packed_for_inference
+from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
 
 __all__ = [
+    "WEIGHT_FORMATS",
     "KVCache",
+    "WeightFormat",
     "decode_step",
     "generate",
     "iter_generate",
     "left_pad",
+    "packed_for_inference",
     "prefill",
     "sample",
     "sample_loop",

@@ -21,12 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, causal, padding
-from dikkat.layers.inputs import check_token_id, check_token_ids
+from dikkat.generation.prompts import Prompts, left_pad
+from dikkat.layers.inputs import check_token_id
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import packed_for_inference
-from dikkat.validate import check_float, check_int, is_int
-
-Prompts = Sequence[Sequence[int]] | Tensor
+from dikkat.layers.quantized import WeightFormat, check_weights
+from dikkat.validate import check_float, check_int
 
 
 class LMConfig(Protocol):
@@ -58,73 +58,6 @@ class CausalLM(Protocol):
         cache: list[KVCache] | None = None,
         last_only: bool = False,
     ) -> Tensor: ...
-
-
-def check_prompts(prompts: object, vocab_size: int | None = None) -> None:
-    """``prompts`` is an integer tensor (B, T) or a non-empty list of non-empty prompts, each a
-    list (or 1-D integer tensor) of token ids, inside the vocabulary when ``vocab_size`` is given.
-    """
-    if isinstance(prompts, Tensor):
-        check_token_ids("prompts", prompts, vocab_size)
-        if prompts.numel() == 0:
-            raise ValueError(f"every prompt needs at least one token, got {tuple(prompts.shape)}")
-        return
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        hint = " (convert a numpy array with torch.as_tensor)" if hasattr(prompts, "shape") else ""
-        raise TypeError(
-            f"prompts must be a (B, T) integer tensor or a list of prompts, each a list of int "
-            f"token ids, got {type(prompts).__name__}{hint}"
-        )
-    if len(prompts) == 0:
-        raise ValueError("prompts holds no prompt; pass at least one, e.g. [[1, 2]]")
-    for b, prompt in enumerate(prompts):
-        _check_prompt(b, prompt, vocab_size)
-
-
-def _check_prompt(b: int, prompt: object, vocab_size: int | None) -> None:
-    name = f"prompts[{b}]"
-    if isinstance(prompt, Tensor):
-        check_token_ids(name, prompt, None, layout=("T",))
-        prompt = prompt.tolist()
-    if is_int(prompt):
-        raise TypeError(
-            f"{name} is the token id {prompt!r}, not a prompt: prompts is a list of prompts, so "
-            f"one prompt is written [[1, 2]], not [1, 2]"
-        )
-    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-        raise TypeError(f"{name} must be a list of int token ids, got {type(prompt).__name__}")
-    if len(prompt) == 0:
-        raise ValueError(f"{name} is empty: every prompt needs at least one token")
-    for t, token in enumerate(prompt):
-        if not is_int(token):  # a float would be truncated to an id silently
-            raise TypeError(f"{name}[{t}] is {token!r} ({type(token).__name__}), not an int id")
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
-            where = f"outside the vocabulary of {vocab_size}" if vocab_size else "a negative id"
-            raise ValueError(f"prompts holds {token} at ({b}, {t}), {where}")
-
-
-def left_pad(
-    prompts: Prompts, pad_id: int = 0, *, vocab_size: int | None = None
-) -> tuple[Tensor, Tensor]:
-    """Prompts → ids (B, T) left-padded with ``pad_id`` and ``valid`` (B, T) (False = padding).
-
-    The prompts are checked by :func:`check_prompts` (against ``vocab_size`` when given).
-    """
-    check_prompts(prompts, vocab_size)
-    if vocab_size is None:
-        check_int("pad_id", pad_id, at_least=0)
-    else:
-        check_token_id("pad_id", pad_id, vocab_size)
-    if isinstance(prompts, Tensor):
-        return prompts, torch.ones_like(prompts, dtype=torch.bool)
-    rows = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompts]
-    T = max(len(p) for p in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(rows), T, dtype=torch.bool)
-    for b, p in enumerate(rows):
-        ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        valid[b, T - len(p) :] = True
-    return ids, valid
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -249,6 +182,7 @@ def sample_loop(
     top_p: float | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
+    weights: WeightFormat | None = None,
 ) -> Iterator[Tensor]:
     """The decoding loop of every model: yields the new tokens (B,), one step at a time.
 
@@ -258,15 +192,19 @@ def sample_loop(
     next. A row that has produced ``eos_id`` keeps yielding ``eos_id``; the loop stops when
     every row has (checked once a step, only when ``eos_id`` is given) or after
     ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The model's linear
-    layers multiply through packed weights while the loop runs (``packed_for_inference``). The
-    arguments are checked when it is called; the models' own checks (the vocabulary, the
-    context) are the caller's.
+    layers multiply through copies of their weights in the format ``weights`` while the loop
+    runs (:func:`~dikkat.layers.packed_for_inference`: "fp32" packed for oneDNN, "bf16", "int8";
+    None: the format of an enclosing block, else "fp32"). The arguments are checked when it is
+    called; the models' own checks (the vocabulary, the context) are the caller's.
     """
     check_int("max_new_tokens", max_new_tokens, at_least=0)
     check_sampling(temperature, top_k, top_p)
     check_int("eos_id", eos_id, at_least=0, optional=True)
     check_seed(seed)
-    return _loop(model, start, step, max_new_tokens, (temperature, top_k, top_p), eos_id, seed)
+    if weights is not None:
+        weights = check_weights("weights", weights)
+    sampling = (temperature, top_k, top_p)
+    return _loop(model, start, step, max_new_tokens, sampling, eos_id, seed, weights)
 
 
 def _loop(
@@ -277,10 +215,11 @@ def _loop(
     sampling: tuple[float, int | None, float | None],
     eos_id: int | None,
     seed: int | None,
+    weights: WeightFormat | None,
 ) -> Iterator[Tensor]:
     if max_new_tokens == 0:
         return
-    with packed_for_inference(model):  # oneDNN-packed weights: decoding reads them faster
+    with packed_for_inference(model, weights):  # packed or smaller weights: read faster
         logits = start()
         generator = None
         if seed is not None:
@@ -318,12 +257,17 @@ def iter_generate(
     eos_id: int | None = None,
     seed: int | None = None,
     pad_id: int = 0,
+    weights: WeightFormat | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, (B,), one step at a time (for streaming).
 
     A row that has produced ``eos_id`` keeps yielding ``eos_id``; generation stops when every row
-    has, or after ``max_new_tokens``. The arguments are checked here, when it is called, not at
-    the first ``next``.
+    has, or after ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
+    while generating: "fp32" (the weights as they are), "bf16" or "int8" (per-channel int8,
+    weight-only), or None for the format of an enclosing ``packed_for_inference`` block, "fp32"
+    when there is none; the model's own parameters are never changed (see
+    :func:`dikkat.layers.packed_for_inference`). The arguments are checked here, when it is
+    called, not at the first ``next``.
     """
     c = model.config
     check_int("max_new_tokens", max_new_tokens, at_least=0)
@@ -351,6 +295,7 @@ def iter_generate(
         top_p=top_p,
         eos_id=eos_id,
         seed=seed,
+        weights=weights,
     )
 
 
@@ -365,6 +310,7 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     pad_id: int = 0,
+    weights: WeightFormat | None = None,
 ) -> list[list[int]]:
     """Each prompt followed by its new tokens, cut after ``eos_id``: one list per prompt, for a
     (B, T) tensor or a list of prompts alike. The arguments are those of :func:`iter_generate`.
@@ -380,6 +326,7 @@ def generate(
             eos_id=eos_id,
             seed=seed,
             pad_id=pad_id,
+            weights=weights,
         )
     )
     rows = token_rows(tokens, len(prompts), eos_id)

@@ -20,14 +20,24 @@ from dikkat.layers.positional import (
     SinusoidalPositionalEncoding,
     alibi_slopes,
 )
+from dikkat.layers.quantized import (
+    WEIGHT_FORMATS,
+    Int8Weight,
+    WeightFormat,
+    dequantize_int8,
+    int8_linear,
+    quantize_int8,
+)
 
 __all__ = [
     "MLP",
     "PRESETS",
+    "WEIGHT_FORMATS",
     "ALiBi",
     "Block",
     "BlockConfig",
     "BlockWeights",
+    "Int8Weight",
     "KVCache",
     "LayerNorm",
     "LearnedPositionalEmbedding",
@@ -38,9 +48,13 @@ __all__ = [
     "Scratch",
     "SelfAttentionCache",
     "SinusoidalPositionalEncoding",
+    "WeightFormat",
     "alibi_slopes",
+    "dequantize_int8",
+    "int8_linear",
     "linear_cross_entropy",
     "onednn_linear_available",
     "packed_for_inference",
+    "quantize_int8",
     "release_packed",
 ]

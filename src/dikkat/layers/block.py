@@ -173,9 +173,14 @@ class Block(nn.Module):
         """Apply one sub-layer with its residual and norm; the sub-layer returns (y, weights)."""
         if self.config.norm == "pre":
             y, w = sublayer(norm(x))
-            return x + self.drop(y), w
+            return x + self._dropout(y), w
         y, w = sublayer(x)
-        return norm(x + self.drop(y)), w
+        return norm(x + self._dropout(y)), w
+
+    def _dropout(self, y: Tensor) -> Tensor:
+        # the identity in evaluation: skipping the call saves a module call per sub-layer in
+        # every decoding step
+        return self.drop(y) if self.training and self.drop.p > 0 else y
 
     def forward(
         self,

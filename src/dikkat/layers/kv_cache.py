@@ -83,28 +83,28 @@ class KVCache(nn.Module):
         Returns views (B, G, start+T, D) of the keys and values so far; writing at ``start`` below
         the current length overwrites (e.g. to reuse the cache for a new prompt).
         """
+        ck, cv = self.k, self.v  # one buffer look-up each: this runs every layer, every token
         if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
-        B, G, _, D = self.k.shape
+        B, G, S_max, D = ck.shape
         if k.dim() != 4 or k.shape[0] != B or k.shape[1] != G or k.shape[3] != D:
             raise ValueError(
-                f"cache holds (B, G, S_max, D) = {tuple(self.k.shape)}; got k of shape "
-                f"{tuple(k.shape)}"
+                f"cache holds (B, G, S_max, D) = {tuple(ck.shape)}; got k of shape {tuple(k.shape)}"
             )
         T = k.shape[2]
         check_int("start", start, at_least=0)
         if not 0 <= start <= self.length:
             raise ValueError(f"start={start} must lie in 0 … {self.length} (the filled length)")
         end = start + T
-        if end > self.max_len:
+        if end > S_max:
             raise ValueError(
-                f"cache is full: {end} tokens do not fit in its {self.max_len} slots "
+                f"cache is full: {end} tokens do not fit in its {S_max} slots "
                 "(allocate a larger max_len)"
             )
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+        ck[:, :, start:end] = k
+        cv[:, :, start:end] = v
         self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        return ck[:, :, :end], cv[:, :, :end]
 
     def reset(self) -> None:
         self.length = 0

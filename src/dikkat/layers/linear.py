@@ -5,7 +5,9 @@ the speed of reading the weights from memory. PyTorch's default CPU kernel for `
 one row reads them well below the memory's bandwidth; the same product through oneDNN with the
 weight reordered into oneDNN's blocked layout comes close to it (BENCHMARKS.md, "Generation").
 :func:`packed_for_inference` switches that path on for a ``with`` block (generation uses it); the
-reordered copy is rebuilt whenever the weight changes, so it is never stale.
+reordered copy is rebuilt whenever the weight changes, so it is never stale. The same block can
+multiply through a bf16 or an int8 copy of the weights instead (:mod:`dikkat.layers.quantized`),
+which halves or quarters the bytes each token reads.
 
 :class:`LinearRows` is a block of a ``Linear``'s output features used on its own, e.g. the
 queries of a fused q/k/v projection applied to x alone (cross-attention); it owns no parameters.
@@ -13,16 +15,26 @@ queries of a fused q/k/v projection applied to x alone (cross-attention); it own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dikkat.layers.quantized import (
+    Int8Weight,
+    WeightFormat,
+    check_weights,
+    int8_linear,
+    quantize_int8,
+)
 from dikkat.validate import check_bool, check_int
 
 
+@functools.cache  # asked on every product inside a block; the build does not change
 def onednn_linear_available() -> bool:
     """Whether this PyTorch build has the oneDNN linear ops that :func:`packed_for_inference`
     uses; where it has not, that block is a no-op."""
@@ -35,21 +47,23 @@ def onednn_linear_available() -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, state dict and math) with an optional packed weight.
+    """``nn.Linear`` (same parameters, state dict and math) with optional inference copies.
 
-    Inside :func:`packed_for_inference`, with autograd off, ``forward`` runs oneDNN's linear on a
-    reordered copy of the weight. The copy is made on first use and lives until the outermost
-    such block ends (it costs as much memory as the weight); inside the block it is rebuilt when
-    the weight's version counter moves (any in-place write through autograd's view of it).
-    Nothing is kept between blocks: an optimizer step may write the weights without moving that
-    counter (PyTorch's fused ``AdamW(fused=True)`` does), so no later check could tell.
+    Inside :func:`packed_for_inference`, with autograd off, ``forward`` multiplies by a copy of
+    the weight in the block's format (:mod:`dikkat.layers.quantized`): "fp32" runs oneDNN's
+    linear on a reordered copy (on the CPU, for an input of the weight's dtype), "bf16" the same
+    on a bf16 copy (the input rounded to bf16, the output back in its dtype), "int8" the int8
+    weight-only product. A copy is made on first use and lives until the outermost such block
+    ends; inside the block it is rebuilt when the weight's version counter moves (any in-place
+    write through autograd's view of it). Nothing is kept between blocks: an optimizer step may
+    write the weights without moving that counter (PyTorch's fused ``AdamW(fused=True)`` does),
+    so no later check could tell. The parameters themselves are never changed.
     """
 
-    _pack_depth: int = 0  # open packed_for_inference blocks around this layer
-    _packed: Tensor | None = None
-    _packed_key: tuple[int, int, torch.dtype] | None = None
-    # packed copies of row blocks (LinearRows), keyed by (start, stop)
-    _packed_rows: dict[tuple[int, int], tuple[tuple[int, int, torch.dtype], Tensor]] | None = None
+    _formats: tuple[WeightFormat, ...] = ()  # the formats of the open blocks, innermost last
+    # inference copies by (format, start, stop) rows of the weight: (weight key, copy)
+    _copies: dict[tuple[WeightFormat, int, int], tuple[tuple[int, int, torch.dtype], Copy]] | None
+    _copies = None
 
     def __init__(
         self,
@@ -69,64 +83,117 @@ class Linear(nn.Linear):
         w = self.weight
         return (w._version, w.data_ptr(), w.dtype)  # any in-place update bumps _version
 
-    def packed_weight(self) -> Tensor:
+    def inference_copy(self, weights: WeightFormat, start: int, stop: int) -> Copy:
+        """The copy of rows [start, stop) of the weight (and bias) that ``weights`` multiplies
+        by, made now or kept from earlier in the open block."""
         key = self._weight_key()
-        if self._packed is None or self._packed_key != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-            self._packed_key = key
-        return self._packed
-
-    def packed_rows(self, start: int, stop: int) -> Tensor:
-        """The packed copy of rows [start, stop) of the weight (kept like :meth:`packed_weight`)."""
-        key = self._weight_key()
-        if self._packed_rows is None:
-            self._packed_rows = {}
-        kept = self._packed_rows.get((start, stop))
+        if self._copies is None:
+            self._copies = {}
+        kept = self._copies.get((weights, start, stop))
         if kept is None or kept[0] != key:
             with torch.no_grad():
-                rows = self.weight.detach()[start:stop]
-                kept = (key, torch.ops.mkldnn._reorder_linear_weight(rows, 1))
-            self._packed_rows[(start, stop)] = kept
+                w = self.weight.detach()[start:stop]
+                b = None if self.bias is None else self.bias.detach()[start:stop]
+                kept = (key, _make_copy(weights, w, b))
+            self._copies[(weights, start, stop)] = kept
         return kept[1]
 
+    def packed_weight(self) -> Tensor:
+        """The oneDNN-packed fp32 copy of the weight ("fp32" :meth:`inference_copy`)."""
+        return self.packed_rows(0, self.out_features)
+
+    def packed_rows(self, start: int, stop: int) -> Tensor:
+        """The oneDNN-packed fp32 copy of rows [start, stop) of the weight."""
+        copy = self.inference_copy("fp32", start, stop)
+        assert isinstance(copy, FloatCopy)  # what "fp32" makes
+        return copy.weight
+
     def release_packed(self) -> None:
-        self._packed, self._packed_key, self._packed_rows = None, None, None
+        self._copies = None
 
     @property
     def packed_copies(self) -> frozenset[tuple[int, int]]:
-        """The row blocks [start, stop) of the weight held as packed copies now: (0,
-        out_features) for the whole weight (``forward``), others for :class:`LinearRows`
-        blocks. Empty until something is packed, and after :meth:`release_packed`."""
-        held = set() if self._packed_rows is None else set(self._packed_rows)
-        if self._packed is not None:
-            held.add((0, self.out_features))
-        return frozenset(held)
+        """The row blocks [start, stop) of the weight held as inference copies now (in any
+        format): (0, out_features) for the whole weight (``forward``), others for
+        :class:`LinearRows` blocks. Empty until something is copied, and after
+        :meth:`release_packed`."""
+        return frozenset((a, b) for _, a, b in self._copies or ())
 
     @property
     def use_packed(self) -> bool:
         """Whether a :func:`packed_for_inference` block is open around this layer."""
-        return self._pack_depth > 0
+        return bool(self._formats)
 
-    def _runs_packed(self, x: Tensor) -> bool:
-        return self.use_packed and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
+    @property
+    def weights_format(self) -> WeightFormat | None:
+        """The format the innermost open block multiplies in; None outside every block."""
+        return self._formats[-1] if self._formats else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._runs_packed(x):
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight(), self.bias, "none", [], ""
-            )
+        if self._formats and not torch.is_grad_enabled():
+            return self._run_copy(x, 0, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
         """Output features [start, stop) alone: ``x @ W[start:stop]ᵀ + b[start:stop]``, the same
-        numbers as those columns of ``forward(x)`` up to rounding (packed like ``forward``)."""
+        numbers as those columns of ``forward(x)`` up to rounding (copied like ``forward``)."""
         bias = None if self.bias is None else self.bias[start:stop]
-        if self._runs_packed(x):
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_rows(start, stop), bias, "none", [], ""
-            )
+        if self._formats and not torch.is_grad_enabled():
+            return self._run_copy(x, start, stop, bias)
         return F.linear(x, self.weight[start:stop], bias)
+
+    def _run_copy(self, x: Tensor, start: int, stop: int, bias: Tensor | None) -> Tensor:
+        weights = self._formats[-1]
+        if weights == "fp32" and (x.dtype != self.weight.dtype or not _onednn_serves(self.weight)):
+            return F.linear(x, self.weight[start:stop], bias)  # as outside the block
+        copy = self.inference_copy(weights, start, stop)
+        if isinstance(copy, Int8Copy):
+            return int8_linear(x, copy.weight, None if bias is None else copy.bias)
+        dtype = copy.weight.dtype
+        h = x if x.dtype == dtype else x.to(dtype)
+        if copy.packed:
+            y = torch.ops.mkldnn._linear_pointwise(h, copy.weight, copy.bias, "none", [], "")
+        else:
+            y = F.linear(h, copy.weight, copy.bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class FloatCopy:
+    """A weight (and bias) copy in a float dtype; ``packed``: reordered for oneDNN's linear."""
+
+    weight: Tensor
+    bias: Tensor | None
+    packed: bool
+
+
+@dataclass(frozen=True)
+class Int8Copy:
+    """A weight as int8 with per-channel scales, and its bias in the weight's dtype."""
+
+    weight: Int8Weight
+    bias: Tensor | None
+
+
+Copy = FloatCopy | Int8Copy
+
+
+def _onednn_serves(w: Tensor) -> bool:
+    return (
+        onednn_linear_available()
+        and w.device.type == "cpu"
+        and w.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def _make_copy(weights: WeightFormat, w: Tensor, b: Tensor | None) -> Copy:
+    if weights == "int8":
+        return Int8Copy(quantize_int8(w), b)
+    if weights == "bf16":
+        w, b = w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16)
+    if _onednn_serves(w):
+        return FloatCopy(torch.ops.mkldnn._reorder_linear_weight(w, 1), b, packed=True)
+    return FloatCopy(w.contiguous(), b, packed=False)
 
 
 class LinearRows(nn.Module):
@@ -184,33 +251,43 @@ class LinearRows(nn.Module):
         return f"rows {self.start}:{self.stop} of Linear({s.in_features}, {s.out_features})"
 
 
-def _packable(m: nn.Module) -> bool:
-    return (
-        isinstance(m, Linear)
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype in (torch.float32, torch.bfloat16)
-    )
-
-
 @contextmanager
-def packed_for_inference(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, every :class:`Linear` of ``model`` on the CPU (fp32/bf16) multiplies
-    through oneDNN with a reordered copy of its weight. A no-op where oneDNN is not available.
+def packed_for_inference(
+    model: nn.Module, weights: WeightFormat | None = None
+) -> Iterator[nn.Module]:
+    """Within the block, every :class:`Linear` of ``model`` multiplies (with autograd off)
+    through a copy of its weight in the format ``weights`` (:mod:`dikkat.layers.quantized`):
 
-    The first use inside the block packs the weights, which costs about one pass over them; the
-    copies live until the outermost block ends, then they are freed. Blocks nest, so to pack once
-    for many ``generate`` calls (a server, a benchmark), hold one block open around them and do
-    not change the weights inside it.
+    - "fp32": the weight as it is, reordered for oneDNN on the CPU (a no-op elsewhere, or where
+      oneDNN is not available);
+    - "bf16": a bf16 copy; the input is rounded to bf16 for the product, the output comes back
+      in the input's dtype;
+    - "int8": per-output-channel int8 weights with fp32 scales (weight-only; see
+      :func:`dikkat.layers.quantized.int8_linear`);
+    - None: the format of the enclosing block, "fp32" when there is none.
+
+    The model's parameters are never changed; everything else (embeddings, norms, attention,
+    the KV cache) runs in the model's dtype. The first use inside the block makes the copies,
+    which costs about one pass over the weights; they live until the outermost block ends,
+    then they are freed. Blocks nest, so to prepare once for many ``generate`` calls (a server,
+    a benchmark), hold one block open around them and do not change the weights inside it.
+
+    >>> model = Linear(32, 8)
+    >>> with torch.no_grad(), packed_for_inference(model, "int8"):
+    ...     model(torch.randn(2, 32)).shape
+    torch.Size([2, 8])
     """
-    layers = [m for m in model.modules() if _packable(m)] if onednn_linear_available() else []
+    if weights is not None:
+        weights = check_weights("weights", weights)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
     for m in layers:
-        m._pack_depth += 1
+        m._formats = (*m._formats, weights or m.weights_format or "fp32")
     try:
         yield model
     finally:
         for m in layers:
-            m._pack_depth -= 1
-            if m._pack_depth == 0:
+            m._formats = m._formats[:-1]
+            if not m._formats:
                 m.release_packed()
 
 

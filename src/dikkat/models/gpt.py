@@ -31,6 +31,7 @@ from dikkat.layers.positional import (
     RotaryEmbedding,
     valid_positions,
 )
+from dikkat.layers.quantized import WeightFormat
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
@@ -214,7 +215,8 @@ class GPT(SaveLoad, nn.Module):
         x = self.tok_emb(ids)  # (B, T, C)
         if self.pos_emb is not None:
             x = self.pos_emb(x, offset, positions)
-        x = self.drop(x)
+        if self.training and self.drop.p > 0:  # the identity otherwise: one call less per token
+            x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(
                 x,
@@ -267,13 +269,15 @@ class GPT(SaveLoad, nn.Module):
         top_p: float | None = None,
         eos_id: int | None = None,
         seed: int | None = None,
+        weights: WeightFormat | None = None,
     ) -> list[list[int]]:
         """Continue each prompt by up to ``max_new_tokens`` tokens (greedy at temperature 0).
 
         ``ids`` is a (B, T) tensor or a list of prompts of any lengths; either way the result is
         one list per prompt: the prompt, then its new tokens, cut after the first ``eos_id``.
         Uses a KV cache: one prefill pass, then one-token decode steps (see
-        :func:`dikkat.generation.generate`).
+        :func:`dikkat.generation.generate`), the linear layers multiplying in the format
+        ``weights`` ("fp32", "bf16", "int8"; the parameters themselves stay as they are).
         """
         was_training = self.training
         self.eval()
@@ -287,6 +291,7 @@ class GPT(SaveLoad, nn.Module):
                 top_p=top_p,
                 eos_id=eos_id,
                 seed=seed,
+                weights=weights,
             )
         finally:
             self.train(was_training)

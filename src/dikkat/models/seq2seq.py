@@ -21,16 +21,14 @@ from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, causal, padding
 from dikkat.generation.generate import (
-    Prompts,
     Step,
-    check_prompts,
     check_room,
     check_sampling,
     check_seed,
-    left_pad,
     sample_loop,
     token_rows,
 )
+from dikkat.generation.prompts import Prompts, check_prompts, left_pad
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_id, check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache

@@ -1,0 +1,102 @@
+"""Weight formats for inference: fp32 as trained, bf16, and int8 weight-only.
+
+Notation: ``N`` output features, ``K`` input features, ``M`` rows of the input.
+
+Decoding one token reads every weight once, so its speed is set by the bytes of the weights;
+bf16 halves them, int8 quarters them. Only the weights change: inputs, outputs, norms, attention
+and the KV cache stay in the model's dtype.
+
+int8 weight-only (as in gpt-fast's ``quantize.py``, "int8 weight-only"): each output channel
+(row) n of W gets a scale sₙ = maxₖ |Wₙₖ| / 127 and stores qₙₖ = round(Wₙₖ / sₙ) ∈ [−127, 127], so
+|Wₙₖ − sₙ qₙₖ| ≤ sₙ / 2. The product ``x @ Wᵀ`` runs as ``(x @ qᵀ) · s`` through PyTorch's
+``aten._weight_int8pack_mm`` (bf16 input and scales, so x and s are rounded to bf16 there), or,
+where that kernel cannot serve the shape, as a plain product with the dequantised weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+WeightFormat = Literal["fp32", "bf16", "int8"]
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("fp32", "bf16", "int8")
+
+_INT8_MAX = 127  # symmetric: −128 is never used, so q and −q are both representable
+# The CPU kernel of torch 2.13 returns wrong numbers, or crashes, unless K is a multiple of 16
+# (tests/layers/test_quantized.py runs shapes on both sides of this; BENCHMARKS.md, Generation).
+_KERNEL_K_MULTIPLE = 16
+
+
+def check_weights(name: str, weights: object) -> WeightFormat:
+    """``weights`` as a :data:`WeightFormat`; a ValueError naming ``name`` and the choices."""
+    if not isinstance(weights, str) or weights not in WEIGHT_FORMATS:
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {weights!r}"
+        )
+    return cast(WeightFormat, weights)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight (N, K) as int8 ``values`` and one ``scale`` (N,) per output channel (row)."""
+
+    values: Tensor  # (N, K) int8
+    scale: Tensor  # (N,) fp32
+    scale_bf16: Tensor  # (N,) the scales as the kernel takes them
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the int8 values and the scales (what a product reads)."""
+        return self.values.numel() + self.scale.numel() * self.scale.element_size()
+
+
+def quantize_int8(weight: Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 of ``weight`` (N, K): |W − dequantize| ≤ scale / 2.
+
+    A row of zeros gets scale 1 (and zeros), so that no scale is 0. The scales are computed in
+    fp32 from the weight as given.
+    """
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be a 2-D floating-point tensor (N, K), got {shape}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)  # (N,)
+    scale = torch.where(amax > 0, amax / _INT8_MAX, torch.ones_like(amax))
+    values = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return Int8Weight(values.contiguous(), scale, scale.to(torch.bfloat16))
+
+
+def dequantize_int8(q: Int8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight (N, K) that ``q`` stands for, ``scale · values``, in ``dtype``."""
+    return (q.values.to(torch.float32) * q.scale[:, None]).to(dtype)
+
+
+def int8_kernel_available() -> bool:
+    """Whether this PyTorch has ``aten._weight_int8pack_mm`` (otherwise: dequantise, multiply)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def int8_linear(x: Tensor, q: Int8Weight, bias: Tensor | None = None) -> Tensor:
+    """``x @ Wᵀ + bias`` for x (..., K) with W held as ``q``; the result in x's dtype.
+
+    Through ``aten._weight_int8pack_mm`` when it can serve the shape (x and the scales rounded to
+    bf16, the sum in the kernel's precision), else through the dequantised weight in x's dtype.
+    """
+    K = q.values.shape[1]
+    if x.shape[-1] != K:
+        raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
+    if int8_kernel_available() and K % _KERNEL_K_MULTIPLE == 0 and x.device.type == "cpu":
+        rows = x.reshape(-1, K).to(torch.bfloat16).contiguous()  # (M, K)
+        out = torch.ops.aten._weight_int8pack_mm(rows, q.values, q.scale_bf16)
+        out = out.to(x.dtype).view(*x.shape[:-1], -1)  # (..., N)
+        return out if bias is None else out + bias
+    return F.linear(x, dequantize_int8(q, x.dtype), bias)
+
+
+def rows_of(q: Int8Weight, start: int, stop: int) -> Int8Weight:
+    """Output channels [start, stop) of ``q`` (per-channel scales make this exact)."""
+    return Int8Weight(q.values[start:stop], q.scale[start:stop], q.scale_bf16[start:stop])
