@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dikkat.generation import generate
+from dikkat.layers import Linear
 from dikkat.models import GPT, GPTConfig
 from dikkat.serving import Engine, EngineFull, SamplingParams, TokenEvent
 from helpers import scramble
@@ -320,6 +321,33 @@ def test_bad_engine_arguments_name_the_argument():
     for name in ("block_size", "num_blocks", "max_batch", "max_queue"):
         with pytest.raises(ValueError, match=name):
             Engine(make_gpt(), **{name: 0})
+    with pytest.raises(ValueError, match=r"weights must be one of .*'int4'"):
+        Engine(make_gpt(), weights="int4")
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_a_weight_format_serves_what_generate_gives_in_it(weights):
+    model = make_gpt("rope").eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, block_size=4, weights=weights)
+    prompts = [prompt(n, seed) for seed, n in enumerate((5, 11, 3))]
+    params = SamplingParams(max_tokens=6)
+    ids = [engine.submit(p, params) for p in prompts]
+    streams: dict[int, list[TokenEvent]] = {}
+    seen = []  # the format each linear layer multiplied in, at every call during the steps
+    hooks = [
+        m.register_forward_hook(lambda m, *_: seen.append(m.weights_format))
+        for m in model.modules()
+        if isinstance(m, Linear)
+    ]
+    drain(engine, streams)
+    for h in hooks:
+        h.remove()
+    assert seen and set(seen) == {weights}
+    for rid, tokens in zip(ids, prompts, strict=True):
+        want = generate(model, [tokens], 6, weights=weights)[0][len(tokens) :]
+        assert tokens_of(streams[rid]) == want, (weights, rid)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_default_pool_holds_max_batch_whole_contexts():

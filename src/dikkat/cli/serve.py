@@ -11,6 +11,7 @@ from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import load_model
 from dikkat.cli.generate import _tokenizer_of
 from dikkat.interop import load_hf_gpt2_dir
+from dikkat.layers import WEIGHT_FORMATS
 from dikkat.models import GPT
 from dikkat.serving import Engine
 from dikkat.text import load_tokenizer
@@ -36,7 +37,11 @@ def build_app(args: argparse.Namespace) -> Any:
         )
     model.to(device).eval()
     engine = Engine(
-        model, block_size=args.block_size, max_batch=args.max_batch, max_queue=args.max_queue
+        model,
+        block_size=args.block_size,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        weights=args.weights,
     )
     try:  # fastapi and uvicorn are optional (`pip install dikkat[serve]`)
         from dikkat.serving.server import create_app
@@ -47,7 +52,8 @@ def build_app(args: argparse.Namespace) -> Any:
     print(
         f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "
         f"{engine.max_len}) on http://{args.host}:{args.port}/v1 — {stats.total_blocks} KV cache "
-        f"blocks of {stats.block_size} tokens, batches of up to {args.max_batch}",
+        f"blocks of {stats.block_size} tokens, batches of up to {args.max_batch}, "
+        f"{args.weights} weights",
         flush=True,
     )
     return create_app(engine, tokenizer, args.name or name, api_key=args.api_key)
@@ -77,8 +83,6 @@ def add_commands(sub: Any) -> None:
             ("dikkat serve runs/gpt", "on http://127.0.0.1:8000"),
             ("dikkat serve --hf-gpt2 ./gpt2 --port 8080 --api-key sesame", ""),
         ],
-        notes="Weight formats (fp32, bf16, int8) are not selectable here yet: the model is served "
-        "in the dtype it was saved in.",
     )
     serve.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
     serve.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
@@ -90,6 +94,13 @@ def add_commands(sub: Any) -> None:
     engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     engine.add_argument("--max-batch", type=positive_int, default=16, help="decoded together")
     engine.add_argument("--max-queue", type=positive_int, default=64, help="may wait (then 503)")
+    engine.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="fp32",
+        help="format the linear layers multiply in: fp32 (as trained), bf16, or int8 "
+        "(per-channel, weight-only); the saved weights are not changed",
+    )
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )

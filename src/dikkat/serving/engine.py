@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from dikkat.layers.linear import packed_for_inference
+from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.models.gpt import GPT
 from dikkat.serving.forward import decode, next_tokens, prefill
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
@@ -77,6 +78,9 @@ class Engine:
             whole context.
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
+        weights: the format the linear layers multiply in while the engine has work, "fp32",
+            "bf16" or "int8" (:func:`dikkat.layers.packed_for_inference`); the model's own
+            parameters are not changed.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
     from any thread while another runs :meth:`step` (a lock guards the queues and the block
@@ -100,6 +104,7 @@ class Engine:
         num_blocks: int | None = None,
         max_batch: int = 16,
         max_queue: int = 64,
+        weights: WeightFormat = "fp32",
     ) -> None:
         if not isinstance(model, GPT):
             raise TypeError(f"model must be a dikkat GPT, got {type(model).__name__}")
@@ -107,6 +112,7 @@ class Engine:
         check_int("num_blocks", num_blocks, optional=True)
         check_int("max_batch", max_batch)
         check_int("max_queue", max_queue)
+        self.weights: WeightFormat = check_weights("weights", weights)
         c = model.config
         self._model = model
         self.max_len: int = c.max_len
@@ -277,7 +283,7 @@ class Engine:
             return []
         if self._packed is None:
             self._packed = ExitStack()
-            self._packed.enter_context(packed_for_inference(self._model))
+            self._packed.enter_context(packed_for_inference(self._model, self.weights))
         events = []
         for seq in admitted:
             logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached)
