@@ -126,6 +126,12 @@ def test_grouped_heads_and_head_dims(dtype, T, heads, D):
     _check_two_x_rule(_case("causal", T, LENGTHS[-1], H=H, G=G, D=D), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_head_dim_padded_past_128(dtype):
+    """D = 200 runs in blocks of 256 dims, with fewer rows and keys per block."""
+    _check_two_x_rule(_case("causal", 4, LENGTHS[-1], D=200), dtype)
+
+
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_split_and_several_agree(dtype, kind):

@@ -106,9 +106,10 @@ def triton_decode(
     allowed = _allowed(checked, shape, q_offset, lo, hi, q.device)
 
     block_d, block_dv = _block(shape.D), _block(Dv)
-    block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    wide = max(block_d, block_dv) > 128  # then fewer rows and keys per block, to fit in registers
+    block_n = 32 if wide else 64
     rows = shape.group * T  # the query rows of one key/value head
-    block_m = max(16, min(_next_power_of_2(rows), 64 if max(block_d, block_dv) <= 128 else 32))
+    block_m = max(16, min(_next_power_of_2(rows), 32 if wide else 64))
     row_blocks = -(-rows // block_m)
     chunk, n_split = _chunks(hi - lo, n_split, B * shape.G * row_blocks, block_n, q.device)
 

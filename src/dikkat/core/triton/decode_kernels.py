@@ -10,7 +10,8 @@ imported, as ``triton.jit`` reads the setting when it wraps a function.
 
 :func:`split_kernel` is one program per (batch row · key/value head, split, block of query rows):
 the ``T · H/G`` queries of a key/value head's group share every key and value block it loads
-(rows are ordered head-major: row r is head ``g · H/G + r // T``, query ``r % T``). It runs the
+(rows are ordered head-major: row r is head ``g · H/G + r // T``, query ``r % T``; a group of
+more rows than one block holds is cut into row blocks, each loading the keys again). It runs the
 online softmax of FlashAttention (Dao et al. 2022, arXiv:2205.14135, Algorithm 1) over its chunk of
 keys in base 2 and writes the chunk's normalised output and log-sum-exp. :func:`merge_kernel`
 combines the chunks of one row by their log-sum-exps, as flash-decoding does (Dao et al. 2023,
