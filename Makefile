@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,12 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/run.py
+
+# On a machine with CUDA: the Triton kernels' tests (bf16 and fp16 there), then the GPU timings,
+# written to benchmarks/results/gpu.json (benchmarks/gpu.py; a few minutes).
+gpu-check: setup
+	$(PY) -m pytest -q tests/core/test_triton.py tests/core/test_triton_decode.py
+	$(PY) benchmarks/gpu.py
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
