@@ -168,6 +168,7 @@ def _products(w: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object
     packed16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)
     x16 = x.bfloat16()
     return {
+        "fp32 plain": lambda: F.linear(x, w),
         "fp32 packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "bf16 packed": lambda: torch.ops.mkldnn._linear_pointwise(
             x16, packed16, None, "none", [], ""
@@ -175,6 +176,31 @@ def _products(w: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object
         "int8 kernel": lambda: int8_linear(x, q),
         "int8 dequantise + matmul": lambda: F.linear(x, dequantize_int8(q)),
     }
+
+
+def plain_vs_packed(rows: tuple[int, ...] = (1, 2, 8), repeats: int = 5) -> dict[int, float]:
+    """oneDNN-packed / plain F.linear time over GPT-2-small's 49 weights, per number of input
+    rows (the crossover ``plain_gemv_max_rows`` in dikkat.core.tuning rests on)."""
+    torch.manual_seed(0)
+    shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12 + [(50257, 768)]
+    ws = [torch.randn(n, k) for n, k in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+    ratios = {}
+    with torch.inference_mode():
+        for m in rows:
+            xs = [torch.randn(m, w.shape[1]) for w in ws]
+            plain = _best(
+                lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, ws, strict=True)], repeats
+            )
+            onednn = _best(
+                lambda xs=xs: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                    for x, w in zip(xs, packed, strict=True)
+                ],
+                repeats,
+            )
+            ratios[m] = onednn / plain
+    return ratios
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -243,13 +269,16 @@ def main(argv: list[str] | None = None) -> dict:
     for shape, ways in k.items():
         shown = ", ".join(f"{name} {ms:.2f}" for name, ms in ways.items())
         print(f"  one row × {shape} (ms): {shown}")
+    g = plain_vs_packed()
+    shown = ", ".join(f"{m} row{'s' if m > 1 else ''} {ratio:.2f}" for m, ratio in g.items())
+    print(f"  GPT-2-small's weights, fp32, oneDNN packed / plain F.linear: {shown}")
     c = cache_vs_recompute(args.cache_new, 1)
     print(
         f"tiny preset, {args.cache_new} greedy tokens: KV cache {c['cached_tok_s']:.0f} tok/s, "
         f"recompute {c['recompute_tok_s']:.0f} tok/s, ×{c['speedup']:.1f}, "
         f"identical tokens: {c['identical_tokens']}"
     )
-    result = {"args": vars(args), "vs_hf": r, "kernels": k, "cache": c}
+    result = {"args": vars(args), "vs_hf": r, "kernels": k, "packed_over_plain": g, "cache": c}
     path = save_json("generation", result)
     print(f"wrote {path}")
     return result

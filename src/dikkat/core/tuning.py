@@ -45,6 +45,10 @@ class Tuning:
     linear_chunk: int
     # ... and rows per pass, so the working set stays small
     linear_segment: int
+    # inside packed_for_inference, an fp32 product of at most this many input rows (decoding
+    # one or two sequences) multiplies the plain weight (MKL's GEMV) instead of oneDNN's packed
+    # copy, which pays off only from more rows
+    plain_gemv_max_rows: int = 0
 
 
 def _speeds(speeds: dict[int, float]) -> Mapping[int, float]:
@@ -87,6 +91,13 @@ CPU = Tuning(
     # and segment are arguments of `linear_attention`, to sweep by hand).
     linear_chunk=64,
     linear_segment=4096,
+    # 2026-12-01, the Intel Xeon with AMX above (2 threads, torch 2.13.0+cpu, a shared machine,
+    # best of 5, interleaved): GPT-2-small's 49 weights (12 blocks of 2304·768, 768·768,
+    # 3072·768, 768·3072, and 50257·768), fp32, F.linear on the plain weight against
+    # `mkldnn._linear_pointwise` on the packed one: oneDNN / plain = 1.19 at 1 row, 1.41–1.42 at
+    # 2 rows, 0.67 at 8 rows. Re-measure: `python benchmarks/generation.py` (its "packed / plain"
+    # line).
+    plain_gemv_max_rows=2,
 )
 
 # Any device type without a measurement (CUDA included). Off the CPU the tiled backend runs its

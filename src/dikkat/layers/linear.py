@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dikkat.core.tuning import for_device
 from dikkat.layers.quantized import (
     Int8Weight,
     WeightFormat,
@@ -144,7 +145,11 @@ class Linear(nn.Linear):
 
     def _run_copy(self, x: Tensor, start: int, stop: int, bias: Tensor | None) -> Tensor:
         weights = self._formats[-1]
-        if weights == "fp32" and (x.dtype != self.weight.dtype or not _onednn_serves(self.weight)):
+        if weights == "fp32" and (
+            x.dtype != self.weight.dtype
+            or not _onednn_serves(self.weight)
+            or x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
+        ):
             return F.linear(x, self.weight[start:stop], bias)  # as outside the block
         copy = self.inference_copy(weights, start, stop)
         if isinstance(copy, Int8Copy):
@@ -259,7 +264,8 @@ def packed_for_inference(
     through a copy of its weight in the format ``weights`` (:mod:`dikkat.layers.quantized`):
 
     - "fp32": the weight as it is, reordered for oneDNN on the CPU (a no-op elsewhere, or where
-      oneDNN is not available);
+      oneDNN is not available); a product of one or two rows (decoding) multiplies the weight
+      itself, which is faster there (``plain_gemv_max_rows`` in :mod:`dikkat.core.tuning`);
     - "bf16": a bf16 copy; the input is rounded to bf16 for the product, the output comes back
       in the input's dtype;
     - "int8": per-output-channel int8 weights with fp32 scales (weight-only; see
