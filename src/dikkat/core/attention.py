@@ -69,6 +69,9 @@ __all__ = [
 # auto's preference among the built-in backends, first choice first:
 AUTO_ORDER: tuple[str, ...] = (
     "sdpa",  # PyTorch's fused kernels: fastest where the scores fit, unless the mask hides most
+    # Triton kernels on CUDA, for the masks SDPA's flash kernel cannot take (SDPA steps aside
+    # for it) and the calls SDPA cannot serve (the lse); never its CPU interpreter
+    "triton",
     "flex",  # compiled FlexAttention: only for a signature already compiled (never a compile)
     "tiled",  # exact in O(n) memory, skipping what the mask hides
     "reference",  # serves everything (the weights too), so it is last
