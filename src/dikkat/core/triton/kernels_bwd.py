@@ -223,15 +223,13 @@ def backward(
     dk = torch.empty(B, G, S, D, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, G, S, Dv, dtype=v.dtype, device=q.device)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-    shared = (
-        *launch.bias_strides(bias), *plan.tile_strides(),
-    )  # fmt: skip
+    shared = (*launch.bias_strides(bias), *plan.tile_strides())
     flags = dict(
         HAS_BIAS=bias is not None, BAND=plan.band is not None, PRECISION=launch.precision,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=launch.block_d,
         BLOCK_DV=launch.block_dv, num_warps=launch.num_warps,
     )  # fmt: skip
-    bias_arg = q if bias is None else bias
+    bias_arg = q if bias is None else bias  # any pointer: HAS_BIAS=False never reads it
     band = launch.band(plan)
     if B * H * T == 0:  # no query rows: no gradient flows to any key
         return dq, dk.zero_(), dv.zero_()
