@@ -224,7 +224,7 @@ def attention(
         scale: multiplies the scores; default 1/√D.
         softcap: logit soft-capping (Gemma 2): a positive c bounds the scaled scores s to
             (−c, c) as ``c · tanh(s / c)``, before the bias and the mask; None: no capping.
-            The reference, tiled and flex backends can; sdpa and linear refuse
+            The reference, tiled and flex backends can; sdpa, triton and linear refuse
             (docs/attention.md, "Soft-capping").
         bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
         q_offset: absolute position of the first query among the keys, for masks: S − T aligns
