@@ -3,7 +3,9 @@
 ``HYPOTHESIS_PROFILE=thorough pytest`` draws more (still derandomized) examples.
 """
 
+import importlib.util
 import os
+import sys
 
 import torch
 from hypothesis import settings
@@ -21,3 +23,28 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dikkat"))
 # The tests use tiny tensors, where a second BLAS/OpenMP thread only spins: on a 2-core machine
 # that is busy with anything else, fp32 matmuls run 50× slower with 2 threads than with 1.
 torch.set_num_threads(1)
+
+
+def _import_triton_for_its_interpreter() -> None:
+    """Without CUDA, the triton kernels' tests run them in triton's interpreter, which must be on
+    (TRITON_INTERPRET=1) when triton is first imported, or triton's own functions are built for
+    a GPU — and torch.compile imports triton on a CPU too, so a test of flex would import it
+    first. So triton is imported here, interpreted, and the variable turned off again: only
+    tests/core/test_triton*.py turn it back on while they run, so that in every other test the
+    triton backend declines CPU tensors, as it does outside the tests."""
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    if importlib.util.find_spec("triton") is None:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_its_interpreter()

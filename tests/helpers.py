@@ -15,10 +15,19 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from dikkat.core import attention, masks, repeat_kv
+from dikkat.core import attention, available_backends, masks, repeat_kv
 from dikkat.core.masks import Mask
 
 HEAD_DIMS = (8, 16, 32)
+
+# backends whose kernels run on CUDA only (off it, in triton's interpreter, in their own test
+# file: tests/core/test_triton.py): the tests that run every backend on CPU tensors leave them out
+GPU_BACKENDS = ("triton",)
+
+
+def cpu_backends(*, exact_only: bool = False) -> list[str]:
+    """The registered backends that run the tests' CPU tensors."""
+    return [b for b in available_backends(exact_only=exact_only) if b not in GPU_BACKENDS]
 
 
 @dataclass(frozen=True)

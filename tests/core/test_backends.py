@@ -16,19 +16,20 @@ import torch
 from hypothesis import assume, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
-from dikkat.core import attention, available_backends, explain, masks, repeat_kv
+from dikkat.core import attention, explain, masks, repeat_kv
 from helpers import (
     MASK_KINDS,
     Case,
     Result,
     attention_cases,
+    cpu_backends,
     max_err,
     oracle,
     run,
     term_sizes,
 )
 
-BACKENDS = available_backends(exact_only=True)
+BACKENDS = cpu_backends(exact_only=True)  # the triton backend: tests/core/test_triton.py
 DTYPES = [torch.float32, torch.bfloat16]
 # The floor is a few roundings of the terms each entry sums (``term_sizes``): the error of a sum
 # scales with Σ|terms|, not with the result, which can cancel (with one allowed key the

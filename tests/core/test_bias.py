@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from dikkat.core import attention, available_backends, explain, masks, repeat_kv
-from helpers import Case, max_err
+from dikkat.core import attention, explain, masks, repeat_kv
+from helpers import Case, cpu_backends, max_err
 
-EXACT = available_backends(exact_only=True)
+EXACT = cpu_backends(exact_only=True)
 
 
 def _quiet(fn, *args, **kwargs):

@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dikkat.core import attention, available_backends, masks, repeat_kv
+from dikkat.core import attention, masks, repeat_kv
 from dikkat.core.linear import linear_attention_quadratic
-from helpers import Case, attention_cases
+from helpers import Case, attention_cases, cpu_backends
 
-EXACT = available_backends(exact_only=True)
-BACKENDS = available_backends()
+EXACT = cpu_backends(exact_only=True)
+BACKENDS = cpu_backends()
 NONFINITE = (float("nan"), float("inf"), float("-inf"))
 # flex runs eagerly on tensors this small and traces a graph per mask (≈ 0.3 s a case)
 SLOW = {"flex"}

@@ -38,7 +38,7 @@ def test_auto_compiles_flex_nowhere_without_a_measurement() -> None:
 
 
 def test_auto_order_is_one_tuple() -> None:
-    assert AUTO_ORDER == ("sdpa", "flex", "tiled", "reference")
+    assert AUTO_ORDER == ("sdpa", "triton", "flex", "tiled", "reference")
     assert auto_order()[: len(AUTO_ORDER)] == AUTO_ORDER
     assert "linear" in available_backends() and "linear" not in auto_order()
 

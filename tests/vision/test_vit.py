@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from dikkat import available_backends
 from dikkat.models import GPT
 from dikkat.vision import ViT, ViTConfig
 from dikkat.vision.vit import patchify
+from helpers import cpu_backends
 
 SMALL = ViTConfig(d_model=32, n_layers=2, n_heads=4)
 
@@ -195,7 +195,7 @@ def test_attention_maps_leave_training_mode_alone():
     assert m.training
 
 
-@pytest.mark.parametrize("backend", available_backends(exact_only=True))
+@pytest.mark.parametrize("backend", cpu_backends(exact_only=True))
 def test_every_attention_backend_gives_the_same_logits(backend):
     reference = model(seed=1).double()
     torch.manual_seed(1)

@@ -69,6 +69,9 @@ __all__ = [
 # auto's preference among the built-in backends, first choice first:
 AUTO_ORDER: tuple[str, ...] = (
     "sdpa",  # PyTorch's fused kernels: fastest where the scores fit, unless the mask hides most
+    # Triton kernels on CUDA, for the masks SDPA's flash kernel cannot take (SDPA steps aside
+    # for it) and the calls SDPA cannot serve (the lse); never its CPU interpreter
+    "triton",
     "flex",  # compiled FlexAttention: only for a signature already compiled (never a compile)
     "tiled",  # exact in O(n) memory, skipping what the mask hides
     "reference",  # serves everything (the weights too), so it is last
@@ -221,7 +224,7 @@ def attention(
         scale: multiplies the scores; default 1/√D.
         softcap: logit soft-capping (Gemma 2): a positive c bounds the scaled scores s to
             (−c, c) as ``c · tanh(s / c)``, before the bias and the mask; None: no capping.
-            The reference, tiled and flex backends can; sdpa and linear refuse
+            The reference, tiled and flex backends can; sdpa, triton and linear refuse
             (docs/attention.md, "Soft-capping").
         bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
         q_offset: absolute position of the first query among the keys, for masks: S − T aligns

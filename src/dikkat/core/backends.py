@@ -1,4 +1,4 @@
-"""What a backend is, and dikkat's own: reference, sdpa, tiled, flex and linear.
+"""What a backend is, and dikkat's own: reference, sdpa, tiled, flex, triton and linear.
 
 Notation: ``B`` batch, ``H`` query heads, ``G`` key/value heads (G divides H), ``T`` query
 length, ``S`` key length, ``D`` head dim, ``Dv`` value head dim.
@@ -24,6 +24,8 @@ from dikkat.core.masks import Mask
 from dikkat.core.reference import reference_attention
 from dikkat.core.sdpa import sdpa_attention
 from dikkat.core.tiled import BLOCK, tiled_attention
+from dikkat.core.triton import triton_attention
+from dikkat.core.triton import unsupported as triton_unsupported
 
 __all__ = ["BUILTIN", "AttentionRequest", "Backend", "visible_fraction"]
 
@@ -130,7 +132,11 @@ def visible_fraction(mask: Mask, T: int, S: int, q_offset: int = 0, block: int =
 def _sdpa_avoid(r: AttentionRequest) -> str | None:
     """With a mask that hides most score cells, SDPA computes them all (through a dense mask)
     while the tiled backend never visits them: on large calls auto prefers the tiled one (where
-    the line lies is the device's: :mod:`dikkat.core.tuning`)."""
+    the line lies is the device's: :mod:`dikkat.core.tuning`). On CUDA a mask other than causal
+    is one SDPA's flash kernel cannot take (it falls back to a kernel reading a dense mask):
+    auto prefers the triton backend there, which skips the blocks the mask hides."""
+    if _prefers_triton(r):
+        return "its fused kernels take no mask but causal, and triton skips the masked blocks"
     tune = tuning.for_device(r.q.device)
     cells = r.shape.T * r.shape.S
     if r.mask is None or r.mask.is_causal or cells < tune.sdpa_avoid_min_cells:
@@ -175,6 +181,53 @@ TILED = Backend(
     _run_tiled,
     _tiled_supports,
     "exact attention over tiles with the online softmax: O(n) memory, masked tiles skipped",
+)
+
+
+# --- triton --------------------------------------------------------------------------------------
+
+
+def _run_triton(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
+    # DECODE: calls with a few queries over a long KV cache go to the split-K decode kernel
+    # (dikkat.core.triton.decode.triton_decode) here.
+    out, lse = triton_attention(
+        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
+    )
+    return out, None, lse
+
+
+def _triton_supports(r: AttentionRequest) -> str | None:
+    if r.return_weights:
+        return "it never holds the full weights (use return_lse)"
+    if r.dropout > 0:
+        return "it has no dropout"
+    if r.softcap is not None:
+        return NO_SOFTCAP + ": its kernels take no score modifier"
+    return triton_unsupported(r.q, r.bias, r.shape.D, r.shape.Dv)
+
+
+def _triton_avoid(r: AttentionRequest) -> str | None:
+    if r.q.device.type != "cuda":
+        return "off CUDA it runs in triton's interpreter, which is for tests (numpy, slow)"
+    return None
+
+
+def _prefers_triton(r: AttentionRequest) -> bool:
+    """Whether auto takes triton before SDPA: on CUDA, for a mask SDPA's flash kernel cannot take.
+    Unmasked and causal calls stay SDPA's, whose flash kernel (FlashAttention-2 in PyTorch) is
+    tuned per GPU while these kernels have not been timed on one (docs/attention.md, "The
+    triton backend")."""
+    if r.mask is None or r.mask.is_causal or r.mask.is_full:
+        return False
+    return _triton_supports(r) is None and _triton_avoid(r) is None
+
+
+TRITON = Backend(
+    "triton",
+    _run_triton,
+    _triton_supports,
+    "FlashAttention-2 in Triton kernels: masked blocks skipped, lse saved (CUDA; optional triton)",
+    avoid=_triton_avoid,
 )
 
 
@@ -248,4 +301,4 @@ LINEAR = Backend(
     exact=False,
 )
 
-BUILTIN: tuple[Backend, ...] = (REFERENCE, SDPA, TILED, FLEX, LINEAR)
+BUILTIN: tuple[Backend, ...] = (REFERENCE, SDPA, TILED, FLEX, TRITON, LINEAR)

@@ -4,6 +4,8 @@ Notation: ``B`` batch, ``H`` query heads, ``T``/``S`` query/key length.
 
 - :data:`dikkat.core.tiled.plans` — the tiled backend's plans and tile masks, per mask and grid.
 - :data:`dikkat.core.flex.block_masks` — flex's block masks, per mask and (B, H, T, S).
+- :data:`dikkat.core.triton.block_plans` — the triton backend's block plans and mask tiles, per
+  mask, grid and block size.
 - :data:`dikkat.core.flex.compiled` — the signatures this process has compiled flex for, which
   ``auto`` reads (the compiled graphs themselves are torch's, in its dynamo cache: never reset
   here, since that would drop every graph compiled in the process).
@@ -16,6 +18,7 @@ needs (and ``auto`` passes flex by until a call with ``backend="flex"`` compiles
 from __future__ import annotations
 
 from dikkat.core import flex, tiled
+from dikkat.core import triton as triton_backend
 
 __all__ = ["cache_sizes", "clear_caches"]
 
@@ -25,13 +28,15 @@ def clear_caches() -> None:
     tiled.plans.clear()
     flex.block_masks.clear()
     flex.compiled.clear()
+    triton_backend.block_plans.clear()
 
 
 def cache_sizes() -> dict[str, int]:
     """Entries in each cache: ``{"tiled plans": …, "flex block masks": …, "flex compiled
-    signatures": …}``."""
+    signatures": …, "triton block plans": …}``."""
     return {
         "tiled plans": len(tiled.plans),
         "flex block masks": len(flex.block_masks),
         "flex compiled signatures": len(flex.compiled),
+        "triton block plans": len(triton_backend.block_plans),
     }
