@@ -220,3 +220,31 @@ def test_no_score_cells_give_zeros_and_no_key_seen() -> None:
     assert (lse == -math.inf).all()
     (dq,) = torch.autograd.grad(out.sum(), (q,))
     assert (dq == 0).all()
+
+
+def test_a_decoding_step_over_a_long_cache_runs_the_split_k_kernel(monkeypatch) -> None:
+    """backend="triton" sends a few queries over a long cache, with no gradient, to
+    triton_decode (flash-decoding), and gives the reference's output and lse there."""
+    from dikkat.core import backends
+
+    calls = []
+    decode = backends.triton_decode
+    monkeypatch.setattr(
+        backends, "triton_decode", lambda *a, **kw: calls.append(1) or decode(*a, **kw)
+    )
+    S = backends.DECODE_MIN_KEYS + 37
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 2, 32, generator=g).to(DEVICE)
+    k, v = (torch.randn(1, 2, S, 32, generator=g).to(DEVICE) for _ in range(2))
+    with torch.no_grad():
+        out, aux = attention(q, k, v, masks.causal(), q_offset=S - 2, backend="triton",
+                             return_lse=True)  # fmt: skip
+    assert calls == [1]
+    want, want_aux = attention(q.double(), k.double(), v.double(), masks.causal(),
+                               q_offset=S - 2, return_lse=True)  # fmt: skip
+    tol = 2e-2 if CUDA else 1e-5
+    assert max_err(out.cpu(), want.cpu()) < tol
+    assert max_err(aux.lse.cpu(), want_aux.lse.cpu()) < tol
+    q.requires_grad_()  # with a gradient to come, the main kernel serves the same call
+    attention(q, k, v, masks.causal(), q_offset=S - 2, backend="triton")
+    assert calls == [1]

@@ -9,7 +9,6 @@ of a few roundings of the summed terms.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import zlib
 
@@ -17,15 +16,8 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    # triton.jit reads TRITON_INTERPRET when it wraps a kernel: set before the kernels load
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed: triton_decode cannot run", allow_module_level=True)
-if not CUDA and os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip(
-        "no CUDA, and TRITON_INTERPRET is set to something other than 1", allow_module_level=True
-    )
 _loaded = sys.modules.get("dikkat.core.triton.decode_kernels")
 if not CUDA and _loaded is not None and not _loaded.INTERPRETED:
     pytest.skip(
@@ -39,6 +31,21 @@ from dikkat.core.triton.decode import triton_decode  # noqa: E402
 from helpers import Case, max_err, rounded, term_sizes  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    """TRITON_INTERPRET=1 while these tests run, without CUDA: triton.jit reads it when the
+    decode kernels are first loaded (inside the first triton_decode call), and only this module
+    may see it on (tests/conftest.py imported triton itself with it on)."""
+    if CUDA:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
 DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32]
 LENGTHS = [1, 37, 300, 4099] if CUDA else [1, 37, 300]  # ragged: partial last key blocks
 # test_backends.py's floors: a few unit roundoffs of the summed terms (fp16: u = 2**-11)

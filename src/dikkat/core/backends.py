@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from dikkat.core import flex, tuning
@@ -24,7 +25,7 @@ from dikkat.core.masks import Mask
 from dikkat.core.reference import reference_attention
 from dikkat.core.sdpa import sdpa_attention
 from dikkat.core.tiled import BLOCK, tiled_attention
-from dikkat.core.triton import triton_attention
+from dikkat.core.triton import triton_attention, triton_decode
 from dikkat.core.triton import unsupported as triton_unsupported
 
 __all__ = ["BUILTIN", "AttentionRequest", "Backend", "visible_fraction"]
@@ -136,6 +137,8 @@ def _sdpa_avoid(r: AttentionRequest) -> str | None:
     is one SDPA's flash kernel cannot take (it falls back to a kernel reading a dense mask):
     auto prefers the triton backend there, which skips the blocks the mask hides."""
     if _prefers_triton(r):
+        if _is_decode(r):
+            return "a decoding step over a long cache, which triton's split-K kernel spreads out"
         return "its fused kernels take no mask but causal, and triton skips the masked blocks"
     tune = tuning.for_device(r.q.device)
     cells = r.shape.T * r.shape.S
@@ -187,12 +190,32 @@ TILED = Backend(
 # --- triton --------------------------------------------------------------------------------------
 
 
-def _run_triton(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
-    # DECODE: calls with a few queries over a long KV cache go to the split-K decode kernel
-    # (dikkat.core.triton.decode.triton_decode) here.
-    out, lse = triton_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
+# A call of at most this many queries over at least this many keys is a decoding step: the
+# split-K kernel (flash-decoding) spreads its keys over the GPU, where the main kernel would run
+# only B·H programs of one query block each. Not timed: design bounds, like the block sizes in
+# dikkat.core.triton.launch (benchmarks/gpu.py times decoding on a 32k cache).
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 1024
+
+
+def _is_decode(r: AttentionRequest) -> bool:
+    """A few queries over a long cache, needing no gradient and no bias: flash-decoding's case."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (r.q, r.k, r.v))
+    return (
+        r.shape.T <= DECODE_MAX_QUERIES
+        and r.shape.S >= DECODE_MIN_KEYS
+        and r.bias is None
+        and not grad
     )
+
+
+def _run_triton(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
+    if _is_decode(r):
+        out, lse = triton_decode(r.q, r.k, r.v, r.mask, scale=r.scale, q_offset=r.q_offset)
+    else:
+        out, lse = triton_attention(
+            r.q, r.k, r.v, r.mask, scale=r.scale, bias=r.bias, q_offset=r.q_offset
+        )
     return out, None, lse
 
 
@@ -213,11 +236,13 @@ def _triton_avoid(r: AttentionRequest) -> str | None:
 
 
 def _prefers_triton(r: AttentionRequest) -> bool:
-    """Whether auto takes triton before SDPA: on CUDA, for a mask SDPA's flash kernel cannot take.
+    """Whether auto takes triton before SDPA: on CUDA, for a mask SDPA's flash kernel cannot take,
+    and for a decoding step over a long cache (:func:`_is_decode`).
     Unmasked and causal calls stay SDPA's, whose flash kernel (FlashAttention-2 in PyTorch) is
     tuned per GPU while these kernels have not been timed on one (docs/attention.md, "The
     triton backend")."""
-    if r.mask is None or r.mask.is_causal or r.mask.is_full:
+    decoding = _is_decode(r)  # SDPA's flash kernel runs one program per (batch, head) there
+    if not decoding and (r.mask is None or r.mask.is_causal or r.mask.is_full):
         return False
     return _triton_supports(r) is None and _triton_avoid(r) is None
 

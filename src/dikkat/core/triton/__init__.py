@@ -11,6 +11,9 @@ query/key length, ``D``/``Dv`` head dims, ``BM``/``BN`` query/key rows per block
   log-sum-exp; :mod:`~dikkat.core.triton.kernels_bwd` — dK/dV and dQ recomputed from it.
 - :mod:`~dikkat.core.triton.autograd` — :func:`triton_attention`, the two as one autograd
   function; :mod:`~dikkat.core.triton.support` — what the kernels can run, and why not.
+- :mod:`~dikkat.core.triton.decode` — :func:`triton_decode`, a few queries over a long cache
+  with the keys split across programs and merged by lse (flash-decoding); the backend routes
+  decoding steps there.
 
 Triton is an optional dependency (``pip install 'dikkat[gpu]'``): nothing here imports it until a
 kernel runs, so ``import dikkat`` works without it. With ``TRITON_INTERPRET=1`` set before triton
@@ -26,6 +29,7 @@ soft-capping, no weights, no gradient for the bias. Rows with every key masked g
 
 from dikkat.core.triton.autograd import triton_attention
 from dikkat.core.triton.blocks import BlockPlanCache, block_plans
+from dikkat.core.triton.decode import triton_decode
 from dikkat.core.triton.support import installed, interpreting, unsupported
 
 __all__ = [
@@ -34,5 +38,6 @@ __all__ = [
     "installed",
     "interpreting",
     "triton_attention",
+    "triton_decode",
     "unsupported",
 ]
