@@ -6,28 +6,20 @@ child, which fails the test."""
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ring_cases import expect_value_error
 
 from dikkat.distributed import SequenceParallel, ring_attention
 from dikkat.layers import MultiHeadAttention
 from dikkat.models import GPT, GPTConfig
+from spawning import gloo_group
 
 B, N, V = 2, 23, 40  # N: a length neither 2·2 nor 2·4 chunks divide
 STEPS = 3
 TOL = 1e-10
-
-
-def expect_value_error(fn, *needles: str) -> None:
-    try:
-        fn()
-    except ValueError as e:
-        assert all(n in str(e) for n in needles), str(e)
-    else:
-        raise AssertionError(f"no ValueError (expected one naming {needles})")
 
 
 def model_pair(position: str, dropout: float = 0.0) -> tuple[GPT, GPT]:
@@ -99,16 +91,9 @@ def check_refusals(sp: SequenceParallel, rank: int, world: int) -> None:
 
 
 def run(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, world, port):
         for layout in ("zigzag", "contiguous"):
             sp = SequenceParallel(layout=layout, backend_name=f"ring-{layout}")
             for position in ("rope", "learned"):
                 check_training(sp, position)
         check_refusals(sp, rank, world)
-    finally:
-        dist.destroy_process_group()

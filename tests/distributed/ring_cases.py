@@ -4,14 +4,13 @@ rank from one seed. An assertion raises in the child, which fails the test."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
 import dikkat
 from dikkat import masks
 from dikkat.distributed import RingStats, gather_sequence, ring_attention, shard_sequence
+from spawning import gloo_group
 
 B, H, G, D, DV = 2, 4, 2, 8, 6
 T = 37  # divides by neither 2·2 nor 2·4 chunks: the first chunks are one longer
@@ -119,11 +118,7 @@ def run(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     q = torch.zeros(1, 1, 2, 4)
     expect_value_error(lambda: ring_attention(q, q, q), "init_process_group")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, world, port):
         check_errors(rank, world)
         check_layouts()
         seed = 0
@@ -141,5 +136,3 @@ def run(rank: int, world: int, port: int) -> None:
                        s=600, t=600)  # fmt: skip
         if world == 4:
             check_skipped_blocks(rank)
-    finally:
-        dist.destroy_process_group()

@@ -9,7 +9,6 @@ fails the test."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 import dikkat.hf
 from dikkat.distributed import gather_sequence, shard_positions, shard_sequence
+from spawning import gloo_group
 
 N, B, V = 21, 2, 97  # 21 tokens: 6, 5, 5, 5 per zigzag chunk, 11 and 10 per contiguous shard
 TOL = 1e-10  # fp64, against dikkat's reference attention in one process
@@ -185,16 +185,9 @@ def check_shard_positions() -> None:
 
 
 def run(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, world, port):
         check_shard_positions()
         for layout in ("zigzag", "contiguous"):
             for name, make in MODELS.items():
                 check_model(name, make, layout)
         check_refusals(rank)
-    finally:
-        dist.destroy_process_group()

@@ -6,35 +6,18 @@ docs/distributed.md, "Hugging Face models")."""
 
 from __future__ import annotations
 
-import socket
-import time
-
 import pytest
-import torch.multiprocessing as mp
 
 import dikkat.hf
+from spawning import spawn
 
 pytest.importorskip("transformers")
-
-TIMEOUT_S = 180  # a hung ring fails the test instead of hanging it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ring_models_match_one_process_and_refuse_what_they_cannot_do():
     from hf_ring_cases import run  # imports transformers, which the importorskip above checks
 
-    context = mp.spawn(run, args=(2, free_port()), nprocs=2, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):  # raises as soon as a child fails
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail(f"the ring models did not finish in {TIMEOUT_S} s")
+    spawn(run, 2, "the ring models", timeout_s=180)
 
 
 def test_register_ring_checks_its_arguments():
