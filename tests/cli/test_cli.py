@@ -250,9 +250,20 @@ def test_python_dash_m_dikkat_is_the_command():
     assert done.stdout.startswith("usage: dikkat")
 
 
-def test_generate_with_int8_weights_prints_the_int8_greedy_tokens(tiny_checkpoint, capsys):
+def test_generate_with_int8_weights_prints_the_int8_greedy_tokens(
+    tiny_checkpoint, capsys, monkeypatch
+):
+    from dikkat.layers import Linear
+
     path, model = tiny_checkpoint
+    seen = []  # the format every linear layer of the loaded model multiplied in
+    forward = Linear.forward
+    monkeypatch.setattr(
+        Linear, "forward", lambda m, x: seen.append(m.weights_format) or forward(m, x)
+    )
     assert main(["generate", str(path), "def f(", "-n", "12", "--weights", "int8"]) == 0
+    monkeypatch.undo()
+    assert seen and set(seen) == {"int8"}
     out = capsys.readouterr().out
     expected = model.generate([list(b"def f(")], 12, weights="int8")[0]
     assert out.rstrip("\n") == bytes(expected).decode("utf-8", errors="replace")

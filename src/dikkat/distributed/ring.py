@@ -150,6 +150,17 @@ def _kv_buffer(ring: Ring, kv: Tensor, owner: int) -> Tensor:
     return kv.new_empty(shape)
 
 
+def _pass_on(
+    ring: Ring, kv: Tensor, step: int, owner: int
+) -> tuple[list[dist.Work], Tensor | None]:
+    """Before the last step: start sending the held block (of rank ``owner``) on and receiving
+    the next one, of rank ``owner − 1``; returns the transfers and the buffer it arrives in."""
+    if step >= ring.steps:
+        return [], None
+    nxt = _kv_buffer(ring, kv, (owner - 1) % ring.world)
+    return _exchange(ring, [kv], [nxt]), nxt
+
+
 def ring_forward(
     ring: Ring, q: Tensor, k: Tensor, v: Tensor, stats: RingStats | None
 ) -> tuple[Tensor, Tensor]:
@@ -163,10 +174,7 @@ def ring_forward(
     n_pairs = 0
     for step in range(ring.steps + 1):
         owner = (ring.rank - step) % ring.world
-        works, nxt = [], None
-        if step < ring.steps:
-            nxt = _kv_buffer(ring, kv, (owner - 1) % ring.world)
-            works = _exchange(ring, [kv], [nxt])
+        works, nxt = _pass_on(ring, kv, step, owner)
         n = block_forward(q, kv[..., :D], kv[..., D:], ring.mask, ring.scale, ring.q_chunks(),
                           ring.k_chunks(owner), ring.S_total, out, lse)  # fmt: skip
         if n:
@@ -200,10 +208,7 @@ def ring_backward(
     in_flight: list[dist.Work] = []  # that gradient's exchange, started at the step before
     for step in range(ring.steps + 1):
         owner = (ring.rank - step) % ring.world
-        works, nxt = [], None
-        if step < ring.steps:
-            nxt = _kv_buffer(ring, kv, (owner - 1) % ring.world)
-            works = _exchange(ring, [kv], [nxt])
+        works, nxt = _pass_on(ring, kv, step, owner)
         dkv = torch.zeros_like(kv)  # this rank's share of the held block's gradient
         block_backward(q, kv[..., :D], kv[..., D:], out, lse, dout, ring.mask, ring.scale,
                        ring.q_chunks(), ring.k_chunks(owner), ring.S_total, dq, dkv[..., :D],
