@@ -165,14 +165,19 @@ def kernels(repeats: int = 20) -> dict:
 def _products(w: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     q = quantize_int8(w)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    packed16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)
-    x16 = x.bfloat16()
-    return {
+    x16, w16 = x.bfloat16(), w.bfloat16()
+    products: dict[str, Callable[[], object]] = {
         "fp32 plain": lambda: F.linear(x, w),
         "fp32 packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        "bf16 packed": lambda: torch.ops.mkldnn._linear_pointwise(
+    }
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+        packed16 = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
+        products["bf16 packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
             x16, packed16, None, "none", [], ""
-        ),
+        )
+    else:
+        products["bf16 plain"] = lambda: F.linear(x16, w16)
+    return products | {
         "int8 kernel": lambda: int8_linear(x, q),
         "int8 dequantise + matmul": lambda: F.linear(x, dequantize_int8(q)),
     }

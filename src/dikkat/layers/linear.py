@@ -187,8 +187,15 @@ def _onednn_serves(w: Tensor) -> bool:
     return (
         onednn_linear_available()
         and w.device.type == "cpu"
-        and w.dtype in (torch.float32, torch.bfloat16)
+        and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and _onednn_bf16()))
     )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); without
+    them its weight reorder refuses bf16, and a bf16 copy is multiplied by plain ``F.linear``."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _make_copy(weights: WeightFormat, w: Tensor, b: Tensor | None) -> Copy:
