@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ring_cases import run
+
 from spawning import spawn
 
 

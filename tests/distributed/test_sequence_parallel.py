@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from gpt_cases import run
+
 from spawning import spawn
 
 

@@ -21,7 +21,7 @@ from dikkat.generation import (
     prefill,
     sample,
 )
-from dikkat.layers import Linear
+from dikkat.layers import Linear, w8a8_available
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 
@@ -34,6 +34,10 @@ VARIANTS = {
     "gqa-rope": dict(position="rope", n_heads=4, n_kv_heads=1),
     "untied-no-bias": dict(position="rope", tie_embeddings=False, bias=False),
 }
+
+W8A8 = pytest.param(
+    "w8a8", marks=pytest.mark.skipif(not w8a8_available(), reason="needs FBGEMM (x86)")
+)
 
 
 def make_gpt(variant: str, seed: int = 0, **overrides: object) -> GPT:
@@ -299,7 +303,7 @@ def test_float_prompt_tensor_raises():
 # --- weight formats: bf16 and int8 ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", W8A8])
 def test_generate_in_a_smaller_format_stays_close_to_fp32_and_keeps_the_weights(weights):
     """The formats change the numbers (that is their point), so the assertion is a bound: the
     prefill's logits within 3 % of their range of the fp32 ones (and not equal to them), and the
@@ -322,7 +326,7 @@ def test_generate_in_a_smaller_format_stays_close_to_fp32_and_keeps_the_weights(
 
 def test_an_unknown_weight_format_is_refused_before_any_work():
     model = make_gpt("learned")
-    refused = r"weights must be one of 'fp32', 'bf16', 'int8', got 'q4'"
+    refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', got 'q4'"
     with pytest.raises(ValueError, match=refused):
         iter_generate(model, [[1, 2]], 3, weights="q4")
     with pytest.raises(ValueError, match="got 'q4'"):

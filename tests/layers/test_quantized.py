@@ -122,7 +122,7 @@ def test_an_inner_block_without_a_format_keeps_the_outer_one():
 
 @pytest.mark.parametrize("bad", ["int4", "FP32", "", 8])
 def test_an_unknown_format_is_refused_by_name(bad):
-    refused = r"weights must be one of 'fp32', 'bf16', 'int8', got"
+    refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', got"
     with pytest.raises(ValueError, match=refused), packed_for_inference(Linear(4, 4), bad):
         pass
-    assert WEIGHT_FORMATS == ("fp32", "bf16", "int8")
+    assert WEIGHT_FORMATS == ("fp32", "bf16", "int8", "w8a8")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dikkat.generation import generate
-from dikkat.layers import Linear
+from dikkat.layers import Linear, w8a8_available
 from dikkat.models import GPT, GPTConfig
 from dikkat.serving import Engine, EngineFull, SamplingParams, TokenEvent
 from helpers import scramble
@@ -25,6 +25,10 @@ VARIANTS = {
     "rope": dict(position="rope"),
     "gqa-rope": dict(position="rope", n_kv_heads=2),
 }
+
+W8A8 = pytest.param(
+    "w8a8", marks=pytest.mark.skipif(not w8a8_available(), reason="needs FBGEMM (x86)")
+)
 
 
 def make_gpt(variant: str = "rope", seed: int = 0) -> GPT:
@@ -325,7 +329,7 @@ def test_bad_engine_arguments_name_the_argument():
         Engine(make_gpt(), weights="int4")
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", W8A8])
 def test_a_weight_format_serves_what_generate_gives_in_it(weights):
     model = make_gpt("rope").eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}

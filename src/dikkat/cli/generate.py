@@ -146,7 +146,8 @@ def add_commands(sub: Any) -> None:
         choices=WEIGHT_FORMATS,
         default="fp32",
         help="format the linear layers multiply in while generating: fp32 (as trained), bf16, "
-        "or int8 (per-channel, weight-only); the saved weights are not changed",
+        "int8 (per-channel, weight-only) or w8a8 (int8 weights, 8-bit inputs, x86 CPUs); the "
+        "saved weights are not changed",
     )
     add_device(gen)
     add_no_verify(gen)

@@ -98,8 +98,9 @@ def add_commands(sub: Any) -> None:
         "--weights",
         choices=WEIGHT_FORMATS,
         default="fp32",
-        help="format the linear layers multiply in: fp32 (as trained), bf16, or int8 "
-        "(per-channel, weight-only); the saved weights are not changed",
+        help="format the linear layers multiply in: fp32 (as trained), bf16, int8 "
+        "(per-channel, weight-only) or w8a8 (int8 weights, 8-bit inputs, x86 CPUs); the saved "
+        "weights are not changed",
     )
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

@@ -51,6 +51,18 @@ class Tuning:
     plain_gemv_max_rows: int = 0
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor string on Linux ("GenuineIntel", "AuthenticAMD"); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _speeds(speeds: dict[int, float]) -> Mapping[int, float]:
     return MappingProxyType(dict(speeds))
 
@@ -95,9 +107,11 @@ CPU = Tuning(
     # best of 5, interleaved): GPT-2-small's 49 weights (12 blocks of 2304·768, 768·768,
     # 3072·768, 768·3072, and 50257·768), fp32, F.linear on the plain weight against
     # `mkldnn._linear_pointwise` on the packed one: oneDNN / plain = 1.19 at 1 row, 1.41–1.42 at
-    # 2 rows, 0.67 at 8 rows. Re-measure: `python benchmarks/generation.py` (its "packed / plain"
-    # line).
-    plain_gemv_max_rows=2,
+    # 2 rows, 0.67 at 8 rows. On AMD CPUs MKL's GEMV is the slower one: oneDNN / plain = 0.62 at
+    # 1 row on the AVX-512 EPYC (2026-11-30) and 0.51 on an AVX2-only EPYC (2026-12-01, 2
+    # threads, the 50257·768 head: 9.6 against 18.8 ms). Re-measure: `python
+    # benchmarks/generation.py` (its "packed / plain" line).
+    plain_gemv_max_rows=2 if _cpu_vendor() == "GenuineIntel" else 0,
 )
 
 # Any device type without a measurement (CUDA included). Off the CPU the tiled backend runs its

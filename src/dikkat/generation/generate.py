@@ -193,7 +193,8 @@ def sample_loop(
     every row has (checked once a step, only when ``eos_id`` is given) or after
     ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The model's linear
     layers multiply through copies of their weights in the format ``weights`` while the loop
-    runs (:func:`~dikkat.layers.packed_for_inference`: "fp32" packed for oneDNN, "bf16", "int8";
+    runs (:func:`~dikkat.layers.packed_for_inference`: "fp32" packed for oneDNN, "bf16", "int8",
+    "w8a8";
     None: the format of an enclosing block, else "fp32"). The arguments are checked when it is
     called; the models' own checks (the vocabulary, the context) are the caller's.
     """
@@ -263,11 +264,11 @@ def iter_generate(
 
     A row that has produced ``eos_id`` keeps yielding ``eos_id``; generation stops when every row
     has, or after ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
-    while generating: "fp32" (the weights as they are), "bf16" or "int8" (per-channel int8,
-    weight-only), or None for the format of an enclosing ``packed_for_inference`` block, "fp32"
-    when there is none; the model's own parameters are never changed (see
-    :func:`dikkat.layers.packed_for_inference`). The arguments are checked here, when it is
-    called, not at the first ``next``.
+    while generating: "fp32" (the weights as they are), "bf16", "int8" (per-channel int8,
+    weight-only), "w8a8" (int8 weights, 8-bit inputs; x86 CPUs), or None for the format of an
+    enclosing ``packed_for_inference`` block, "fp32" when there is none; the model's own
+    parameters are never changed (see :func:`dikkat.layers.packed_for_inference`). The
+    arguments are checked here, when it is called, not at the first ``next``.
     """
     c = model.config
     check_int("max_new_tokens", max_new_tokens, at_least=0)

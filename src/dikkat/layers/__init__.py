@@ -23,10 +23,14 @@ from dikkat.layers.positional import (
 from dikkat.layers.quantized import (
     WEIGHT_FORMATS,
     Int8Weight,
+    W8A8Weight,
     WeightFormat,
     dequantize_int8,
     int8_linear,
     quantize_int8,
+    quantize_w8a8,
+    w8a8_available,
+    w8a8_linear,
 )
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "Scratch",
     "SelfAttentionCache",
     "SinusoidalPositionalEncoding",
+    "W8A8Weight",
     "WeightFormat",
     "alibi_slopes",
     "dequantize_int8",
@@ -56,5 +61,8 @@ __all__ = [
     "onednn_linear_available",
     "packed_for_inference",
     "quantize_int8",
+    "quantize_w8a8",
     "release_packed",
+    "w8a8_available",
+    "w8a8_linear",
 ]

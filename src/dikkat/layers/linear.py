@@ -27,10 +27,13 @@ from torch import Tensor, nn
 from dikkat.core.tuning import for_device
 from dikkat.layers.quantized import (
     Int8Weight,
+    W8A8Weight,
     WeightFormat,
     check_weights,
     int8_linear,
     quantize_int8,
+    quantize_w8a8,
+    w8a8_linear,
 )
 from dikkat.validate import check_bool, check_int
 
@@ -152,6 +155,8 @@ class Linear(nn.Linear):
         ):
             return F.linear(x, self.weight[start:stop], bias)  # as outside the block
         copy = self.inference_copy(weights, start, stop)
+        if isinstance(copy, W8A8Weight):  # its bias is packed with it
+            return w8a8_linear(x, copy)
         if isinstance(copy, Int8Copy):
             return int8_linear(x, copy.weight, None if bias is None else copy.bias)
         dtype = copy.weight.dtype
@@ -180,7 +185,7 @@ class Int8Copy:
     bias: Tensor | None
 
 
-Copy = FloatCopy | Int8Copy
+Copy = FloatCopy | Int8Copy | W8A8Weight
 
 
 def _onednn_serves(w: Tensor) -> bool:
@@ -201,6 +206,8 @@ def _onednn_bf16() -> bool:
 def _make_copy(weights: WeightFormat, w: Tensor, b: Tensor | None) -> Copy:
     if weights == "int8":
         return Int8Copy(quantize_int8(w), b)
+    if weights == "w8a8":
+        return quantize_w8a8(w, b)
     if weights == "bf16":
         w, b = w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16)
     if _onednn_serves(w):
@@ -277,6 +284,8 @@ def packed_for_inference(
       in the input's dtype;
     - "int8": per-output-channel int8 weights with fp32 scales (weight-only; see
       :func:`dikkat.layers.quantized.int8_linear`);
+    - "w8a8": the same int8 weights times 8-bit inputs rounded on the fly, through FBGEMM, on
+      x86 CPUs (see :func:`dikkat.layers.quantized.w8a8_linear`);
     - None: the format of the enclosing block, "fp32" when there is none.
 
     The model's parameters are never changed; everything else (embeddings, norms, attention,

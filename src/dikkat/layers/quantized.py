@@ -1,4 +1,4 @@
-"""Weight formats for inference: fp32 as trained, bf16, and int8 weight-only.
+"""Weight formats for inference: fp32 as trained, bf16, int8 weight-only, and w8a8.
 
 Notation: ``N`` output features, ``K`` input features, ``M`` rows of the input.
 
@@ -11,10 +11,21 @@ int8 weight-only (as in gpt-fast's ``quantize.py``, "int8 weight-only"): each ou
 |Wₙₖ − sₙ qₙₖ| ≤ sₙ / 2. The product ``x @ Wᵀ`` runs as ``(x @ qᵀ) · s`` through PyTorch's
 ``aten._weight_int8pack_mm`` (bf16 input and scales, so x and s are rounded to bf16 there), or,
 where that kernel cannot serve the shape, as a plain product with the dequantised weight.
+
+w8a8 (int8 weights and dynamically quantised 8-bit activations, "W8A8" in Xiao et al. 2023,
+SmoothQuant, https://arxiv.org/abs/2211.10438): the same int8 weights, multiplied by FBGEMM's
+dynamic quantised linear (``quantized::linear_dynamic``), which rounds each input to 8 bits
+with a scale and zero point from its range, multiplies in integers and dequantises the sum.
+Its input rounding is coarser than int8's (bf16), so its products are less exact; on CPUs
+where ``_weight_int8pack_mm`` is slow (no AVX-512) it is several times faster. FBGEMM takes one
+scale for a whole input, so each row is multiplied on its own: a row's result never depends
+on the other rows of the batch (a server's requests stay independent).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -22,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-WeightFormat = Literal["fp32", "bf16", "int8"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("fp32", "bf16", "int8")
+WeightFormat = Literal["fp32", "bf16", "int8", "w8a8"]
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("fp32", "bf16", "int8", "w8a8")
 
 _INT8_MAX = 127  # symmetric: −128 is never used, so q and −q are both representable
 # The CPU kernel of torch 2.13 returns wrong numbers, or crashes, unless K is a multiple of 16
@@ -100,3 +111,63 @@ def int8_linear(x: Tensor, q: Int8Weight, bias: Tensor | None = None) -> Tensor:
 def rows_of(q: Int8Weight, start: int, stop: int) -> Int8Weight:
     """Output channels [start, stop) of ``q`` (per-channel scales make this exact)."""
     return Int8Weight(q.values[start:stop], q.scale[start:stop], q.scale_bf16[start:stop])
+
+
+@dataclass(frozen=True)
+class W8A8Weight:
+    """A weight (N, K) as int8 with per-channel scales (:func:`quantize_int8`'s), and its bias,
+    packed for FBGEMM's dynamic quantised linear."""
+
+    packed: object  # torch.ops.quantized.linear_prepack's packed params
+    out_features: int
+    in_features: int
+    nbytes: int  # bytes of the int8 values and the fp32 scales
+
+
+@functools.cache
+def w8a8_available() -> bool:
+    """Whether this PyTorch has FBGEMM's dynamic quantised linear (x86 builds with FBGEMM)."""
+    ops = getattr(torch.ops, "quantized", None)
+    return (
+        hasattr(ops, "linear_prepack")
+        and hasattr(ops, "linear_dynamic")
+        and any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
+    )
+
+
+def quantize_w8a8(weight: Tensor, bias: Tensor | None = None) -> W8A8Weight:
+    """``weight`` (N, K) as :func:`quantize_int8`'s int8 values and scales, packed with ``bias``
+    for :func:`w8a8_linear`. A ValueError where FBGEMM is missing or the weight is not on the
+    CPU."""
+    if not w8a8_available():
+        raise ValueError(
+            "weights='w8a8' needs PyTorch's FBGEMM quantised linear (x86 CPU builds); this "
+            f"build's quantised engines are {torch.backends.quantized.supported_engines}"
+        )
+    if isinstance(weight, Tensor) and weight.device.type != "cpu":
+        raise ValueError(f"weights='w8a8' runs on the CPU only, got a weight on {weight.device}")
+    q = quantize_int8(weight)
+    N, K = q.values.shape
+    zero = torch.zeros(N, dtype=torch.long)
+    with warnings.catch_warnings():  # PyTorch marks its quantised tensors deprecated (2.13)
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(q.values, q.scale.double(), zero, 0)
+        b = None if bias is None else bias.detach().float().contiguous()
+        packed = torch.ops.quantized.linear_prepack(qw, b)
+    return W8A8Weight(packed, N, K, q.nbytes)
+
+
+def w8a8_linear(x: Tensor, q: W8A8Weight) -> Tensor:
+    """``x @ Wᵀ + bias`` for x (..., K) with W (and its bias) held as ``q``, one row at a time
+    (see the module's notes); the result in x's dtype."""
+    K = q.in_features
+    if x.shape[-1] != K:
+        raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
+    rows = x.reshape(-1, K).float()  # (M, K)
+    # reduce_range=True: 7-bit inputs, so that AVX2's pairwise u8·s8 sums cannot saturate int16
+    out = (
+        torch.cat([torch.ops.quantized.linear_dynamic(r, q.packed, True) for r in rows.split(1)])
+        if rows.shape[0]
+        else rows.new_empty(0, q.out_features)
+    )
+    return out.to(x.dtype).view(*x.shape[:-1], q.out_features)

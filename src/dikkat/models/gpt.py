@@ -277,7 +277,7 @@ class GPT(SaveLoad, nn.Module):
         one list per prompt: the prompt, then its new tokens, cut after the first ``eos_id``.
         Uses a KV cache: one prefill pass, then one-token decode steps (see
         :func:`dikkat.generation.generate`), the linear layers multiplying in the format
-        ``weights`` ("fp32", "bf16", "int8"; the parameters themselves stay as they are).
+        ``weights`` ("fp32", "bf16", "int8", "w8a8"; the parameters themselves stay as they are).
         """
         was_training = self.training
         self.eval()

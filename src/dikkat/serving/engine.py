@@ -79,7 +79,7 @@ class Engine:
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
         weights: the format the linear layers multiply in while the engine has work, "fp32",
-            "bf16" or "int8" (:func:`dikkat.layers.packed_for_inference`); the model's own
+            "bf16", "int8" or "w8a8" (:func:`dikkat.layers.packed_for_inference`); the model's own
             parameters are not changed.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
