@@ -1,12 +1,12 @@
-"""Greedy generation speed: dikkat's GPT (fp32, bf16 and int8 weights) against Hugging Face
+"""Greedy generation speed: dikkat's GPT (fp32, bf16, int8 and w8a8 weights) against Hugging Face
 ``generate`` (fp32), identical weights, and how close each comes to the memory's bandwidth.
 
     python benchmarks/generation.py [--new 128] [--prompt 16] [--repeats 3]
 
 GPT-2-small shape (12 layers, 12 heads, 768 wide, vocabulary 50257), randomly initialised (no
 download), batch 1. Every model decodes greedily from the same prompt; dikkat fp32 must give HF's
-tokens (asserted), bf16 and int8 report the fraction of fp32's tokens they reproduce (on random
-weights; benchmarks/quantized_quality.py measures a trained model).
+tokens (asserted), bf16, int8 and w8a8 report the fraction of fp32's tokens they reproduce (on
+random weights; benchmarks/quantized_quality.py measures a trained model).
 
 Bandwidth: the same run measures this machine's read bandwidth (a sum over 1 GiB); each
 configuration prints tokens/s, the bytes one token reads (the linear layers' weights in its
@@ -14,7 +14,8 @@ format, the norms, one row of each embedding, and the KV cache at the mean lengt
 GB/s (bytes × tokens/s) and achieved / measured. dikkat's runs hold one ``packed_for_inference``
 block open (the weights are prepared once, as a server holding the model would); "each call
 packs" times fp32 without it. ``kernels`` times one product of the lm_head's shape and the
-MLP's: oneDNN-packed fp32 and bf16, torch's int8 weight-only kernel, and dequantise-then-matmul.
+MLP's: oneDNN-packed fp32 and bf16, torch's int8 weight-only kernel, dequantise-then-matmul,
+and FBGEMM's dynamic quantised product (w8a8).
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from dikkat.layers import (
     int8_linear,
     packed_for_inference,
     quantize_int8,
+    quantize_w8a8,
+    w8a8_linear,
 )
 from dikkat.models import GPT, GPTConfig
 
-FORMATS = ("fp32", "bf16", "int8")
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+FORMATS = ("fp32", "bf16", "int8", "w8a8")
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "w8a8": 1}
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -76,7 +79,7 @@ def bytes_per_token(model: GPT, weights: str, mean_len: float) -> int:
     for m in model.modules():
         if isinstance(m, Linear):
             n, k = m.weight.shape
-            total += n * k * WEIGHT_BYTES[weights] + (4 * n if weights == "int8" else 0)
+            total += n * k * WEIGHT_BYTES[weights] + (4 * n if weights in ("int8", "w8a8") else 0)
             if m.bias is not None:
                 total += n * (2 if weights == "bf16" else 4)
             linear_params |= {id(m.weight)} | ({id(m.bias)} if m.bias is not None else set())
@@ -128,7 +131,7 @@ def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
     identical = out_hf.tolist() == outs["fp32"]
     assert identical, "dikkat fp32 greedy tokens differ from HF's"
     fp32_new = outs["fp32"][0][n_prompt:]
-    for weights in ("bf16", "int8"):
+    for weights in FORMATS[1:]:
         new = outs[weights][0][n_prompt:]
         rows[weights]["same_tokens_as_fp32"] = sum(map(int.__eq__, new, fp32_new)) / n_new
     return {
@@ -137,6 +140,7 @@ def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
         "identical_tokens": identical,
         "read_bandwidth_gb_s": bw / 1e9,
         "int8_vs_hf": rows["int8"]["tok_s"] / rows["hf_fp32"]["tok_s"],
+        "w8a8_vs_hf": rows["w8a8"]["tok_s"] / rows["hf_fp32"]["tok_s"],
     }
 
 
@@ -163,7 +167,7 @@ def kernels(repeats: int = 20) -> dict:
 
 
 def _products(w: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    q = quantize_int8(w)
+    q, q8 = quantize_int8(w), quantize_w8a8(w)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
     x16, w16 = x.bfloat16(), w.bfloat16()
     products: dict[str, Callable[[], object]] = {
@@ -180,6 +184,7 @@ def _products(w: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object
     return products | {
         "int8 kernel": lambda: int8_linear(x, q),
         "int8 dequantise + matmul": lambda: F.linear(x, dequantize_int8(q)),
+        "w8a8 (FBGEMM)": lambda: w8a8_linear(x, q8),
     }
 
 
@@ -256,20 +261,19 @@ def main(argv: list[str] | None = None) -> dict:
     r = vs_hf(args.new, args.prompt, args.repeats)
     print(f"  read bandwidth (sum over 1 GiB): {r['read_bandwidth_gb_s']:.1f} GB/s")
     print(f"  {'':<18} {'tok/s':>7} {'MB/token':>9} {'GB/s':>6} {'of bw':>6}  tokens = fp32")
-    names = {"hf_fp32": "HF fp32", "fp32": "dikkat fp32", "bf16": "dikkat bf16"}
-    for key in ("hf_fp32", "fp32", "bf16", "int8"):
+    for key in ("hf_fp32", *FORMATS):
         row = r["rows"][key]
         same = row.get("same_tokens_as_fp32")
         note = "" if same is None else f"{100 * same:.0f}%"
         if key == "fp32":
             note = f"identical to HF: {r['identical_tokens']}"
         print(
-            f"  {names.get(key, 'dikkat int8'):<18} {row['tok_s']:7.1f} "
+            f"  {'HF fp32' if key == 'hf_fp32' else 'dikkat ' + key:<18} {row['tok_s']:7.1f} "
             f"{row['bytes_per_token'] / 1e6:9.1f} {row['achieved_gb_s']:6.1f} "
             f"{100 * row['fraction_of_bandwidth']:5.0f}%  {note}"
         )
     print(f"  dikkat fp32, each call packs {r['ours_each_call_packs_tok_s']:.1f} tok/s")
-    print(f"  int8 / HF fp32: ×{r['int8_vs_hf']:.2f}")
+    print(f"  int8 / HF fp32: ×{r['int8_vs_hf']:.2f}, w8a8 / HF fp32: ×{r['w8a8_vs_hf']:.2f}")
     k = kernels()
     for shape, ways in k.items():
         shown = ", ".join(f"{name} {ms:.2f}" for name, ms in ways.items())

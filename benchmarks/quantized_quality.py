@@ -1,4 +1,4 @@
-"""What bf16 and int8 weights cost a trained model: validation loss and greedy tokens vs fp32.
+"""What bf16, int8 and w8a8 weights cost a trained model: validation loss and greedy tokens vs fp32.
 
     python benchmarks/quantized_quality.py RUN [--windows 32] [--prompts 8] [--new 125]
 
@@ -27,7 +27,7 @@ from dikkat.tasks import TaskSpec
 from dikkat.tasks.base import build_task
 from dikkat.text import load_tokenizer
 
-FORMATS = ("fp32", "bf16", "int8")
+FORMATS = ("fp32", "bf16", "int8", "w8a8")
 PROMPT = 32
 
 

@@ -34,6 +34,26 @@ def test_packed_linear_equals_plain(transposed, shape):
 
 
 @needs_onednn
+def test_a_batched_block_lays_a_second_copy_out_for_many_rows():
+    """batched=True: products of more than two rows use a copy laid out for batches (the same
+    numbers up to rounding); an unbatched block multiplies every shape through one copy."""
+    torch.manual_seed(0)
+    m = Linear(24, 40)
+    x = torch.randn(8, 24)
+    expected = F.linear(x.double(), m.weight.double(), m.bias.double())
+    for batched, layouts in ((False, {1}), (True, {1, 8})):
+        with torch.no_grad(), packed_for_inference(m, batched=batched):
+            got = m(x)
+            with packed_for_inference(m):  # an inner block keeps the outer one's choice
+                m(torch.randn(3, 24))
+            m.inference_copy("fp32", 0, 40)  # the one-row layout, as a decoding step uses
+            assert {rows for *_, rows in m._copies} == layouts
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="batched"), packed_for_inference(m, batched=1):
+        pass
+
+
+@needs_onednn
 def test_packed_copy_follows_weight_updates_and_can_be_released():
     torch.manual_seed(0)
     m = Linear(16, 8)

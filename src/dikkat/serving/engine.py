@@ -283,7 +283,8 @@ class Engine:
             return []
         if self._packed is None:
             self._packed = ExitStack()
-            self._packed.enter_context(packed_for_inference(self._model, self.weights))
+            block = packed_for_inference(self._model, self.weights, batched=self.max_batch > 2)
+            self._packed.enter_context(block)
         events = []
         for seq in admitted:
             logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached)
