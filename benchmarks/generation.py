@@ -213,6 +213,35 @@ def plain_vs_packed(rows: tuple[int, ...] = (1, 2, 8), repeats: int = 5) -> dict
     return ratios
 
 
+def batch_layout(rows: int = 8, repeats: int = 5) -> dict[str, float]:
+    """Seconds for GPT-2-small's 49 fp32 weights times one row (the one-row oneDNN layout) and
+    times ``rows`` rows in the one-row layout and in the layout for ``rows`` rows
+    (``packed_for_inference(batched=True)``): what a batched decode step costs against one."""
+    torch.manual_seed(0)
+    shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12 + [(50257, 768)]
+    ws = [torch.randn(n, k) for n, k in shapes]
+    one = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+    many = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
+    del ws
+    cases = (
+        ("1 row", one, 1),
+        (f"{rows} rows, 1-row layout", one, rows),
+        (f"{rows} rows, {rows}-row layout", many, rows),
+    )
+    times = {}
+    with torch.inference_mode():
+        for name, packed, m in cases:
+            xs = [torch.randn(m, k) for _, k in shapes]
+            times[name] = _best(
+                lambda xs=xs, packed=packed: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                    for x, w in zip(xs, packed, strict=True)
+                ],
+                repeats,
+            )
+    return times
+
+
 def _best(fn: Callable[[], object], repeats: int) -> float:
     fn()
     best = float("inf")
@@ -281,13 +310,23 @@ def main(argv: list[str] | None = None) -> dict:
     g = plain_vs_packed()
     shown = ", ".join(f"{m} row{'s' if m > 1 else ''} {ratio:.2f}" for m, ratio in g.items())
     print(f"  GPT-2-small's weights, fp32, oneDNN packed / plain F.linear: {shown}")
+    b = batch_layout()
+    shown = ", ".join(f"{name} {1e3 * t:.1f}" for name, t in b.items())
+    print(f"  GPT-2-small's weights, fp32 oneDNN (ms): {shown}")
     c = cache_vs_recompute(args.cache_new, 1)
     print(
         f"tiny preset, {args.cache_new} greedy tokens: KV cache {c['cached_tok_s']:.0f} tok/s, "
         f"recompute {c['recompute_tok_s']:.0f} tok/s, ×{c['speedup']:.1f}, "
         f"identical tokens: {c['identical_tokens']}"
     )
-    result = {"args": vars(args), "vs_hf": r, "kernels": k, "packed_over_plain": g, "cache": c}
+    result = {
+        "args": vars(args),
+        "vs_hf": r,
+        "kernels": k,
+        "packed_over_plain": g,
+        "batch_layout_s": b,
+        "cache": c,
+    }
     path = save_json("generation", result)
     print(f"wrote {path}")
     return result
