@@ -49,6 +49,9 @@ def test_a_batched_block_lays_a_second_copy_out_for_many_rows():
             m.inference_copy("fp32", 0, 40)  # the one-row layout, as a decoding step uses
             assert {rows for *_, rows in m._copies} == layouts
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), packed_for_inference(m, "int8", batched=True):
+        m(x), m(x[:1])
+        assert len(m._copies) == 1  # a copy with no oneDNN layout is made once
     with pytest.raises(TypeError, match="batched"), packed_for_inference(m, batched=1):
         pass
 

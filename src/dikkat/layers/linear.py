@@ -98,7 +98,9 @@ class Linear(nn.Linear):
         key = self._weight_key()
         if self._copies is None:
             self._copies = {}
-        slot = (weights, start, stop, rows if weights in ("fp32", "bf16") else 1)
+        if not _packs(weights, self.weight):
+            rows = 1  # only a oneDNN-packed copy has a layout; others are kept once
+        slot = (weights, start, stop, rows)
         kept = self._copies.get(slot)
         if kept is None or kept[0] != key:
             with torch.no_grad():
@@ -194,18 +196,28 @@ class Int8Copy:
 
 Copy = FloatCopy | Int8Copy | W8A8Weight
 
-# the rows a batched block's second packed copy is laid out for: on an AVX2 EPYC (2026-12-01,
-# 2 threads, the 50257 × 768 head) a copy laid out for 1 row took 71 ms for 8 rows, one laid
-# out for 8 rows 38 ms (and 22 ms for 1 row, against 16)
+# the rows a batched block's second packed copy is laid out for (BENCHMARKS.md, Generation, the
+# AVX2-only EPYC: "Batches"; `python benchmarks/generation.py` measures it again)
 _BATCH_ROWS = 8
 
 
 def _onednn_serves(w: Tensor) -> bool:
+    return _onednn_packs(w.device, w.dtype)
+
+
+def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         onednn_linear_available()
-        and w.device.type == "cpu"
-        and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and _onednn_bf16()))
+        and device.type == "cpu"
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_bf16()))
     )
+
+
+def _packs(weights: WeightFormat, w: Tensor) -> bool:
+    """Whether :func:`_make_copy` packs ``w`` for oneDNN in the format ``weights``."""
+    if weights not in ("fp32", "bf16"):
+        return False
+    return _onednn_packs(w.device, torch.bfloat16 if weights == "bf16" else w.dtype)
 
 
 @functools.cache
