@@ -1,17 +1,18 @@
 """Prompt-lookup decoding against plain greedy decoding, completing Python code: tokens/s, the
 guesses accepted, tokens per model call, and the tokens themselves (asserted identical).
 
-    python benchmarks/speculative.py [--run DIR] [--steps 500] [--k 4,8] [--new 128]
+    python benchmarks/speculative.py [--run DIR] [--steps 500] [--k 4,8] [--new 96]
 
 The model must have learned code for its guesses to mean anything, so the script first trains
 one: the tiny byte-level GPT of ``dikkat demo`` (4 layers of width 128, RoPE) with dikkat's own
-trainer on this interpreter's standard library, for ``--steps`` steps of 16 windows (the demo's
-700 steps take about 3 minutes on 2 cores), saved as a run in ``--run``. A ``--run`` that already
-holds a run is reused as it is. The prompts are ``--prompts`` stretches of ``--prompt`` bytes,
-each cut at a line end, from the standard-library files the split held out of training; each is
-completed by ``--new`` greedy tokens, plain (one model call a token) and by prompt lookup with
-each ``--k``, inside one ``packed_for_inference`` block (the weights prepared once). The times are
-the best of ``--repeats`` passes over all prompts, after a warm-up.
+trainer on this interpreter's standard library, for ``--steps`` steps of 16 windows of
+``--seq-len`` bytes (``dikkat demo`` trains 700), saved as a run in ``--run``. A ``--run`` that
+already holds a run is reused as it is. The prompts are ``--prompts`` stretches of ``--prompt``
+bytes, each cut at a line end, from the standard-library files the split held out of training;
+each is completed by ``--new`` greedy tokens, plain (one model call a token) and by prompt
+lookup with each ``--k``, inside one ``packed_for_inference`` block (the weights prepared once).
+The times are the best of ``--repeats`` passes over all prompts, after a warm-up, on
+``--threads`` threads (training uses torch's default).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def trained_run(run: Path, steps: int, seq_len: int) -> tuple[GPT, TaskSpec, dic
     if runs.folder_kind(run) == "run":
         meta = json.loads((runs.checkpoint_dir(run) / TASK_FILE).read_text())
         spec = TaskSpec(**meta["task"])
-        print(f"reusing the run in {run} (trained {meta.get('step', '?')} steps)")
-        return GPT.load(run).eval(), spec, {"reused": True}
+        step = runs.read_pointer(run)["step"]
+        print(f"reusing the run in {run} (trained {step} steps)")
+        return GPT.load(run).eval(), spec, {"reused": str(run), "steps": step}
     spec = TaskSpec(
         task="lm",
         preset="tiny",
@@ -93,8 +95,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt", type=int, default=160, help="bytes per prompt (at most)")
     parser.add_argument("--new", type=int, default=96, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while decoding")
     args = parser.parse_args(argv)
     model, spec, trained = trained_run(args.run, args.steps, args.seq_len)
+    torch.set_num_threads(args.threads)  # a small model decodes overhead-bound: 1 is usual best
     prompts = code_prompts(spec, args.prompts, min(args.prompt, model.config.max_len - args.new))
     new = args.new * len(prompts)
 
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_bytes": args.prompt,
         "new_tokens": args.new,
         "ngram": args.ngram,
+        "threads": args.threads,
         "rows": rows,
     }
     save_json("speculative", payload)
