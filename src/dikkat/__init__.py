@@ -19,7 +19,15 @@ from dikkat.core import (
     reference_attention,
     register_backend,
 )
-from dikkat.generation import KVCache, generate, iter_generate, packed_for_inference
+from dikkat.generation import (
+    KVCache,
+    LookupStats,
+    generate,
+    iter_generate,
+    iter_lookup_generate,
+    lookup_generate,
+    packed_for_inference,
+)
 from dikkat.interop import pretrained
 from dikkat.layers import (
     MLP,
@@ -51,6 +59,7 @@ __all__ = [
     "KVCache",
     "LayerNorm",
     "LearnedPositionalEmbedding",
+    "LookupStats",
     "MultiHeadAttention",
     "RotaryEmbedding",
     "Seq2Seq",
@@ -72,6 +81,8 @@ __all__ = [
     "generate",
     "hf",
     "iter_generate",
+    "iter_lookup_generate",
+    "lookup_generate",
     "maps",
     "masks",
     "packed_for_inference",

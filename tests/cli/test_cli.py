@@ -104,6 +104,7 @@ def test_generate_with_a_local_hf_gpt2_directory(tmp_path, capsys):
         (["generate", "ckpt", "x", "--top-p", "1.5"], "expected a number in (0, 1]"),
         (["generate", "ckpt", "x", "--temperature", "-1"], "expected a number ≥ 0"),
         (["generate", "ckpt", "x", "-n", "0"], "expected a positive integer"),
+        (["generate", "ckpt", "x", "--lookup", "0"], "expected a positive integer, got 0"),
     ],
 )
 def test_generate_bad_arguments_give_one_clear_line(argv, message, capsys):
@@ -267,3 +268,28 @@ def test_generate_with_int8_weights_prints_the_int8_greedy_tokens(
     out = capsys.readouterr().out
     expected = model.generate([list(b"def f(")], 12, weights="int8")[0]
     assert out.rstrip("\n") == bytes(expected).decode("utf-8", errors="replace")
+
+
+def test_generate_with_lookup_prints_the_greedy_tokens_and_its_counts(tiny_checkpoint, capsys):
+    from dikkat.generation import LookupStats, lookup_generate
+
+    path, model = tiny_checkpoint
+    assert main(["generate", str(path), "def f(", "-n", "20", "--lookup", "4"]) == 0
+    captured = capsys.readouterr()
+    expected = model.generate([list(b"def f(")], 20)[0]
+    assert captured.out.rstrip("\n") == bytes(expected).decode("utf-8", errors="replace")
+    stats = LookupStats()
+    assert lookup_generate(model.eval(), [list(b"def f(")], 20, k=4, stats=stats) == [expected]
+    assert stats.calls < 20  # guesses were accepted: the counts below are not plain greedy's
+    assert captured.err.strip() == (
+        f"lookup: 20 tokens in {stats.calls} model calls ({stats.tokens_per_call:.2f} a call); "
+        f"{stats.accepted} of {stats.drafted} guessed tokens accepted"
+    )
+
+
+def test_generate_lookup_refuses_to_sample(tiny_checkpoint, capsys):
+    path, _ = tiny_checkpoint
+    assert main(["generate", str(path), "ab", "--lookup", "2", "--temperature", "0.8"]) == 2
+    err = capsys.readouterr().err
+    assert "--lookup decodes greedily; it cannot sample at --temperature 0.8" in err
+    assert err.strip().count("\n") == 0

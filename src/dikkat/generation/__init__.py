@@ -1,5 +1,6 @@
 """Inference: the preallocated KV cache, prefill and one-token decode, sampling, the decoding
-loop that every model shares, and the weight formats it decodes in (``packed_for_inference``,
+loop that every model shares, prompt-lookup decoding (greedy, a whole guessed draft checked per
+model call), and the weight formats it decodes in (``packed_for_inference``,
 re-exported from :mod:`dikkat.layers`: hold ``with packed_for_inference(model, "int8"):`` open
 around many calls to prepare the weights once)."""
 
@@ -13,6 +14,12 @@ from dikkat.generation.generate import (
     sample_loop,
     token_rows,
 )
+from dikkat.generation.lookup import (
+    LookupStats,
+    NgramIndex,
+    iter_lookup_generate,
+    lookup_generate,
+)
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
@@ -20,11 +27,15 @@ from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
 __all__ = [
     "WEIGHT_FORMATS",
     "KVCache",
+    "LookupStats",
+    "NgramIndex",
     "WeightFormat",
     "decode_step",
     "generate",
     "iter_generate",
+    "iter_lookup_generate",
     "left_pad",
+    "lookup_generate",
     "packed_for_inference",
     "prefill",
     "sample",
