@@ -1,7 +1,8 @@
 """`make bench`: run every benchmark in turn; each prints a table and writes results/NAME.json.
 
     python benchmarks/run.py                  all of them (the attention sweep alone ≈ 30 min,
-                                              the long-context one ≈ 25 min)
+                                              the long-context one ≈ 25 min; speculative
+                                              trains a small GPT first, ≈ 3 min)
     python benchmarks/run.py generation vision
     python benchmarks/NAME.py --help          one benchmark's own options
 
@@ -20,12 +21,14 @@ import checkpoint
 import distributed
 import generation
 import hf_long_context
+import speculative
 import training
 import vision
 
 BENCHMARKS = {
     "attention": attention.main,
     "generation": generation.main,
+    "speculative": speculative.main,
     "training": training.main,
     "vision": vision.main,
     "checkpoint": checkpoint.main,
