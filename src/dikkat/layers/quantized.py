@@ -165,9 +165,12 @@ def w8a8_linear(x: Tensor, q: W8A8Weight) -> Tensor:
         raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
     rows = x.reshape(-1, K).float()  # (M, K)
     # reduce_range=True: 7-bit inputs, so that AVX2's pairwise u8·s8 sums cannot saturate int16
-    out = (
-        torch.cat([torch.ops.quantized.linear_dynamic(r, q.packed, True) for r in rows.split(1)])
-        if rows.shape[0]
-        else rows.new_empty(0, q.out_features)
-    )
+    if rows.shape[0] == 1:  # decoding one sequence: one call, nothing to join
+        out = torch.ops.quantized.linear_dynamic(rows, q.packed, True)
+    elif rows.shape[0]:
+        out = torch.cat(
+            [torch.ops.quantized.linear_dynamic(r, q.packed, True) for r in rows.split(1)]
+        )
+    else:
+        out = rows.new_empty(0, q.out_features)
     return out.to(x.dtype).view(*x.shape[:-1], q.out_features)
