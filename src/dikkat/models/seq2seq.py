@@ -36,6 +36,7 @@ from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
+from dikkat.layers.quantized import WeightFormat
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_int, check_sizes
@@ -271,6 +272,7 @@ class Seq2Seq(SaveLoad, nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        weights: WeightFormat | None = None,
     ) -> list[list[int]]:
         """Translate: encode the sources once, then decode token by token from ``bos_id``.
 
@@ -281,7 +283,9 @@ class Seq2Seq(SaveLoad, nn.Module):
         the same loop (:func:`dikkat.generation.sample_loop`). The cross-attention keys/values of
         the sources are projected on the first step and reused from the cross caches at every
         later step. ``bos_id`` and the new tokens must fit in the context: at most
-        ``max_len − 1`` new tokens.
+        ``max_len − 1`` new tokens. ``weights`` is the format the linear layers multiply in
+        (``"fp32"``, ``"bf16"``, ``"int8"``, ``"w8a8"``; see :meth:`GPT.generate`), the encoder's
+        included; the parameters themselves stay as they are.
         """
         c = self.config
         check_int("max_new_tokens", max_new_tokens, at_least=0)
@@ -309,6 +313,7 @@ class Seq2Seq(SaveLoad, nn.Module):
                 top_p=top_p,
                 eos_id=eos_id,
                 seed=seed,
+                weights=weights,
             )
             return token_rows(list(tokens), ids.shape[0], eos_id)
         finally:
