@@ -1,0 +1,1 @@
+"""Real pretrained models: files on disk and packages on PyPI, loaded into dikkat's own modules."""
