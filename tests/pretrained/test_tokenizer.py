@@ -13,6 +13,10 @@ the test says so and checks against a second reference instead:
   run from BPE merges of its own and takes 16 + 16. The second reference is
   :func:`_sentencepiece_reference`, the SentencePiece-BPE algorithm written out plainly, which
   checks every text.
+* A ``llama`` (SentencePiece) vocabulary with ``tokenizer.ggml.add_space_prefix = False`` and an
+  architecture transformers has no builder of its own for: its converter prefixes a space anyway
+  (Gemma 3 is not affected: it has its own builder). No real file here has it; a tiny vocabulary
+  checks that dikkat follows the flag.
 """
 
 from __future__ import annotations
@@ -361,6 +365,59 @@ def test_llama3_takes_a_word_in_the_vocabulary_whole():
     assert llama3.encode("word", add_special=False) == [llama3.token_to_id("word")]
     assert len(qwen2.encode("word")) == 4
     assert llama3.add_bos and not qwen2.add_bos
+
+
+def _sentencepiece_metadata(prefix: bool) -> dict:
+    """A GGUF header of a tiny SentencePiece vocabulary (Llama 2 / Mistral's layout): <unk>,
+    <s>, </s>, the 256 byte tokens, then pieces scored best first."""
+    pieces = ["▁", "h", "i", "e", "l", "o", "w", "r", "d", "▁h", "▁hi", "hi", "he", "ll"]
+    pieces += ["llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "▁▁"]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"]
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + pieces,
+        "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(pieces))],
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": prefix,
+    }
+
+
+SENTENCEPIECE_TEXTS = ["hi", "hello world", "  hello  world ", "<s>hello</s> world", "héllo\n", ""]
+
+
+def test_a_space_prefix_is_added_as_transformers_does():
+    convert = pytest.importorskip("transformers.integrations.gguf").convert_gguf_tokenizer
+    meta = _sentencepiece_metadata(prefix=True)
+    ours = Tokenizer.from_gguf_metadata(meta)
+    theirs, _ = convert(
+        "llama",
+        {
+            "tokenizer_type": "llama",
+            "tokens": meta["tokenizer.ggml.tokens"],
+            "scores": meta["tokenizer.ggml.scores"],
+            "token_type": meta["tokenizer.ggml.token_type"],
+        },
+    )
+    assert ours.add_bos and ours.encode("hi")[0] == ours.bos_id
+    for text in SENTENCEPIECE_TEXTS:
+        ids = ours.encode(text, add_special=False)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids
+        # the prefix comes off again; a text's own first space is where SentencePiece put it
+        assert ours.decode(ids) == (text[1:] if text.startswith(" ") else text)
+    assert ours.encode("hi", add_special=False) == [ours.token_to_id("▁hi")]
+
+
+def test_no_space_prefix_when_the_file_says_so():
+    # llama.cpp follows tokenizer.ggml.add_space_prefix, and so does dikkat (Gemma 3 sets it
+    # False); transformers' reader drops it for a 'llama' architecture and always prefixes
+    tok = Tokenizer.from_gguf_metadata(_sentencepiece_metadata(prefix=False))
+    assert tok.encode("hi", add_special=False) == [tok.token_to_id("hi")]
+    for text in SENTENCEPIECE_TEXTS:
+        assert tok.decode(tok.encode(text, add_special=False)) == text
 
 
 # ---------------------------------------------------------------- Hugging Face folders

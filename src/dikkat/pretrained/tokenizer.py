@@ -146,8 +146,9 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        """The text of ``ids``. A multi-byte character cut off at the end decodes to U+FFFD, which
-        :class:`dikkat.serving.detokenize.TextStream` holds back until the next id completes it."""
+        """The text of ``ids``; ``skip_special`` leaves the control tokens out. A character cut off
+        at the end (its bytes span ids) decodes to U+FFFD, which dikkat's ``TextStream`` holds back
+        until the next id completes it."""
         ids = [self._checked_id(f"ids[{k}]", i) for k, i in enumerate(ids)]
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
@@ -178,7 +179,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """The tokenizer a GGUF header describes (:attr:`GGUFFile.metadata`)."""
+        """The tokenizer a GGUF header describes (:attr:`GGUFFile.metadata`). It encodes as
+        transformers' GGUF tokenizer does, except where that departs from the model's own
+        tokenizer and llama.cpp: ``smollm``'s digits, Gemma's runs of 32 or more spaces, and a
+        ``llama`` vocabulary's ``add_space_prefix = False`` (tests/pretrained/test_tokenizer.py)."""
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
             raise ValueError("the GGUF metadata holds no tokenizer.ggml.tokens list of strings")
