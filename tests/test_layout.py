@@ -1,9 +1,10 @@
 """The shape of the source tree: imports between packages flow one way, files stay small.
 
-The order (README, "Layout"): core → layers → generation → models → interop / vision / hf → tasks /
-audit / maps → training → cli, with bench beside (only the command line imports it), viz a leaf
-that draws (it imports nothing of the model stack, only files), and the one-file utilities
-(files, runs, validate, presets, seeds, text) where their imports put them (:data:`TIERS`). A
+The order (README, "Layout"): core → layers → generation → models → interop / vision / hf →
+pretrained → tasks / audit / maps → training → cli, with bench beside (only the command line
+imports it), viz a leaf that draws (it imports nothing of the model stack, only files), and the
+one-file utilities (files, runs, validate, presets, seeds, text) where their imports put them
+(:data:`TIERS`). A
 package may import only packages of a lower tier — counting imports inside functions, which hide
 a circle without removing it.
 """
@@ -27,6 +28,7 @@ TIERS: tuple[frozenset[str], ...] = tuple(
         "generation seeds distributed",
         "models",
         "interop vision hf",
+        "pretrained",
         "tasks audit maps",
         "training bench serving",
         "cli",

@@ -5,7 +5,7 @@
 >>> out = dikkat.attention(q, k, v, dikkat.masks.causal())      # True = may attend
 """
 
-from dikkat import audit, distributed, hf, maps, masks, serving
+from dikkat import audit, distributed, hf, maps, masks, pretrained, serving
 from dikkat.core import (
     AttentionAux,
     Capture,
@@ -28,7 +28,6 @@ from dikkat.generation import (
     lookup_generate,
     packed_for_inference,
 )
-from dikkat.interop import pretrained
 from dikkat.layers import (
     MLP,
     ALiBi,

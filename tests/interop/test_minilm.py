@@ -46,7 +46,7 @@ def offline():
 
 @pytest.fixture(scope="module")
 def encoder(offline):
-    from dikkat.interop.pretrained import minilm
+    from dikkat.pretrained.minilm import minilm
 
     return minilm()
 

@@ -13,7 +13,7 @@ SENTENCE = "The animal didn't cross the street because it was too tired."
 
 def test_minilm_maps_of_the_sentence():
     from dikkat import maps
-    from dikkat.interop.pretrained import minilm
+    from dikkat.pretrained.minilm import minilm
     from dikkat.viz.heatmaps import draw_focus
 
     encoder = minilm()

@@ -17,8 +17,8 @@ from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import load_model
 from dikkat.generation import WEIGHT_FORMATS, LookupStats, iter_generate, iter_lookup_generate
 from dikkat.interop import load_hf_gpt2_dir
-from dikkat.interop.pretrained import minilm
 from dikkat.models import BERT, GPT
+from dikkat.pretrained.minilm import minilm
 from dikkat.tasks.mlm import MASK, fill_mask
 from dikkat.text import ByteTokenizer, load_tokenizer
 

@@ -14,9 +14,9 @@ from dikkat import maps
 from dikkat.cli.args import add_no_verify
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import held, load_model, refusal, task_seed
-from dikkat.interop.pretrained import minilm
 from dikkat.maps.faithfulness import MAX_TOKENS, Faithfulness
 from dikkat.models import BERT, GPT, Seq2Seq
+from dikkat.pretrained.minilm import minilm
 from dikkat.tasks.digits import load_digits_split
 from dikkat.tasks.translate import encode_numbers
 from dikkat.text import NumberTokenizer, load_tokenizer

@@ -21,7 +21,6 @@ torch's ``MultiheadAttention`` with ``kdim != embed_dim``.
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +31,8 @@ from dikkat.layers.inputs import check_meets
 from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
-from dikkat.validate import check_bool, check_int, check_probability
+from dikkat.layers.qkv_state import fuse_qkv_state, fused_linear, split_qkv_state
+from dikkat.validate import check_bool, check_float, check_int, check_probability
 
 
 class MultiHeadAttention(nn.Module):
@@ -45,9 +45,13 @@ class MultiHeadAttention(nn.Module):
         head_dim: D; None → C / H.
         context_dim: width of the cross-attention context; None → C. Another width makes the
             layer cross-attention only, with three separate projections.
-        bias: biases in the four projections.
+        bias: biases in the q/k/v projections, and in the output projection unless
+            ``out_bias`` says otherwise (Qwen2 has the first three only).
         dropout: dropout on the attention weights during training.
         rope, alibi: position information acting inside attention (self-attention only).
+        qk_norm: a pair of modules applied to each head's queries and keys (B, ·, L, D) before
+            RoPE, e.g. ``(RMSNorm(D), RMSNorm(D))`` (Gemma 3, Qwen 3); None: none.
+        scale: the factor on q·k; None → 1/√D. (Gemma 3 writes it as 1/√query_pre_attn_scalar.)
         backend: the :func:`dikkat.attention` backend.
 
     Parameters (``context_dim == d_model``): ``qkv_proj`` ((H + 2G)·D, C), rows [q | k | v],
@@ -71,9 +75,12 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         context_dim: int | None = None,
         bias: bool = True,
+        out_bias: bool | None = None,
         dropout: float = 0.0,
         rope: RotaryEmbedding | None = None,
         alibi: ALiBi | None = None,
+        qk_norm: tuple[nn.Module, nn.Module] | None = None,
+        scale: float | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -88,6 +95,7 @@ class MultiHeadAttention(nn.Module):
         check_int("head_dim", head_dim, optional=True)
         check_int("context_dim", context_dim, optional=True)
         check_bool("bias", bias)
+        out_bias = bias if out_bias is None else check_bool("out_bias", out_bias)
         check_probability("dropout", dropout)
         if head_dim is None:
             if d_model % n_heads:
@@ -96,11 +104,18 @@ class MultiHeadAttention(nn.Module):
                 )
             head_dim = d_model // n_heads
         _check_position_modules(rope, alibi, head_dim, n_heads)
+        check_float("scale", scale, low=0.0, low_open=True, optional=True)
         context_dim = d_model if context_dim is None else context_dim
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.context_dim = head_dim, context_dim
         self.dropout, self.backend = dropout, backend
-        self.rope, self.alibi = rope, alibi
+        self.rope, self.alibi, self.scale = rope, alibi, scale
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if qk_norm is not None:
+            if not (isinstance(qk_norm, tuple) and len(qk_norm) == 2):
+                raise TypeError("qk_norm must be a pair of modules (for q, for k) or None")
+            self.q_norm, self.k_norm = qk_norm
         q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
         self.qkv_sizes: tuple[int, int, int] = (q_size, kv_size, kv_size)  # rows of q, k, v
         # Fused: q/k/v_proj are views of qkv_proj's row blocks. Separate: three Linears.
@@ -109,18 +124,18 @@ class MultiHeadAttention(nn.Module):
         self.k_proj: Linear | LinearRows
         self.v_proj: Linear | LinearRows
         if context_dim == d_model:
-            self.qkv_proj = _fused_linear(d_model, self.qkv_sizes, bias)
+            self.qkv_proj = fused_linear(d_model, self.qkv_sizes, bias)
             starts = (0, q_size, q_size + kv_size, q_size + 2 * kv_size)
             self.q_proj, self.k_proj, self.v_proj = (
                 LinearRows(self.qkv_proj, a, b) for a, b in pairwise(starts)
             )
-            self.register_state_dict_post_hook(_split_qkv_state)
-            self.register_load_state_dict_pre_hook(_fuse_qkv_state)
+            self.register_state_dict_post_hook(split_qkv_state)
+            self.register_load_state_dict_pre_hook(fuse_qkv_state)
         else:
             self.q_proj = Linear(d_model, q_size, bias=bias)
             self.k_proj = Linear(context_dim, kv_size, bias=bias)
             self.v_proj = Linear(context_dim, kv_size, bias=bias)
-        self.out_proj = Linear(q_size, d_model, bias=bias)
+        self.out_proj = Linear(q_size, d_model, bias=out_bias)
 
     @property
     def backend(self) -> str:
@@ -166,6 +181,8 @@ class MultiHeadAttention(nn.Module):
             k, v = self._cross_kv(x, context, cache)  # (B, G, S, D) each
         else:
             q, k, v = self._project_self(x)  # (B, H, T, D), (B, G, T, D) × 2
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             if self.rope is not None:
                 pos = resolve_positions(x.shape[1], offset, positions, x.device)
                 q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
@@ -185,6 +202,7 @@ class MultiHeadAttention(nn.Module):
             v,
             mask,
             bias=bias,
+            scale=self.scale,
             q_offset=q_offset,
             dropout=self.dropout if self.training else 0.0,
             backend=self.backend,
@@ -280,102 +298,6 @@ class MultiHeadAttention(nn.Module):
             state["out_proj.bias"] = m.out_proj.bias
         layer.load_state_dict(state)  # our state-dict names, fused on load where fused
         return layer
-
-
-def _fused_linear(in_features: int, sizes: tuple[int, ...], bias: bool) -> Linear:
-    """One Linear whose row blocks hold what ``nn.Linear(in_features, n)`` for each n of
-    ``sizes``, built in turn, would hold: the same random draws, so a seeded layer starts from
-    the same weights as with three separate projections."""
-    parts = [nn.Linear(in_features, n, bias=bias) for n in sizes]
-    fused = Linear(in_features, sum(sizes), bias=bias, device="meta", dtype=parts[0].weight.dtype)
-    fused = fused.to_empty(device=parts[0].weight.device)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    return fused
-
-
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-def _split_qkv_state(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    """State-dict post-hook: ``qkv_proj.weight`` ((H + 2G)·D, C) → ``q_proj.weight`` (H·D, C),
-    ``k_proj.weight`` and ``v_proj.weight`` (G·D, C), biases alike, in the order that three
-    separate Linears would give them. Views of the fused tensors, as a state dict's entries are
-    of the parameters."""
-    fused = prefix + "qkv_proj."
-    if fused + "weight" not in state_dict:
-        return
-    keys = list(state_dict)
-    own = keys[keys.index(fused + "weight") :]  # this layer's entries from qkv_proj on
-    entries = {k: state_dict.pop(k) for k in own}
-    sizes = module.qkv_sizes
-    for key, value in entries.items():
-        if key == fused + "bias":
-            continue  # written together with the weight
-        if key != fused + "weight":
-            state_dict[key] = value
-            continue
-        bias = entries.get(fused + "bias")
-        biases = bias.split(sizes) if bias is not None else (None,) * len(sizes)
-        for name, w, b in zip(_QKV, value.split(sizes), biases, strict=True):
-            state_dict[f"{prefix}{name}.weight"] = w
-            if b is not None:
-                state_dict[f"{prefix}{name}.bias"] = b
-
-
-def _fuse_qkv_state(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Load pre-hook: ``q_proj``/``k_proj``/``v_proj`` weights (and biases) → ``qkv_proj``.
-
-    A block that is absent keeps its current value and is reported missing (an error when
-    ``strict``), a block of the wrong shape is reported by its own name, as ``load_state_dict``
-    reports a separate Linear's. A state dict that already holds ``qkv_proj`` loads as it is.
-    """
-    qkv = module.qkv_proj
-    for kind in ("weight", "bias"):
-        names = [f"{prefix}{name}.{kind}" for name in _QKV]
-        current = getattr(qkv, kind)
-        given = {n: state_dict.pop(n) for n in names if n in state_dict}
-        if current is None or not given:
-            state_dict |= given  # no such parameter here: load_state_dict reports them unexpected
-            continue
-        blocks = current.detach().split(module.qkv_sizes)
-        for name, block in zip(names, blocks, strict=True):
-            t = given.get(name)
-            if t is None:
-                missing_keys.append(name)
-            elif not isinstance(t, Tensor) or t.shape != block.shape:
-                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                error_msgs.append(
-                    f"size mismatch for {name}: copying a param with shape {shape} from "
-                    f"checkpoint, the shape in current model is {tuple(block.shape)}."
-                )
-                del given[name]
-        if not given:
-            continue  # nothing loadable: the errors above say why
-        # in the given tensors' dtype and device (a model on "meta" may load with assign=True)
-        like = next(iter(given.values()))
-        parts = []
-        for name, block in zip(names, blocks, strict=True):
-            if name in given:
-                parts.append(given[name].to(like))
-            elif block.is_meta:
-                parts.append(torch.empty(block.shape, dtype=like.dtype, device=like.device))
-            else:
-                parts.append(block.to(like))
-        state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat(parts)
 
 
 def _check_position_modules(

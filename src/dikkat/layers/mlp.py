@@ -1,4 +1,5 @@
-"""The position-wise MLP of a Transformer block: d → hidden (usually 4d) → d."""
+"""The position-wise MLP of a Transformer block: d → hidden (usually 4d) → d; and the gated MLP
+of Llama-family and Gemma models, where a second projection gates the first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ _ACTIVATIONS = {
     "relu": lambda: nn.ReLU(),  # the original 2017 Transformer
 }
 ACTIVATIONS = tuple(_ACTIVATIONS)  # the names configs may give
+
+GateActivation = Literal["silu", "gelu_tanh"]
+_GATE_ACTIVATIONS = {
+    "silu": lambda: nn.SiLU(),  # SwiGLU: Llama, Mistral, Qwen2, SmolLM
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # GeGLU with the tanh GELU: Gemma
+}
+GATE_ACTIVATIONS = tuple(_GATE_ACTIVATIONS)
 
 
 class MLP(nn.Module):
@@ -47,3 +55,28 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         check_meets("x", x, self.up.weight, "MLP")
         return self.down(self.act(self.up(x)))
+
+
+class GatedMLP(nn.Module):
+    """x (B, T, C) → down(act(gate(x)) ∘ up(x)) (B, T, C): a gated linear unit (Shazeer 2020,
+    "GLU Variants Improve Transformer", arXiv:2002.05202) — SwiGLU with ``silu``, GeGLU with
+    ``gelu_tanh``. No biases, as in every family that uses it.
+
+    >>> import torch
+    >>> GatedMLP(16, 40)(torch.randn(2, 3, 16)).shape
+    torch.Size([2, 3, 16])
+    """
+
+    def __init__(self, d_model: int, hidden: int, *, activation: GateActivation = "silu") -> None:
+        super().__init__()
+        check_int("d_model", d_model)
+        check_int("hidden", hidden)
+        check_choice("activation", activation, GATE_ACTIVATIONS)
+        self.gate = Linear(d_model, hidden, bias=False)
+        self.up = Linear(d_model, hidden, bias=False)
+        self.act = _GATE_ACTIVATIONS[activation]()
+        self.down = Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_meets("x", x, self.up.weight, "GatedMLP")
+        return self.down(self.act(self.gate(x)) * self.up(x))

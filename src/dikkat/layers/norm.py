@@ -1,6 +1,7 @@
-"""LayerNorm over the feature axis: mean 0, variance 1, then a learned scale and shift.
-
-It stops the scale of x from drifting from layer to layer (docs/contract.md §10).
+"""Normalisation over the feature axis, which stops the scale of x from drifting from layer to
+layer (docs/contract.md §10): LayerNorm (mean 0, variance 1, then a learned scale and shift) and
+RMSNorm (root mean square 1, then a learned scale; Zhang & Sennrich 2019, arXiv:1910.07467), the
+norm of Llama, Mistral, Qwen and Gemma.
 """
 
 from __future__ import annotations
@@ -40,3 +41,33 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    """y = x / √(mean(x²) + eps) · weight, over the last axis; no mean is subtracted, no shift.
+
+    The statistics and the product run in fp32 and the result is cast back to x's dtype, as
+    Llama's and Gemma's reference implementations do. Gemma writes its scale as ``1 + w``; a
+    loader adds the 1 once (``weight = 1 + w``), so the math here is the same for every family.
+    It also normalises per head: ``RMSNorm(D)`` on q (B, H, T, D) is Gemma 3's and Qwen 3's
+    query/key norm.
+    """
+
+    def __init__(self, d_model: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        check_int("d_model", d_model)
+        check_float("eps", eps, low=0.0, low_open=True)  # eps ≤ 0: a zero row divides by zero
+        self.d_model, self.eps = d_model, eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"RMSNorm expects a last dim of {self.d_model}, got x of shape {tuple(x.shape)}"
+            )
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"

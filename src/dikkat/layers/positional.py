@@ -135,7 +135,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.base, self.max_len = head_dim, base, max_len
         # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
         # frequencies. Angles are computed in float64 for the positions of each call.
-        self.inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        # On the CPU even inside `with torch.device("meta")` (a model built there to be loaded
+        # with assign=True keeps working frequencies); moved to the positions' device per call.
+        steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+        self.inv_freq = base ** (-steps / head_dim)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype."""

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dikkat.interop.pretrained import SentenceEncoder
 from dikkat.maps.collect import Selection, collect, layer_family, token_labels
 from dikkat.models.bert import BERT
 from dikkat.models.gpt import GPT
+from dikkat.pretrained.minilm import SentenceEncoder
 from dikkat.viz.maps import AttentionMaps
 
 __all__ = ["TextModel", "encode_text", "mask_id_of", "text_maps", "text_model"]

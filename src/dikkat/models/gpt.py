@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.core.masks import Mask, as_mask, causal, padding
-from dikkat.generation.generate import Prompts, generate
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
@@ -31,7 +30,7 @@ from dikkat.layers.positional import (
     RotaryEmbedding,
     valid_positions,
 )
-from dikkat.layers.quantized import WeightFormat
+from dikkat.models.generating import Generates
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
@@ -97,7 +96,7 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class GPT(SaveLoad, nn.Module):
+class GPT(Generates, SaveLoad, nn.Module):
     """Decoder-only Transformer language model.
 
     >>> model = GPT(GPTConfig.preset("tiny"))
@@ -257,41 +256,3 @@ class GPT(SaveLoad, nn.Module):
         return linear_cross_entropy(
             hidden, self.lm_head.weight, targets, scratch=self._loss_scratch
         )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        ids: Prompts,
-        max_new_tokens: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        seed: int | None = None,
-        weights: WeightFormat | None = None,
-    ) -> list[list[int]]:
-        """Continue each prompt by up to ``max_new_tokens`` tokens (greedy at temperature 0).
-
-        ``ids`` is a (B, T) tensor or a list of prompts of any lengths; either way the result is
-        one list per prompt: the prompt, then its new tokens, cut after the first ``eos_id``.
-        Uses a KV cache: one prefill pass, then one-token decode steps (see
-        :func:`dikkat.generation.generate`), the linear layers multiplying in the format
-        ``weights`` ("fp32", "bf16", "int8", "w8a8"; the parameters themselves stay as they are).
-        """
-        was_training = self.training
-        self.eval()
-        try:
-            return generate(
-                self,
-                ids,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_id=eos_id,
-                seed=seed,
-                weights=weights,
-            )
-        finally:
-            self.train(was_training)

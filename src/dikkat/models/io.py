@@ -46,11 +46,15 @@ def _state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+def load_checked(
+    model: nn.Module, tensors: dict[str, torch.Tensor], source: str, *, assign: bool = False
+) -> None:
     """Load ``tensors`` into ``model`` after checking that every name and shape fits.
 
     Parameters tied to another one (``model.is_tied(name)``) may be absent: loading the other
-    fills them. Raises ``ValueError`` naming what is missing, unexpected or of the wrong shape.
+    fills them (with ``assign=True``, which makes the given tensors the parameters, e.g. of a
+    model built on the meta device, the caller ties them again). Raises ``ValueError`` naming
+    what is missing, unexpected or of the wrong shape.
     """
     own = model.state_dict()
     is_tied = getattr(model, "is_tied", lambda name: False)
@@ -66,7 +70,7 @@ def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
             f"{source} does not fit the model's config: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}"
         )
-    model.load_state_dict(tensors, strict=False)  # strict except for tied names
+    model.load_state_dict(tensors, strict=False, assign=assign)  # strict except for tied names
 
 
 class SaveLoad:

@@ -1,5 +1,5 @@
 """One completion request, from its checked fields to text pieces: the engine's tokens decoded
-(:class:`~dikkat.serving.detokenize.TextStream`), cut at a stop string, ended by the model's
+(:class:`~dikkat.text.stream.TextStream`), cut at a stop string, ended by the model's
 end-of-text token (which is counted but not shown), and aborted when nobody reads it any more."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dikkat.serving import SamplingParams
-from dikkat.serving.detokenize import TextStream
 from dikkat.serving.protocol import CompletionRequest, stop_list
 from dikkat.serving.runner import EngineRunner, Failure
+from dikkat.text.stream import TextStream
 
 
 class RequestError(ValueError):

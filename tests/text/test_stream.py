@@ -2,8 +2,8 @@
 
 import pytest
 
-from dikkat.serving.detokenize import TextStream
 from dikkat.text import ByteTokenizer
+from dikkat.text.stream import TextStream
 
 BYTES = ByteTokenizer()
 

@@ -1,0 +1,362 @@
+"""The decoders people run: Llama, Mistral, Qwen2 (and SmolLM, a Llama) and Gemma 3, as one stack
+whose differences are components chosen by a frozen config.
+
+Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary, ``D`` head dim.
+
+ids (B, T) → token embedding (× √C for Gemma) → n blocks → RMSNorm → logits (B, T, V)::
+
+    a = Attention(attn_norm(x), mask_i)      # RoPE on q and k; q/k RMSNorm first (Gemma 3)
+    x = x + post_attn_norm(a)                # post-norm only in Gemma's "sandwich" blocks
+    m = GatedMLP(mlp_norm(x))                # SwiGLU (Llama, Mistral, Qwen2) or GeGLU (Gemma)
+    x = x + post_mlp_norm(m)
+
+``mask_i`` is the causal mask, and on a *sliding* layer ``causal() & sliding_window(w)``: the
+query sees its own key and the w − 1 before it (Mistral's window; five of every six layers of
+Gemma 3, whose sliding layers also rotate by another RoPE base). The tiled backend skips the key
+tiles such a mask hides, so a sliding layer costs O(T·w). What each family sets:
+
+============  =========  ========  ==========  =======  ==============  ============
+family        MLP        q/k bias  q/k norm    norms    sliding layers  embed scale
+============  =========  ========  ==========  =======  ==============  ============
+llama         SwiGLU     no        no          2        none            1
+mistral       SwiGLU     no        no          2        all (if set)    1
+qwen2         SwiGLU     yes       no          2        per config      1
+gemma3        GeGLU      no        RMSNorm     4        5 of every 6    √C
+============  =========  ========  ==========  =======  ==============  ============
+
+References: Llama (Touvron et al. 2023, arXiv:2302.13971), Mistral 7B (arXiv:2310.06825), Gemma 3
+(arXiv:2503.19786); transformers' ``modeling_llama.py`` and ``modeling_gemma3.py`` for the exact
+order of operations, which the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.core.masks import Mask, as_mask, causal, padding, sliding_window
+from dikkat.layers.attention import MultiHeadAttention
+from dikkat.layers.inputs import check_token_ids, check_valid
+from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
+from dikkat.layers.linear import Linear
+from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
+from dikkat.layers.norm import RMSNorm
+from dikkat.layers.positional import RotaryEmbedding, valid_positions
+from dikkat.models.generating import Generates
+from dikkat.models.io import SaveLoad
+from dikkat.presets import pick_preset
+from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
+
+LayerKind = Literal["full", "sliding"]
+FAMILIES = ("llama", "mistral", "qwen2", "gemma3")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes and components of a Llama-family or Gemma 3 decoder."""
+
+    family: str = "llama"  # what the weights came as (llama, mistral, qwen2, gemma3): a label
+    vocab_size: int = 256  # V
+    max_len: int = 2048  # longest sequence the positions are built for (context length)
+    d_model: int = 64  # width C
+    n_layers: int = 2
+    n_heads: int = 4  # query heads H
+    n_kv_heads: int | None = None  # key/value heads G (GQA; 1 = multi-query); None = H
+    head_dim: int | None = None  # D; None = C / H (Gemma 3 sets its own)
+    d_ff: int = 176  # hidden width of the gated MLP
+    activation: GateActivation = "silu"  # SwiGLU ("silu") or GeGLU with the tanh GELU
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_base: float = 10000.0  # RoPE base of the full-attention layers
+    local_rope_base: float | None = None  # RoPE base of the sliding layers; None = rope_base
+    sliding_window: int | None = None  # keys a sliding layer sees, its own included
+    layer_kinds: tuple[LayerKind, ...] | None = None  # "full"/"sliding" per layer; None: all
+    # sliding when sliding_window is set, else all full
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    out_bias: bool = False  # a bias on the attention's output projection
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3)
+    sandwich_norm: bool = False  # norms after attention and MLP too, before the residual (Gemma)
+    embed_scale: bool = False  # multiply the embeddings by √C (Gemma)
+    attn_scale: float | None = None  # factor on q·k; None = 1/√D
+    tie_embeddings: bool = True  # output projection = token embedding
+
+    def __post_init__(self) -> None:
+        check_choice("family", self.family, FAMILIES)
+        check_sizes(self, "vocab_size", "max_len", "d_model", "n_layers", "n_heads", "d_ff")
+        check_int("n_kv_heads", self.n_kv_heads, optional=True)
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads={self.kv_heads} does not divide n_heads={self.n_heads}")
+        check_int("head_dim", self.head_dim, optional=True)
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim"
+            )
+        if self.dim % 2:
+            raise ValueError(f"RoPE rotates pairs of features: head_dim {self.dim} must be even")
+        check_choice("activation", self.activation, GATE_ACTIVATIONS)
+        check_float("norm_eps", self.norm_eps, low=0.0, low_open=True)
+        check_float("rope_base", self.rope_base, low=0.0, low_open=True)
+        check_float("local_rope_base", self.local_rope_base, low=0.0, low_open=True, optional=True)
+        check_int("sliding_window", self.sliding_window, optional=True)
+        if self.layer_kinds is not None:
+            kinds = tuple(self.layer_kinds)  # a JSON config gives a list
+            object.__setattr__(self, "layer_kinds", kinds)
+            if len(kinds) != self.n_layers or not set(kinds) <= {"full", "sliding"}:
+                raise ValueError(
+                    f"layer_kinds must give 'full' or 'sliding' for each of the {self.n_layers} "
+                    f"layers, got {list(kinds)}"
+                )
+            if "sliding" in kinds and self.sliding_window is None:
+                raise ValueError("layer_kinds has sliding layers but sliding_window is None")
+        for name in (
+            "qkv_bias",
+            "out_bias",
+            "qk_norm",
+            "sandwich_norm",
+            "embed_scale",
+            "tie_embeddings",
+        ):
+            check_bool(name, getattr(self, name))
+        check_float("attn_scale", self.attn_scale, low=0.0, low_open=True, optional=True)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def dim(self) -> int:
+        """The head dim D."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's kind, "full" or "sliding"."""
+        if self.layer_kinds is not None:
+            return self.layer_kinds
+        kind: LayerKind = "full" if self.sliding_window is None else "sliding"
+        return (kind,) * self.n_layers
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> DecoderConfig:
+        """A named configuration, optionally with some fields changed."""
+        return pick_preset(DECODER_PRESETS, name, "decoder", overrides)
+
+
+def gemma3_layer_kinds(n_layers: int, every: int = 6) -> tuple[LayerKind, ...]:
+    """Gemma 3's pattern: every ``every``-th layer full, the others sliding."""
+    return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(n_layers))
+
+
+# fmt: off
+DECODER_PRESETS: dict[str, DecoderConfig] = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct): a Llama, 30 layers, 9 query heads over 3.
+    "smollm2-135m": DecoderConfig(
+        family="llama",
+        vocab_size=49152,
+        max_len=8192,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        d_ff=1536,
+        rope_base=100000.0,
+        norm_eps=1e-5,
+    ),
+    # google/gemma-3-270m: MQA with head dim 256, a 512-key window on 5 layers of 6.
+    "gemma3-270m": DecoderConfig(
+        family="gemma3",
+        vocab_size=262144,
+        max_len=32768,
+        d_model=640,
+        n_layers=18,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        d_ff=2048,
+        activation="gelu_tanh",
+        norm_eps=1e-6,
+        rope_base=1_000_000.0,
+        local_rope_base=10000.0,
+        sliding_window=512,
+        layer_kinds=gemma3_layer_kinds(18),
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        attn_scale=256**-0.5,
+    ),
+}
+# fmt: on
+
+
+class DecoderBlock(nn.Module):
+    """One block: attention and a gated MLP, each behind an RMSNorm and a residual (and, in a
+    sandwich block, an RMSNorm after it too). ``window``: the keys a sliding layer sees."""
+
+    def __init__(
+        self,
+        attn: MultiHeadAttention,
+        mlp: GatedMLP,
+        norms: tuple[RMSNorm, RMSNorm],
+        post_norms: tuple[RMSNorm, RMSNorm] | None = None,
+        *,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.attn, self.mlp, self.window = attn, mlp, window
+        self.attn_norm, self.mlp_norm = norms
+        self.post_attn_norm, self.post_mlp_norm = (None, None) if post_norms is None else post_norms
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Mask | None,
+        *,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        cache: KVCache | SelfAttentionCache | None = None,
+    ) -> Tensor:
+        """x (B, T, C) → (B, T, C); ``mask`` is this layer's (its window already applied)."""
+        a = self.attn(
+            self.attn_norm(x), None, mask, offset=offset, positions=positions, cache=cache
+        )
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        x = x + a
+        m = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return x + m
+
+
+def _block(
+    c: DecoderConfig, kind: LayerKind, ropes: dict[LayerKind, RotaryEmbedding]
+) -> DecoderBlock:
+    def norm(width: int) -> RMSNorm:
+        return RMSNorm(width, eps=c.norm_eps)
+
+    attn = MultiHeadAttention(
+        c.d_model,
+        c.n_heads,
+        n_kv_heads=c.kv_heads,
+        head_dim=c.dim,
+        bias=c.qkv_bias,
+        out_bias=c.out_bias,
+        rope=ropes[kind],
+        qk_norm=(norm(c.dim), norm(c.dim)) if c.qk_norm else None,
+        scale=c.attn_scale,
+    )
+    mlp = GatedMLP(c.d_model, c.d_ff, activation=c.activation)
+    post = (norm(c.d_model), norm(c.d_model)) if c.sandwich_norm else None
+    window = c.sliding_window if kind == "sliding" else None
+    return DecoderBlock(attn, mlp, (norm(c.d_model), norm(c.d_model)), post, window=window)
+
+
+class Decoder(Generates, SaveLoad, nn.Module):
+    """A Llama-family or Gemma 3 decoder-only language model (see the module docstring).
+
+    >>> model = Decoder(DecoderConfig())
+    >>> model(torch.randint(0, 256, (2, 16))).shape
+    torch.Size([2, 16, 256])
+    """
+
+    config_class = DecoderConfig
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        local_base = c.rope_base if c.local_rope_base is None else c.local_rope_base
+        ropes: dict[LayerKind, RotaryEmbedding] = {
+            "full": RotaryEmbedding(c.dim, base=c.rope_base, max_len=c.max_len),
+            "sliding": RotaryEmbedding(c.dim, base=local_base, max_len=c.max_len),
+        }
+        self.blocks = nn.ModuleList(_block(c, kind, ropes) for kind in c.kinds)
+        self.norm_f = RMSNorm(c.d_model, eps=c.norm_eps)
+        self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
+        for module in self.modules():  # Llama's initialisation: N(0, 0.02), norms at 1
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def is_tied(self, name: str) -> bool:
+        return self.config.tie_embeddings and name == "lm_head.weight"
+
+    @property
+    def n_params(self) -> int:
+        """Parameters, counting a tied embedding once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(
+        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        """One preallocated KV cache per layer, (B, G, max_len, D) each."""
+        c = self.config
+        max_len = c.max_len if max_len is None else max_len
+        check_int("max_len", max_len)
+        if max_len > c.max_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's context of {c.max_len}")
+        weight = self.tok_emb.weight
+        dtype = dtype or weight.dtype
+        return [
+            KVCache(batch, c.kv_heads, max_len, c.dim, dtype=dtype, device=weight.device)
+            for _ in range(c.n_layers)
+        ]
+
+    def forward(
+        self,
+        ids: Tensor,
+        mask: Mask | Tensor | None = None,
+        *,
+        valid: Tensor | None = None,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        cache: Sequence[KVCache | SelfAttentionCache] | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
+
+        The arguments are :meth:`dikkat.models.GPT.forward`'s: ``mask`` replaces the causal
+        mask (a sliding layer adds its window to whatever mask it is given), ``valid`` (B, T)
+        is False at padding, ``offset``/``positions`` place the tokens, ``cache`` holds one
+        cache per layer, ``last_only`` keeps the last position's logits.
+        """
+        c = self.config
+        check_token_ids("ids", ids, c.vocab_size, device=self.tok_emb.weight.device)
+        end = offset + ids.shape[1] if positions is None else int(positions.max()) + 1
+        if end > c.max_len:
+            raise ValueError(f"positions reach {end - 1}, past the model's context of {c.max_len}")
+        if cache is not None and len(cache) != c.n_layers:
+            raise ValueError(f"cache has {len(cache)} layers, the model {c.n_layers}")
+        full = as_mask(causal() if mask is None else mask)
+        if valid is not None:
+            check_valid("valid", valid, ids)
+            if offset != 0:
+                raise ValueError(
+                    f"valid describes ids alone, but offset={offset} puts cached keys before "
+                    f"them: pass mask=causal() & padding(valid=<every slot>) and positions"
+                )
+            full = full & padding(valid=valid)
+            positions = valid_positions(valid) if positions is None else positions
+        masks = {None: full}  # window → mask, built once per forward, not once per layer
+        x = self.tok_emb(ids)  # (B, T, C)
+        if c.embed_scale:  # Gemma: √C, rounded to the embeddings' dtype as its reference does
+            x = x * torch.tensor(math.sqrt(c.d_model), dtype=x.dtype)
+        for i, block in enumerate(self.blocks):
+            if block.window not in masks:
+                masks[block.window] = full & sliding_window(block.window)
+            layer_cache = None if cache is None else cache[i]
+            x = block(x, masks[block.window], offset=offset, positions=positions, cache=layer_cache)
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm_f(x)
+        return x if return_hidden else self.lm_head(x)  # (B, T, V)
