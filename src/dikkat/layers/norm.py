@@ -46,8 +46,8 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """y = x / √(mean(x²) + eps) · weight, over the last axis; no mean is subtracted, no shift.
 
-    The statistics and the product run in fp32 and the result is cast back to x's dtype, as
-    Llama's and Gemma's reference implementations do. Gemma writes its scale as ``1 + w``; a
+    The statistics and the product run in fp32 (fp64 for fp64 inputs) and the result is cast back
+    to x's dtype, as Llama's and Gemma's reference implementations do. Gemma writes its scale as ``1 + w``; a
     loader adds the 1 once (``weight = 1 + w``), so the math here is the same for every family.
     It also normalises per head: ``RMSNorm(D)`` on q (B, H, T, D) is Gemma 3's and Qwen 3's
     query/key norm.
@@ -65,9 +65,10 @@ class RMSNorm(nn.Module):
             raise ValueError(
                 f"RMSNorm expects a last dim of {self.d_model}, got x of shape {tuple(x.shape)}"
             )
-        h = x.float()
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        h = x.to(wide)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return (h * self.weight.to(wide)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, eps={self.eps}"

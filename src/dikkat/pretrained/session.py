@@ -42,6 +42,8 @@ class Pretrained:
     ) -> None:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.name, self.path = name, path
+        self._text = _TextOf(tokenizer)
+        self._decode = self._text.decode
 
     def __repr__(self) -> str:
         c = self.model.config
@@ -68,7 +70,7 @@ class Pretrained:
             raise TypeError("text must be a str or a non-empty list of str")
         prompts = [self.tokenizer.encode(t) for t in texts]
         rows = self._generate_ids(prompts, max_new_tokens, temperature, top_k, top_p, seed, weights)
-        out = [self.tokenizer.decode(row, skip_special=True) for row in rows]
+        out = [self._decode(row) for row in rows]
         return out[0] if isinstance(text, str) else out
 
     def stream(
@@ -153,7 +155,7 @@ class Pretrained:
         seed: int | None,
         weights: WeightFormat | None,
     ) -> Iterator[str]:
-        stream = TextStream(_SkipSpecial(self.tokenizer))
+        stream = TextStream(self._text)
         steps = self._steps([ids], max_new_tokens, temperature, top_k, top_p, seed, weights)
         for tokens in steps:
             token = int(tokens[0])
@@ -217,12 +219,14 @@ class Pretrained:
         )
 
 
-class _SkipSpecial:
-    """The tokenizer as :class:`~dikkat.text.stream.TextStream` needs it: special tokens left out
-    of the text."""
+class _TextOf:
+    """Generated ids → text: special tokens left out, and so are the ids past the tokenizer's
+    vocabulary that a model's embedding may have (rows padded to a round size, e.g. Qwen2's),
+    which have no text (transformers decodes them as nothing too)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special=True)
+        known = [i for i in ids if i < self.tokenizer.vocab_size]
+        return self.tokenizer.decode(known, skip_special=True)

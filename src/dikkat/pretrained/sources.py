@@ -54,7 +54,7 @@ class Source:
     name: str  # what the user asked for, for messages
 
 
-class MissingModelError(ImportError):
+class MissingModelError(ModuleNotFoundError):
     """A named model whose package is not installed; the message is one line with the fix."""
 
 

@@ -1,0 +1,144 @@
+"""``dikkat chat MODEL``: a conversation with a pretrained chat model, streamed as it is written.
+
+MODEL is what :func:`dikkat.pretrained.load` takes: a name (``smollm2``), a ``.gguf`` file or a
+Hugging Face folder. ``--message`` answers once and exits (for scripts); without it the command
+reads one turn a line, keeps the conversation, and ends on Ctrl-D or Ctrl-C at the prompt (Ctrl-C
+while an answer is being written stops that answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, TextIO
+
+from dikkat.cli.args import non_negative_float, positive_int, probability
+from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.generation import WEIGHT_FORMATS
+from dikkat.pretrained import Pretrained, load
+
+COMMANDS_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) leaves"
+
+
+def load_pretrained(args: argparse.Namespace) -> Pretrained:
+    """The model ``--model``/MODEL names, loaded with a line on stderr saying what and how long."""
+    print(f"dikkat: loading {args.model} …", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    lm = load(args.model, device=device_of(args))
+    print(f"dikkat: {lm} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return lm
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        weights=args.weights,
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    lm = load_pretrained(args)
+    if lm.chat_template is None:
+        raise ValueError(
+            f"{args.model} has no chat template (a base model): continue text with "
+            f"dikkat generate --model {args.model} 'TEXT'"
+        )
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    if args.message is not None:
+        answer(lm, [*system, {"role": "user", "content": args.message}], args, sys.stdout)
+        return 0
+    return converse(lm, system, args, sys.stdin, sys.stdout)
+
+
+def answer(lm: Pretrained, messages: list[dict], args: argparse.Namespace, out: TextIO) -> str:
+    """Stream the assistant's answer to ``messages`` into ``out``; return it."""
+    pieces = []
+    for piece in lm.chat_stream(messages, **sampling(args)):
+        pieces.append(piece)
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return "".join(pieces)
+
+
+def converse(
+    lm: Pretrained, system: list[dict], args: argparse.Namespace, inp: TextIO, out: TextIO
+) -> int:
+    """The interactive loop: one user turn a line, the history kept, until EOF or /exit."""
+    history: list[dict] = list(system)
+    if inp.isatty():
+        print(f"dikkat: chatting with {args.model}; {COMMANDS_HELP}", file=sys.stderr)
+    while True:
+        try:
+            out.write("> ")
+            out.flush()
+            line = inp.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as Ctrl-D does
+            out.write("\n")
+            return 0
+        if not line:  # end of input (Ctrl-D)
+            out.write("\n")
+            return 0
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = list(system)
+            print("dikkat: a new conversation", file=sys.stderr)
+            continue
+        if not text:
+            continue
+        turn = [*history, {"role": "user", "content": text}]
+        try:
+            reply = answer(lm, turn, args, out)
+        except KeyboardInterrupt:  # stop this answer; the turn is not kept
+            out.write("\n")
+            print("dikkat: answer interrupted", file=sys.stderr)
+            continue
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, go on
+            print(f"dikkat: error: {e} (/reset starts over)", file=sys.stderr)
+            continue
+        history = [*turn, {"role": "assistant", "content": reply}]
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The generation flags ``chat`` and ``generate --model`` share."""
+    parser.add_argument("-n", "--max-new-tokens", type=positive_int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=positive_int, default=None)
+    parser.add_argument("--top-p", type=probability, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="fp32",
+        help="format the linear layers multiply in: fp32, bf16, int8, w8a8 (docs/models.md)",
+    )
+
+
+def add_commands(sub: Any) -> None:
+    chat = add_command(
+        sub,
+        "chat",
+        cmd_chat,
+        help="talk with a pretrained chat model (SmolLM2, any Llama-family GGUF or HF folder)",
+        description="A conversation with MODEL in its own chat template, each answer streamed as "
+        "it is written. MODEL is a name (smollm2, gemma3-270m), a .gguf file or a Hugging Face "
+        f"folder. Without --message it reads one turn a line: {COMMANDS_HELP}; Ctrl-C stops an "
+        "answer, and at the prompt leaves.",
+        examples=[
+            ('dikkat chat smollm2 --message "What is the capital of France?"', "answer once"),
+            ("dikkat chat smollm2", "a conversation (Ctrl-D leaves)"),
+            ("dikkat chat ./SmolLM2-360M-Instruct.Q8_0.gguf --weights int8", "any GGUF file"),
+        ],
+    )
+    chat.add_argument("model", help="a name (smollm2), a .gguf file or an HF folder")
+    chat.add_argument("--message", "-m", help="answer this one message and exit")
+    chat.add_argument("--system", help="a system message that starts the conversation")
+    add_sampling_flags(chat, max_new_tokens=256)
+    add_device(chat)

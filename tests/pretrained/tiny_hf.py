@@ -1,0 +1,81 @@
+"""Tiny randomly initialised Hugging Face decoders of each family dikkat loads, saved as folders
+(config.json, model.safetensors, a byte-level tokenizer.json): the reference for the HF-folder
+path of ``dikkat.pretrained.load``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# The sizes every family shares: 2 kv heads under 4 query heads, 3 layers, and a 6-key window on
+# the sliding layers, so that a 20-token text is longer than the window.
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,  # the tokenizer's <s> and </s>
+    eos_token_id=1,
+    pad_token_id=None,
+)
+WINDOW = 6
+
+
+def hf_config(family: str):
+    """transformers' config of a tiny model of ``family`` (llama, mistral, qwen2, gemma3)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    if family == "llama":
+        return LlamaConfig(**COMMON, rope_theta=500.0, tie_word_embeddings=False)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False)
+    if family == "qwen2":  # sliding from layer 1 on
+        return Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        )
+    if family == "gemma3":  # head dim 16 ≠ 32 / 4, the 6-layer pattern cut to 3: all sliding
+        config = Gemma3TextConfig(
+            **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16
+        )
+        config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+        return config
+    raise ValueError(family)
+
+
+def save_tiny(family: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """Build, randomise (norm scales and biases too) and save a tiny model; returns it (fp32,
+    eval mode, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    with torch.no_grad():  # initialisers leave norms at 1 (or 0) and biases at 0: vary them
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.eval().save_pretrained(folder)
+    _save_tokenizer(folder, COMMON["vocab_size"])
+    return model
+
+
+def _save_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE without merges: 256 byte tokens and <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1} | {ch: i + 2 for i, ch in enumerate(sorted(alphabet))}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
+    )
