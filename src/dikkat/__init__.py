@@ -33,13 +33,24 @@ from dikkat.layers import (
     ALiBi,
     Block,
     BlockConfig,
+    GatedMLP,
     LayerNorm,
     LearnedPositionalEmbedding,
     MultiHeadAttention,
+    RMSNorm,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-from dikkat.models import BERT, GPT, BERTConfig, GPTConfig, Seq2Seq, Seq2SeqConfig
+from dikkat.models import (
+    BERT,
+    GPT,
+    BERTConfig,
+    Decoder,
+    DecoderConfig,
+    GPTConfig,
+    Seq2Seq,
+    Seq2SeqConfig,
+)
 from dikkat.tasks import TaskSpec
 from dikkat.training.trainer import TrainConfig, Trainer, train
 from dikkat.version import __version__
@@ -54,12 +65,16 @@ __all__ = [
     "Block",
     "BlockConfig",
     "Capture",
+    "Decoder",
+    "DecoderConfig",
     "GPTConfig",
+    "GatedMLP",
     "KVCache",
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "LookupStats",
     "MultiHeadAttention",
+    "RMSNorm",
     "RotaryEmbedding",
     "Seq2Seq",
     "Seq2SeqConfig",

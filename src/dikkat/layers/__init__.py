@@ -11,8 +11,8 @@ from dikkat.layers.linear import (
     release_packed,
 )
 from dikkat.layers.loss import Scratch, linear_cross_entropy
-from dikkat.layers.mlp import MLP
-from dikkat.layers.norm import LayerNorm
+from dikkat.layers.mlp import MLP, GatedMLP
+from dikkat.layers.norm import LayerNorm, RMSNorm
 from dikkat.layers.positional import (
     ALiBi,
     LearnedPositionalEmbedding,
@@ -41,6 +41,7 @@ __all__ = [
     "Block",
     "BlockConfig",
     "BlockWeights",
+    "GatedMLP",
     "Int8Weight",
     "KVCache",
     "LayerNorm",
@@ -48,6 +49,7 @@ __all__ = [
     "Linear",
     "LinearRows",
     "MultiHeadAttention",
+    "RMSNorm",
     "RotaryEmbedding",
     "Scratch",
     "SelfAttentionCache",

@@ -46,9 +46,10 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """y = x / √(mean(x²) + eps) · weight, over the last axis; no mean is subtracted, no shift.
 
-    The statistics and the product run in fp32 (fp64 for fp64 inputs) and the result is cast back
-    to x's dtype, as Llama's and Gemma's reference implementations do. Gemma writes its scale as ``1 + w``; a
-    loader adds the 1 once (``weight = 1 + w``), so the math here is the same for every family.
+    The statistics and the product run in fp32 (fp64 for fp64 inputs) and the result is cast
+    back to x's dtype, as Llama's and Gemma's reference implementations do. Gemma writes its scale
+    as ``1 + w``; a loader adds the 1 once (``weight = 1 + w``), so the math here is the same for
+    every family.
     It also normalises per head: ``RMSNorm(D)`` on q (B, H, T, D) is Gemma 3's and Qwen 3's
     query/key norm.
     """
