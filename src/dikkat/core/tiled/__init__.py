@@ -41,7 +41,14 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from dikkat.core.checks import broadcast_kv, check_mask, check_qkv, check_scale, check_softcap
+from dikkat.core.checks import (
+    broadcast_kv,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_sinks,
+    check_softcap,
+)
 from dikkat.core.masks import Mask
 from dikkat.core.tiled.autograd import TiledAttention, backward
 from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
@@ -100,9 +107,10 @@ def tiled_attention(
     windows: bool | None = None,
     fused: bool | None = None,
     plans: PlanCache | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention in tiles: ``(out (B, H, T, Dv), lse (B, H, T))``, lse in fp32 (fp64 for
-    fp64 inputs). Differentiable in q, k, v and the bias.
+    fp64 inputs). Differentiable in q, k, v, the bias and the sinks.
 
     Args:
         q, k, v, mask, scale, softcap, bias, q_offset: as in :func:`dikkat.attention` (``mask``
@@ -119,6 +127,9 @@ def tiled_attention(
             e.g. off the CPU, with Dv ≠ D or with a softcap, which that kernel cannot apply), in
             plain tensor ops (False), or None: the kernel wherever it can run.
         plans: the plan cache to use; None: the shared :data:`plans`.
+        sinks: attention sinks as in :func:`dikkat.attention`, (H,) or 3-D broadcastable to
+            (B, H, T), finite: one more logit per row in the softmax's denominator, joined after
+            the key tiles (:mod:`~dikkat.core.tiled.sinks`); the lse counts them.
     """
     softcap = check_softcap(softcap)
     # k, v of batch size 1 (shared by the batch): stride-0 views; autograd sums their gradient
@@ -128,7 +139,9 @@ def tiled_attention(
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     k, v = _for_windows(prepared, k, v)
-    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap)
+    if sinks is not None:  # (B|1, H|1, T|1), in the accumulator dtype
+        sinks = check_sinks(sinks, q, check_qkv(q, k, v))
+    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap, sinks)
 
 
 def _for_windows(prepared: Prepared, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
