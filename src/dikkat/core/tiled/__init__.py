@@ -52,7 +52,7 @@ from dikkat.core.checks import (
 from dikkat.core.masks import Mask
 from dikkat.core.tiled.autograd import TiledAttention, backward
 from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
-from dikkat.core.tiled.kernel import fused_unavailable
+from dikkat.core.tiled.kernel import fused_unavailable, unit_last_stride
 from dikkat.core.tiled.plan import BLOCK, CELLS, KEY_TILE, Windows, windows_cells
 
 __all__ = [
@@ -132,10 +132,12 @@ def tiled_attention(
             the key tiles (:mod:`~dikkat.core.tiled.sinks`); the lse counts them.
     """
     softcap = check_softcap(softcap)
+    use_fused = _fused(q, v, fused, softcap)
+    if use_fused:  # a view whose last dim is strided: copied once here, not once per tile
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))
     # k, v of batch size 1 (shared by the batch): stride-0 views; autograd sums their gradient
     k, v = broadcast_kv(k, q.shape[0]), broadcast_kv(v, q.shape[0])
     prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
-    use_fused = _fused(q, v, fused, softcap)
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     k, v = _for_windows(prepared, k, v)
@@ -217,9 +219,12 @@ def tiled_backward(
     _check_result("lse", lse, (B, H, T), q)
     scale, softcap = check_scale(scale, shape.D), check_softcap(softcap)
     mask = check_mask(mask, shape, q_offset)
-    kb, vb = broadcast_kv(k, B), broadcast_kv(v, B)
-    prepared = _prepared(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
     use_fused = _fused(q, v, fused, softcap)
+    kb, vb = k, v
+    if use_fused:  # as in tiled_attention: copied once here, not once per tile
+        q, kb, vb, out = (unit_last_stride(t) for t in (q, k, v, out))
+    kb, vb = broadcast_kv(kb, B), broadcast_kv(vb, B)
+    prepared = _prepared(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
     kb, vb = _for_windows(prepared, kb, vb)
     dq, dk, dv, _ = backward(q, kb, vb, out, lse, dout.contiguous(), scale, None, prepared,
                              key_tile, use_fused, softcap, False)  # fmt: skip
