@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -328,6 +329,23 @@ def test_a_model_too_big_for_the_machine_is_refused_before_allocating(tmp_path, 
     )
     assert code == 2 and "parameters needs" in err and "GiB to train" in err, err
     assert not (tmp_path / "big").exists()
+
+
+def test_a_max_len_too_large_for_memory_is_refused_before_allocating(tmp_path, capsys):
+    folder = tmp_path / "model"
+    GPT(GPTConfig.preset("tiny", max_len=16)).save(folder)
+    config = folder / "config.json"
+    meta = json.loads(config.read_text())
+    meta["config"]["max_len"] = 10**12  # learned positions: max_len × d_model floats
+    config.write_text(json.dumps(meta))
+    d = meta["config"]["d_model"]
+    table = (10**12 - 1) * d * 4 / 2**30  # the fp32 table's rows beyond one
+    cause = f"max_len 1,000,000,000,000 alone takes {table:,.1f} GiB of it"
+    with pytest.raises(ValueError, match=re.escape(f"GiB available; {cause}") + "$"):
+        GPT.load(folder)  # not the allocator's RuntimeError
+    code, _, err = run_cli(["generate", str(folder), "def ", "-n", "2"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"error: {config}: a GPT of this config needs " in err and cause in err
 
 
 def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(
