@@ -272,6 +272,31 @@ def test_damaged_weights_are_found_wherever_a_run_is_loaded(bpe_run, tmp_path, c
         resume_trainer(out, steps=3)
 
 
+def test_a_checkpoint_without_its_manifest_is_refused_like_a_damaged_one(bpe_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(bpe_run, out)
+    manifest = runs.checkpoint_dir(out) / runs.MANIFEST_FILE
+    manifest.unlink()
+    before = snapshot(out)
+    message = f"{manifest} is missing, so the checkpoint's files cannot be checked"
+    code, _, err = run_cli(["train", "--out", str(out), "--resume", "--steps", "3"], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    code, text, err = run_cli(["generate", str(out), "def ", "-n", "3"], capsys)
+    assert code == 2 and message in err and text == ""
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json is missing"):
+        GPT.load(out)
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json is missing"):
+        resume_trainer(out, steps=3)
+    assert snapshot(out) == before  # nothing trained, nothing committed
+    assert isinstance(GPT.load(out, verify=False), GPT)  # the explicit way out
+    code, _, err = run_cli(
+        ["train", "--out", str(out), "--resume", "--steps", "3", "--no-verify", "--no-progress"],
+        capsys,
+    )
+    assert code == 0, err
+    assert runs.verify_checkpoint(runs.checkpoint_dir(out))  # the new checkpoint has one
+
+
 def test_a_translator_run_is_verified_too(tmp_path, capsys):
     out = tmp_path / "tr"
     code, _, err = run_cli(

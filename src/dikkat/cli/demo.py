@@ -11,6 +11,7 @@ from typing import Any
 from dikkat import runs
 from dikkat.cli.args import positive_int
 from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.train import run_training
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.checkpoint import check_out_dir
 from dikkat.training.leak import leak_demo
@@ -85,7 +86,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     overwrite = replace or args.overwrite
     trainer = Trainer(task, config, out, overwrite=overwrite, made_by=DEMO, device=device)
-    result = trainer.train(progress=not args.no_progress)
+    result = run_training(trainer, not args.no_progress)
+    if isinstance(result, int):
+        return result
     print(
         f"   validation loss {result.val_loss:.3f} nats/byte after {result.seconds:.0f} s "
         f"({result.tokens_per_second:,.0f} tokens/s); uniform guessing would be {5.545:.3f}"

@@ -8,6 +8,7 @@ change here.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,16 @@ from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.folders import held, load_model, refusal
-from dikkat.cli.launch import add_parallel, launch, parallel_of, under_launcher
+from dikkat.cli.launch import add_parallel, die_with_launcher, launch, parallel_of, under_launcher
 from dikkat.models.seq2seq import Seq2Seq
 from dikkat.tasks import TaskSpec, build_task, task_info, task_names
 from dikkat.tasks.translate import encode_numbers
 from dikkat.text import load_tokenizer
 from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
-from dikkat.training.checkpoint import check_out_dir
+from dikkat.training.checkpoint import check_out_dir, hold_out_dir
 from dikkat.training.parallel import release
+from dikkat.training.results import SaveError, TrainResult
+from dikkat.training.signals import TrainingInterrupted
 from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
 
 DEFAULT_TASK = "lm"  # --task left out of a new run
@@ -85,10 +88,25 @@ def _check_resumable(out: Path, task: str | None) -> None:
         )
 
 
+def run_training(trainer: Trainer, progress: bool) -> TrainResult | int:
+    """``trainer.train()``; a run folder that could not be written (a full disk) ends in one
+    line and exit status 1, as does a signal in every rank but rank 0, which says it."""
+    try:
+        return trainer.train(progress=progress)
+    except SaveError as e:
+        print(f"dikkat: error: {e}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as e:
+        if trainer.ranks.main:
+            raise
+        return 128 + e.signum
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     where: dict[str, Any] = {"device": device_of(args), "parallel": parallel_of(args)}
     out = Path(args.out or f"runs/{args.task or DEFAULT_TASK}")
     launching = args.nproc > 1 and not under_launcher()
+    die_with_launcher()  # a rank of `dikkat train --nproc` never outlives it
     if args.resume:
         if args.overwrite:
             raise ValueError("--resume continues the run in --out; --overwrite would replace it")
@@ -97,8 +115,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_out_dir(out, overwrite=args.overwrite, what="--out")
         if with_recipe(args).batch_size % args.nproc:
             raise ValueError(f"--batch-size is not a multiple of --nproc {args.nproc}")
-    if launching:
-        return launch(args.nproc, args.argv)
+    if launching:  # the launcher holds the run for its ranks (rank 0 finds it held for it)
+        lock = hold_out_dir(out, "--out")
+        try:
+            return launch(args.nproc, args.argv)
+        finally:
+            lock.release()
     if args.resume:
         trainer = resume_trainer(out, steps=args.steps, verify=not args.no_verify, **where)
         if trainer.ranks.main:
@@ -137,7 +159,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"{spec.task}: {type(task.model).__name__} '{spec.preset}' with {n:,} parameters, "
                 f"{config.steps} steps of {config.batch_size}, {type(task.tokenizer).__name__}"
             )
-    result = trainer.train(progress=not args.no_progress)
+    result = run_training(trainer, not args.no_progress)
+    if isinstance(result, int):
+        return result
     if trainer.ranks.main:
         _summary(result, trainer.task.spec.task)
     release(trainer.ranks)
