@@ -12,7 +12,7 @@ import numpy as np
 
 from dikkat import maps
 from dikkat.cli.args import add_no_verify
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model, refusal, task_seed
 from dikkat.interop.pretrained import minilm
 from dikkat.maps.faithfulness import MAX_TOKENS, Faithfulness
@@ -168,9 +168,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise ValueError("give one model: a RUN_DIR, --model minilm or --hf PATH")
     figures = Figures(args)
     if args.model == "minilm":
+        require_extra("minilm", "show --model minilm")
         tm = maps.text_model(minilm(device_of(args)))
         result = _show_text(args, replace(tm, name="all-MiniLM-L6-v2"), figures)
     elif args.hf is not None:
+        require_extra("hf", "show --hf")
         result = _show_text(args, maps.hf_model(args.hf, device=device_of(args)), figures)
     else:
         what = held(args.run)
