@@ -34,7 +34,7 @@ import dikkat.models.io as model_io
 from dikkat import runs
 from dikkat.files import sha256
 from dikkat.tasks import TaskSpec, build_task
-from dikkat.training.trainer import LOG_FILE, TrainConfig, Trainer, resume_trainer
+from dikkat.training.trainer import LOG_FILE, PLOT_FILE, TrainConfig, Trainer, resume_trainer
 
 # a small text of this Python's own (read once; the standard library's full walk is slow)
 TEXT = Path(tempfile.gettempdir()) / "dikkat-test-faults-corpus.txt"
@@ -159,7 +159,8 @@ def test_every_operation_of_a_save_broken_in_turn(task, tmp_path, mode, monkeypa
         assert resumed.step in expected, (k, seen[k - 1], resumed.step)
         if mode == "fail" and resumed.step == FIRST:  # the save cleaned up after itself
             names = sorted(p.name for p in out.iterdir())
-            assert names == [f"checkpoint-{FIRST:06d}", LOG_FILE, runs.RUN_FILE], (k, names)
+            want = [f"checkpoint-{FIRST:06d}", LOG_FILE, PLOT_FILE, runs.RUN_FILE]
+            assert names == want, (k, names)
         for name, value in resumed.model.state_dict().items():
             assert torch.equal(value, expected[resumed.step][name]), (k, seen[k - 1], name)
         resumed.train(progress=False, until=SECOND + 1)  # goes on, saving over any leftovers
