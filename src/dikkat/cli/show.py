@@ -45,15 +45,28 @@ def _token(text: str | None) -> str | int | None:
     return int(text) if text is not None and re.fullmatch(r"-?\d+", text) else text
 
 
+SHOW_DIR = Path("runs/show")  # the pictures of a pretrained or Hugging Face model, by default
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    """``--out``; else the run folder; else ``runs/show/minilm`` or ``runs/show/NAME`` for
+    ``--hf PATH`` (NAME: the folder's name) — never the working folder unasked."""
+    if args.out is not None:
+        return Path(args.out)
+    if args.run is not None:
+        return Path(args.run)
+    return SHOW_DIR / (args.model or Path(args.hf).resolve().name)
+
+
 class Figures:
     """Where the pictures go: ``--png PATH`` names the main one (the others beside it, with a
-    suffix), ``--out DIR`` a folder for all of them (default: the run folder, or here)."""
+    suffix), ``--out DIR`` a folder for all of them (default: :func:`out_dir`)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         if args.png is not None:
             self.main = Path(args.png)
         else:
-            self.main = Path(args.out or args.run or ".") / "attention.png"
+            self.main = out_dir(args) / "attention.png"
         self.html = None if args.html is None else Path(args.html)
         self.written: list[tuple[Path, str]] = []
 
@@ -220,7 +233,7 @@ def add_commands(sub: Any) -> None:
             (
                 "dikkat show --model minilm --text \"The animal didn't cross the street because "
                 'it was too tired." --token it',
-                "attention.png and attention_focus.png here",
+                "attention.png and attention_focus.png in runs/show/minilm/",
             ),
             ("dikkat show runs/gpt --text 'import os' --rollout --faithfulness", ""),
             ("dikkat show runs/translate --text 4721 --layer -1", "the alignment"),
@@ -251,7 +264,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--png", metavar="PATH", help="the main picture's path (others beside it)")
     p.add_argument("--html", metavar="PATH", help="also one self-contained interactive HTML report")
     p.add_argument(
-        "--out", metavar="DIR", help="folder for the pictures (default: run folder or .)"
+        "--out",
+        metavar="DIR",
+        help="folder for the pictures (default: the run folder; for --model and --hf, "
+        "runs/show/minilm or runs/show/NAME, NAME the --hf folder's name)",
     )
     add_device(p)
     add_no_verify(p)
