@@ -7,8 +7,10 @@ import json
 import matplotlib.image
 import pytest
 
+import dikkat.cli.show
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import TrainConfig, Trainer
+from figure_checks import check_layout
 from helpers import run_cli
 
 SMALL = {"d_model": 16, "n_heads": 2}
@@ -24,6 +26,19 @@ def gpt_run(tmp_path_factory):
     spec = TaskSpec(task="lm", seq_len=16, data=json.__file__,
                     model_overrides={**SMALL, "n_layers": 2, "max_len": 64})  # fmt: skip
     return _run(tmp_path_factory.mktemp("gpt") / "run", spec)
+
+
+@pytest.fixture(autouse=True)
+def every_figure_is_checked(monkeypatch):
+    """Each figure `dikkat show` saves in these tests first passes check_layout: no text off
+    the canvas, no legend over the data."""
+    save = dikkat.cli.show.save_png
+
+    def checked(fig, path):
+        check_layout(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(dikkat.cli.show, "save_png", checked)
 
 
 def _png(path) -> None:
