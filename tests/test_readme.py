@@ -39,6 +39,44 @@ def test_every_command_line_of_the_readme_parses():
         assert args.command is not None, line
 
 
+def test_the_command_block_runs_top_to_bottom():
+    """Followed in order, the README's command block never trains into a folder an earlier line
+    filled (which `dikkat train` refuses without --overwrite or --resume) and never reads a run
+    before the line that trains it: the folders each line makes and reads, parsed, not run."""
+    import shlex
+
+    from dikkat.cli import build_parser
+
+    parser = build_parser()
+    block = re.search(r"## The command line\n\n```sh\n(.*?)```", README.read_text(), re.S)
+    made: set[Path] = set()
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line.split("  #")[0])[1:]
+        args = parser.parse_args(argv)
+        if args.command == "train":
+            out = Path(args.out or f"runs/{args.task or 'lm'}")
+            if args.resume:
+                assert out in made, f"{line!r} resumes {out}, which no line before trained"
+            else:
+                assert args.overwrite or out not in made, f"{line!r} trains into {out} again"
+            made.add(out)
+        for name in ("run", "checkpoint"):
+            read = getattr(args, name, None)
+            if read is not None:
+                assert Path(read) in made, f"{line!r} reads {read}, which no line before trained"
+
+
+def test_what_the_examples_write_is_ignored_by_git():
+    """The folders the README and docs/ write into, run from a checkout, are in .gitignore."""
+    import subprocess
+
+    for path in ("runs/gpt", "runs/show/minilm/attention.png", "models/gpt-tiny"):
+        done = subprocess.run(
+            ["git", "-C", str(README.parent), "check-ignore", "-q", "--no-index", path]
+        )
+        assert done.returncode == 0, f"{path} is not in .gitignore"
+
+
 def test_every_stated_training_recipe_is_the_registry_s():
     """A `dikkat train --task NAME --flag value …` line in the README, BENCHMARKS.md or docs/
     states the recipe: each value it gives equals the task's recipe in the registry."""
