@@ -78,6 +78,7 @@ def test_html_writes_the_report_of_the_maps_drawn(gpt_run, tmp_path, capsys):
     data = _report_data(page)
     assert data["layers"] == ["layer 0", "layer 1"] and data["head_labels"] == ["head 1"]
     assert data["queries"] == ["a", "b", "c"] and f"{page}: interactive report" in out
+    assert data["open"] == {"focus": 2, "layer": 0, "heads": [0]}  # a GPT's newest token
     code, _, err = run_cli(["show", str(gpt_run), "--text", "abc", "--rollout",
                             "--out", str(tmp_path), "--html", str(page)], capsys)  # fmt: skip
     assert code == 0, err
@@ -145,3 +146,17 @@ def test_a_pretrained_model_s_pictures_go_under_runs_not_here(tmp_path, monkeypa
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
     assert written == ["runs/show/minilm/attention.png", "runs/show/minilm/attention_focus.png"]
     assert "runs/show/minilm/attention.png: " in out
+
+
+def test_the_report_opens_on_the_token_and_one_head(gpt_run, tmp_path, capsys):
+    """--token picks the row the page opens on; with no --head, it shows the first head alone
+    (every head's lines at once are a tangle), and the others are a click away."""
+    page = tmp_path / "r.html"
+    argv = ["show", str(gpt_run), "--text", "import os", "--token", "p", "--layer", "-1",
+            "--out", str(tmp_path), "--html", str(page)]  # fmt: skip
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    data = _report_data(page)
+    assert data["queries"][data["open"]["focus"]] == "p" and data["open"]["focus"] == 2
+    assert data["open"]["heads"] == [0] and len(data["heads"]) == 2  # both heads are in the page
+    assert data["layers"] == ["layer 1"] and data["open"]["layer"] == 0

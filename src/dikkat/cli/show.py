@@ -63,6 +63,7 @@ class Figures:
     suffix), ``--out DIR`` a folder for all of them (default: :func:`out_dir`)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.one_head = args.head is None  # no --head: the report opens on one head, not all
         if args.png is not None:
             self.main = Path(args.png)
         else:
@@ -75,13 +76,14 @@ class Figures:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.written.append((save_png(fig, path), what))
 
-    def report(self, m: AttentionMaps) -> None:
-        """With --html, the interactive report of the maps drawn (docs/report.md)."""
+    def report(self, m: AttentionMaps, focus: int) -> None:
+        """With --html, the interactive report of the maps drawn (docs/report.md), opening on
+        query row ``focus`` (--token's), the first layer kept and the heads asked for (with no
+        --head, the first head alone: every head's lines at once are a tangle)."""
         if self.html is not None:
-            self.html.parent.mkdir(parents=True, exist_ok=True)
-            self.written.append(
-                (write_html(m, self.html), "interactive report (open in a browser)")
-            )
+            heads = m.heads[:1] if self.one_head else None
+            page = write_html(m, self.html, focus=focus, heads=heads)
+            self.written.append((page, "interactive report (open in a browser)"))
 
 
 def _focus_summary(m: AttentionMaps, row: int) -> str:
@@ -123,7 +125,7 @@ def _show_text(
     row = m.query_positions.index(focus)
     figures.save(draw_grid(m), "", f"{len(m.layers)} layers × {len(m.heads)} heads")
     figures.save(draw_focus(m, row), "focus", f"where {labels[focus]!r} looks, per head")
-    figures.report(m)
+    figures.report(m, row)
     print(_focus_summary(m, row))
     return maps.text_faithfulness(tm, args.text, focus) if args.faithfulness else None
 
@@ -148,7 +150,7 @@ def _show_translation(args: argparse.Namespace, figures: Figures) -> Faithfulnes
     figures.save(draw_alignment(m), "", "cross-attention: target × source, per layer")
     figures.save(draw_grid(m), "grid", f"{len(m.layers)} layers × {len(m.heads)} heads")
     figures.save(draw_focus(m, focus), "focus", f"where {m.queries[focus]!r} looks, per head")
-    figures.report(m)
+    figures.report(m, focus)
     print(_focus_summary(m, focus))
     return maps.translation_faithfulness(model, tokenizer, t, focus) if args.faithfulness else None
 
@@ -170,7 +172,7 @@ def _show_image(args: argparse.Namespace, figures: Figures) -> Faithfulness | No
         m = maps.vit_maps(model, image, layers=args.layer, heads=args.head, title=title)
     picture = image[0].float().cpu().numpy()
     figures.save(draw_image_attention(m, picture), "", "the class token over the patches")
-    figures.report(m)
+    figures.report(m, 0)  # the class token's row
     return maps.image_faithfulness(model, image) if args.faithfulness else None
 
 
