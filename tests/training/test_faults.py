@@ -179,7 +179,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(task, tmp_path):
     mnt = Path(tempfile.mkdtemp(prefix="dikkat-tmpfs-"))
     t = trainer_at(task, tmp_path / "probe", FIRST)
     one = sum(p.stat().st_size for p in runs.checkpoint_dir(tmp_path / "probe").iterdir())
-    size = one * 3 // 2  # one checkpoint fits, two (the old one and the new one) do not
+    plot = -(-(tmp_path / "probe" / PLOT_FILE).stat().st_size // 4096) * 4096  # in pages
+    size = one * 3 // 2 + plot  # one checkpoint (and its loss.png) fits, two do not
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)])
     if r.returncode != 0:
         mnt.rmdir()
@@ -197,7 +198,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(task, tmp_path):
         for name, value in resumed.model.state_dict().items():
             assert torch.equal(value, before[name]), name
         # the cause fixed (the filesystem grown), the same trainer saves again
-        grow = ["mount", "-o", f"remount,size={one * 3}", str(mnt)]
+        grow = ["mount", "-o", f"remount,size={one * 3 + 2 * plot}", str(mnt)]
         assert subprocess.run(grow).returncode == 0
         t.save()
         assert resume_trainer(out).step == SECOND
