@@ -15,7 +15,7 @@ from torch import Tensor
 from dikkat import audit
 from dikkat.audit import Report
 from dikkat.cli.args import add_no_verify, positive_int
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model
 from dikkat.core.masks import causal, document, full, padding
 from dikkat.models import BERT, GPT, Seq2Seq
@@ -136,6 +136,7 @@ def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
         path = Path(args.hf)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model folder")
+        require_extra("hf", "audit --hf")
         from transformers import AutoModelForCausalLM  # optional: only `--hf` needs it
 
         model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()

@@ -169,6 +169,7 @@ class Trainer:
             made_by=self.made_by,
             weights=weights,
         )
+        self.plot()  # with every save, so a run stopped by Ctrl-C has its curves too
         self.saved_step = self.step
         barrier(self.ranks)
 
@@ -256,7 +257,6 @@ class Trainer:
         if metrics:
             self._log({"step": self.step, **metrics})
         self.save()
-        self.plot()
         return TrainResult(
             self.step, self._last("loss"), val, task.unit, seconds, rate, metrics, self.out_dir
         )
