@@ -9,12 +9,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-from figure_checks import check_layout, layout_problems
 
 from dikkat.viz.curves import draw_losses
 from dikkat.viz.heatmaps import draw_alignment, draw_focus, draw_grid
 from dikkat.viz.maps import MEAN_OF_HEADS, AttentionMaps
 from dikkat.viz.overlay import draw_image_attention, draw_importance
+from figure_checks import check_layout, layout_problems
 
 WORDS = "[CLS] the animal didn ' t cross the street because it was too tired . [SEP]"
 SENTENCE = tuple(WORDS.split(" "))
