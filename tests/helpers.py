@@ -172,6 +172,18 @@ def term_sizes(case: Case, inputs: dict[str, Tensor | None], dtype: torch.dtype)
     )
 
 
+def dbias_terms(case: Case, x: dict[str, Tensor | None]) -> Tensor:
+    """Per bias entry, the sum of |terms| its gradient adds up: |P|·(|dP| + |rowsum(P∘dP)|)
+    with |dP| ≤ |dout|·|V|ᵀ, summed over the dims the bias broadcasts along."""
+    _, (P, _) = attention(x["q"], x["k"], x["v"], case.mask, bias=x["bias"],
+                          q_offset=case.q_offset, return_weights=True)  # fmt: skip
+    v = repeat_kv(x["v"], case.group)
+    dP = x["dout"].abs() @ v.abs().transpose(-2, -1)
+    dS = P * (dP + (P * dP).sum(-1, keepdim=True))
+    b = x["bias"]
+    return dS.sum_to_size((1,) * (4 - b.dim()) + tuple(b.shape)).view(b.shape)
+
+
 # --- hypothesis strategies ------------------------------------------------------------------------
 
 

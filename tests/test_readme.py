@@ -1,17 +1,10 @@
-"""The README's API tour runs as written."""
+"""The README: its command lines parse and run in order, what they write is ignored by git
+(its Python examples run in tests/test_docs.py)."""
 
 import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def test_readme_tour_runs(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the tour saves a checkpoint under runs/
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README has no python block"
-    for code in blocks:
-        exec(compile(code, str(README), "exec"), {})
 
 
 def test_readme_starts_with_the_two_commands():
@@ -37,6 +30,44 @@ def test_every_command_line_of_the_readme_parses():
     for line in lines:
         args = parser.parse_args(shlex.split(line)[1:])
         assert args.command is not None, line
+
+
+def test_the_command_block_runs_top_to_bottom():
+    """Followed in order, the README's command block never trains into a folder an earlier line
+    filled (which `dikkat train` refuses without --overwrite or --resume) and never reads a run
+    before the line that trains it: the folders each line makes and reads, parsed, not run."""
+    import shlex
+
+    from dikkat.cli import build_parser
+
+    parser = build_parser()
+    block = re.search(r"## The command line\n\n```sh\n(.*?)```", README.read_text(), re.S)
+    made: set[Path] = set()
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line.split("  #")[0])[1:]
+        args = parser.parse_args(argv)
+        if args.command == "train":
+            out = Path(args.out or f"runs/{args.task or 'lm'}")
+            if args.resume:
+                assert out in made, f"{line!r} resumes {out}, which no line before trained"
+            else:
+                assert args.overwrite or out not in made, f"{line!r} trains into {out} again"
+            made.add(out)
+        for name in ("run", "checkpoint"):
+            read = getattr(args, name, None)
+            if read is not None:
+                assert Path(read) in made, f"{line!r} reads {read}, which no line before trained"
+
+
+def test_what_the_examples_write_is_ignored_by_git():
+    """The folders the README and docs/ write into, run from a checkout, are in .gitignore."""
+    import subprocess
+
+    for path in ("runs/gpt", "runs/show/minilm/attention.png", "models/gpt-tiny"):
+        done = subprocess.run(
+            ["git", "-C", str(README.parent), "check-ignore", "-q", "--no-index", path]
+        )
+        assert done.returncode == 0, f"{path} is not in .gitignore"
 
 
 def test_every_stated_training_recipe_is_the_registry_s():

@@ -39,6 +39,34 @@ def test_a_saved_gpt_passes_every_audit(folders, capsys):
     assert set(table) == {"causality", "documents", "kv cache", "permutation"}
     assert all(" ok " in line for line in table.values()), out
     assert "uses positions" in table["permutation"]
+    checked = out.split("what was checked:\n")[1]  # what each audit varied, its tolerance
+    assert checked.count("each key set to every one of the 32 token ids") == 2, out
+    assert checked.count("float64, a copy of the model; a move counts above 1e-09 ×") == 2, out
+    assert "a position fails above 0.0001 ×" in checked
+
+
+def test_a_gpt_with_a_tiny_leak_for_one_token_id_exits_1(folders, capsys, monkeypatch):
+    # logit 0 at position 2 moves by 1e-6 of its scale when, and only when, token 5 is 17
+    forward = dikkat.models.gpt.GPT.forward
+
+    def leaky(self, ids, *args, **kwargs):
+        out = forward(self, ids, *args, **kwargs)
+        if kwargs.get("cache") is not None or ids.shape[1] < 6:
+            return out
+        bump = torch.zeros_like(out)
+        bump[:, 2, 0] = 1e-6 * out[:, 2, 0].abs() * (ids[:, 5] == 17)
+        return out + bump
+
+    monkeypatch.setattr(dikkat.models.gpt.GPT, "forward", leaky)
+    code, out, err = run_cli(["audit", str(folders / "gpt"), "--seq-len", "8"], capsys)
+    assert code == 1, err
+    table = rows(out)
+    assert "FAILED" in table["causality"] and "FAILED" in table["documents"]
+    assert "position 2 depends on the token at 5" in out
+    code, out, err = run_cli(
+        ["audit", str(folders / "gpt"), "--seq-len", "8", "--values", "4"], capsys
+    )
+    assert "each key set to 4 of the 32 token ids (12%" in out
 
 
 def test_a_gpt_that_lost_its_causal_mask_exits_1_naming_the_first_leak(

@@ -2,11 +2,13 @@
 it, in one line with exit status 2 — never a constructor's TypeError or a traceback."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from dikkat import runs
 from dikkat.models import BERT, GPT, BERTConfig, GPTConfig
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import TrainConfig, Trainer
@@ -138,6 +140,32 @@ def test_a_hugging_face_gpt2_folder_points_to_hf_gpt2(tmp_path, capsys):
     assert one_line_error(code, err) == (
         f"{tmp_path} holds a Hugging Face 'gpt2' model, not a GPT: "
         f"use dikkat generate --hf-gpt2 {tmp_path}"
+    )
+
+
+def test_a_damaged_or_missing_config_json_is_named_as_such(run_of, saved_models, tmp_path, capsys):
+    """Not "a config.json that names no dikkat model": the file is damaged or gone, and a run's
+    manifest says how — with --no-verify too (no model can be read without it)."""
+    run = tmp_path / "run"
+    shutil.copytree(run_of["lm"], run)
+    config = runs.checkpoint_dir(run) / "config.json"
+    size = config.stat().st_size
+    config.write_bytes(config.read_bytes()[: size // 2])
+    for flags in ([], ["--no-verify"]):
+        code, _, err = run_cli([*argv_of("generate", run, tmp_path / "x.png"), *flags], capsys)
+        assert one_line_error(code, err) == (
+            f"{config} is damaged: {size // 2:,} bytes where {size:,} were written "
+            "(truncated or replaced)"
+        )
+    config.unlink()
+    code, _, err = run_cli(["train", "--resume", "--out", str(run), "--no-verify"], capsys)
+    assert one_line_error(code, err) == f"{config} is missing (its checkpoint lists it)"
+    model = tmp_path / "model"
+    shutil.copytree(saved_models / "gpt", model)
+    (model / "config.json").write_text('{"model": "GP')
+    code, _, err = run_cli(argv_of("generate", model, tmp_path / "x.png"), capsys)
+    assert one_line_error(code, err) == (
+        f"{model / 'config.json'} is damaged: it is not the JSON object of a model's config"
     )
 
 

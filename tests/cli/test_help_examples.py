@@ -135,7 +135,12 @@ WRITES: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "detect": lambda a: [Path(a.out or Path(a.run) / "detections.png")],
     "bench attention": bench_files,
     "show": lambda a: (
-        [Path(a.png) if a.png else Path(a.out or a.run or ".") / "attention.png"]
+        # a pretrained or Hugging Face model's pictures go to runs/show/NAME, never to "."
+        [
+            Path(a.png)
+            if a.png
+            else Path(a.out or a.run or f"runs/show/{a.model or Path(a.hf).name}") / "attention.png"
+        ]
         + ([Path(a.html)] if a.html else [])
     ),
 }

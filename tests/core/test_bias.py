@@ -14,8 +14,8 @@ import warnings
 import pytest
 import torch
 
-from dikkat.core import attention, explain, masks, repeat_kv
-from helpers import Case, cpu_backends, max_err
+from dikkat.core import attention, explain, masks
+from helpers import Case, cpu_backends, dbias_terms, max_err
 
 EXACT = cpu_backends(exact_only=True)
 
@@ -54,17 +54,6 @@ def _bias_grad(case: Case, x, dtype: torch.dtype, backend: str, bias_dtype=None)
     return out, dbias
 
 
-def _dbias_terms(case: Case, x) -> torch.Tensor:
-    """Per bias entry, the sum of |terms| its gradient adds up: |P|·(|dP| + |rowsum(P∘dP)|)
-    with |dP| ≤ |dout|·|V|ᵀ, summed over the dims the bias broadcasts along."""
-    _, (P, _) = attention(x["q"], x["k"], x["v"], case.mask, bias=x["bias"], return_weights=True)
-    v = repeat_kv(x["v"], case.group)
-    dP = x["dout"].abs() @ v.abs().transpose(-2, -1)
-    dS = P * (dP + (P * dP).sum(-1, keepdim=True))
-    b = x["bias"]
-    return dS.sum_to_size((1,) * (4 - b.dim()) + tuple(b.shape)).view(b.shape)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", EXACT)
 @pytest.mark.parametrize("mask_name", BIAS_MASKS)
@@ -82,7 +71,7 @@ def test_bias_gradient_matches_the_fp64_oracle(backend, mask_name, bias_shape, d
     _, got = _bias_grad(case, x, dtype, backend, bias_dtype=torch.float32)
     assert torch.isfinite(got).all()
     _, plain = _bias_grad(case, x, dtype, "reference", bias_dtype=torch.float32)
-    bound = 2 * max_err(plain, exact) + FLOOR[dtype] * _dbias_terms(case, x).max().item()
+    bound = 2 * max_err(plain, exact) + FLOOR[dtype] * dbias_terms(case, x).max().item()
     err = max_err(got, exact)
     assert err <= bound, f"{backend} dbias in {dtype}: error {err:.3g} > bound {bound:.3g}"
 

@@ -21,6 +21,7 @@ import dikkat
 from dikkat.core import attention, explain, masks
 from dikkat.core.triton import installed, triton_attention, unsupported
 from helpers import Case, max_err, oracle, run, term_sizes
+from layouts import Layout, run_relaid, values
 
 if not installed():
     pytest.skip("triton is not installed (pip install 'dikkat[gpu]')", allow_module_level=True)
@@ -48,13 +49,20 @@ def _interpreter():
         yield
 
 
-def _check(case: Case, dtype: torch.dtype, device: str = DEVICE) -> None:
-    """The 2× rule for out, dq, dk, dv; the lse against the reference's; empty rows exactly 0."""
-    inputs = case.inputs()
+def _check(
+    case: Case, dtype: torch.dtype, device: str = DEVICE, lay: dict[str, Layout] | None = None
+) -> None:
+    """The 2× rule for out, dq, dk, dv; the lse against the reference's; empty rows exactly 0.
+    ``lay``: q, k, v, the bias and the output's gradient in these memory layouts
+    (tests/layouts.py); None: contiguous."""
+    inputs = case.inputs() if lay is None else values(case.inputs(), lay)
     exact = oracle(case, inputs, dtype)
     plain = run(case, inputs, dtype, "reference")
     on_device = {n: None if t is None else t.to(device) for n, t in inputs.items()}
-    got = run(case, on_device, dtype, "triton")
+    if lay is None:
+        got = run(case, on_device, dtype, "triton")
+    else:
+        got, _ = run_relaid(case, inputs, dtype, "triton", lay, device=device)
     terms = term_sizes(case, inputs, dtype)
     for (name, x), (_, p), (_, e), (_, t) in zip(
         got.items(), plain.items(), exact.items(), terms.items(), strict=True
@@ -152,6 +160,22 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_layouts_and_offsets_match_the_oracle(name: str, dtype: torch.dtype) -> None:
     _check(_case(**CASES[name], seed=len(name)), dtype)
+
+
+# q, k, v, the bias and the output's gradient as views with other strides: transposed, sliced,
+# channels-last, expanded (stride 0)
+STRIDED = {
+    "transposed_k": {"q": ("channels_last", 0), "k": ("transposed", 0), "v": ("every_other", 0),
+                     "bias": ("transposed", 0), "dout": ("expanded", 3)},
+    "expanded_k": {"q": ("narrowed", 0), "k": ("expanded", 2), "v": ("column_major", 0),
+                   "bias": ("expanded", 2), "dout": ("column_major", 0)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(STRIDED))
+def test_strided_inputs_match_the_oracle(name: str) -> None:
+    case = _case(masks.causal(), B=1, bias=(1, 2, T, S), seed=len(name))
+    _check(case, DTYPES[0], lay=STRIDED[name])
 
 
 def test_skipped_key_blocks_are_never_loaded() -> None:

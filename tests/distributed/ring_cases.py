@@ -10,6 +10,7 @@ import torch.distributed as dist
 import dikkat
 from dikkat import masks
 from dikkat.distributed import RingStats, gather_sequence, ring_attention, shard_sequence
+from layouts import Layout, relaid, values
 from spawning import gloo_group
 
 B, H, G, D, DV = 2, 4, 2, 8, 6
@@ -38,20 +39,29 @@ def expect_value_error(fn, *needles: str) -> None:
         raise AssertionError(f"no ValueError (expected one naming {needles})")
 
 
-def full_tensors(seed: int, s: int = T, t: int = T) -> tuple[torch.Tensor, ...]:
+def full_tensors(
+    seed: int, s: int = T, t: int = T, kv: tuple[int, int] = (G, DV)
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v and the output's gradient of the whole sequence; ``kv``: (G, Dv)."""
     g = torch.Generator().manual_seed(seed)
     return (
         torch.randn(B, H, t, D, generator=g, dtype=torch.float64),
-        torch.randn(B, G, s, D, generator=g, dtype=torch.float64),
-        torch.randn(B, G, s, DV, generator=g, dtype=torch.float64),
-        torch.randn(B, H, t, DV, generator=g, dtype=torch.float64),  # the output's gradient
+        torch.randn(B, kv[0], s, D, generator=g, dtype=torch.float64),
+        torch.randn(B, kv[0], s, kv[1], generator=g, dtype=torch.float64),
+        torch.randn(B, H, t, kv[1], generator=g, dtype=torch.float64),  # the output's gradient
     )
 
 
 def check_case(
-    name: str, mask, layout: str, dtype: torch.dtype, seed: int, s: int = T, t: int = T
-) -> None:
-    q, k, v, dout = full_tensors(seed, s, t)
+    name: str, mask, layout: str, dtype: torch.dtype, seed: int, s: int = T, t: int = T,
+    lay: dict[str, Layout] | None = None, kv: tuple[int, int] = (G, DV),
+) -> None:  # fmt: skip
+    """``lay``: the memory layouts (tests/layouts.py) of the local q, k, v and output gradient,
+    each from the values it gives the whole sequence (an expanded one repeats a slice along a
+    dim other than the sequence's); None: as shard_sequence cuts them."""
+    q, k, v, dout = full_tensors(seed, s, t, kv)
+    if lay is not None:
+        q, k, v, dout = values({"q": q, "k": k, "v": v, "dout": dout}, lay).values()
     q, k, v = (t.to(dtype).double().requires_grad_() for t in (q, k, v))  # same values as dtype
     ref, aux = dikkat.attention(q, k, v, mask, backend="reference", return_lse=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
@@ -60,9 +70,12 @@ def check_case(
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence(t.detach(), 2, layout)
 
-    local = [shard(t).to(dtype).requires_grad_() for t in (q, k, v)]
+    def laid(t: torch.Tensor, name: str) -> torch.Tensor:  # this rank's shard, in dtype and layout
+        return shard(t).to(dtype) if lay is None else relaid(shard(t).to(dtype), *lay[name])
+
+    local = [laid(t, n).detach().requires_grad_() for n, t in zip("qkv", (q, k, v), strict=True)]
     out, lse = ring_attention(*local, mask, layout=layout, return_lse=True)
-    grads = torch.autograd.grad(out, local, shard(dout).to(dtype))
+    grads = torch.autograd.grad(out, local, laid(dout, "dout"))
     tol = TOL[dtype]
     where = f"{name}, {layout}, {dtype}, rank {dist.get_rank()}"
     assert out.dtype == dtype and lse.shape == out.shape[:3], where
@@ -114,6 +127,21 @@ def check_skipped_blocks(rank: int) -> None:
         assert stats.blocks_computed + stats.blocks_skipped == 4, stats
 
 
+# q, k, v and the output's gradient of every rank as views whose strides are not the shards'
+# (tests/layouts.py): transposed, sliced, channels-last, expanded over a dim other than the
+# sequence's; (mask, layouts, (G, Dv)): with G = H and Dv = D the views reach the tiled
+# backend's fused kernel as they are
+RELAID = {
+    "causal": (masks.causal(), {"q": ("transposed", 0), "k": ("every_other", 0),
+               "v": ("channels_last", 0), "dout": ("expanded", 3)}, (H, D)),
+    "sliding_window(5)": (masks.sliding_window(5), {"q": ("column_major", 0),
+                          "k": ("transposed", 0), "v": ("narrowed", 0),
+                          "dout": ("expanded", 1)}, (H, D)),
+    "none": (None, {"q": ("channels_last", 0), "k": ("expanded", 0), "v": ("expanded", 3),
+             "dout": ("transposed", 0)}, (G, DV)),
+}  # fmt: skip
+
+
 def run(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     q = torch.zeros(1, 1, 2, 4)
@@ -134,5 +162,9 @@ def run(rank: int, world: int, port: int) -> None:
             window = masks.sliding_window(40)
             check_case("sliding_window(40), T = 600", window, "contiguous", torch.float64, 99,
                        s=600, t=600)  # fmt: skip
+            for name, (mask, lay, kv) in RELAID.items():  # strided shards
+                for dtype in (torch.float64, torch.float32):
+                    check_case(f"{name}, shards laid out {lay}", mask, "zigzag", dtype, seed,
+                               lay=lay, kv=kv)  # fmt: skip
         if world == 4:
             check_skipped_blocks(rank)

@@ -1,6 +1,7 @@
 """Ring attention on 2 and 4 CPU processes (gloo) against the fp64 reference on the whole
 sequence: output, log-sum-exp and the three gradients, for both layouts and every mask shape,
-with an uneven length (tests/distributed/ring_cases.py runs the cases in each process)."""
+with an uneven length, and on 2 processes shards laid out as transposed, sliced, channels-last and
+expanded views (tests/distributed/ring_cases.py runs the cases in each process)."""
 
 from __future__ import annotations
 

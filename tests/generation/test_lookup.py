@@ -10,9 +10,6 @@ of the check (and the rejected guesses' cache slots) are exercised, which the te
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -194,11 +191,3 @@ def test_bad_arguments_are_refused_at_the_call(kwargs, error, message) -> None:
     prompts, n = args.pop("prompts"), args.pop("max_new_tokens")
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         iter_lookup_generate(model, prompts, n, **args)  # checked before the first next()
-
-
-def test_the_docs_examples_run() -> None:
-    page = Path(__file__).resolve().parents[2] / "docs" / "generation.md"
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    assert len(blocks) >= 2  # the weight formats' example and prompt lookup's
-    for code in blocks:
-        exec(compile(code, str(page), "exec"), {})

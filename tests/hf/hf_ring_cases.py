@@ -127,6 +127,8 @@ def check_refusals(rank: int) -> None:
 
     expect_refusal(run(use_cache=True), "LlamaAttention[0]", "use_cache=True")
     expect_refusal(run(output_attentions=True), "output_attentions")
+    # a keyword dikkat does not know (the model forwards its call's extras to attention)
+    expect_refusal(run(frobnicate=True), "LlamaAttention[0] passed frobnicate=True")
     # right padding: the last two tokens, in zigzag on rank 0 (it holds the last chunk)
     pad = shard_sequence((torch.arange(N) < N - 2).long().expand(B, N), 1, **z)
     expect_refusal(run(attention_mask=pad), "padding" if rank == 0 else "rank(s) [0]")

@@ -7,9 +7,11 @@ The oracle is transformers' own ``attn_implementation="eager"`` (the formula wri
 in float32, on randomly initialised tiny models built from configs (nothing downloaded):
 GPT-2 (right padding, a scale of 1/(√D·(layer + 1))), BERT (padding through
 ``attention_mask``), Llama (grouped-query heads and RoPE, left padding), Mistral (a sliding
-window shorter than the sequence, left padding) and Gemma 2 (logit soft-capping, a sliding window
-on every other layer, left padding). A backend that cannot serve a model's calls (sdpa cannot
-soft-cap) must refuse them with its reason, and the test is then skipped with it.
+window shorter than the sequence, left padding), Gemma 2 (logit soft-capping, a sliding window
+on every other layer, left padding) and gpt-oss (learned attention sinks passed as ``s_aux=``, a
+sliding window on every other layer, left padding). A backend that cannot serve a model's calls
+(sdpa can neither soft-cap nor add sinks) must refuse them with its reason, and the test is then
+skipped with it.
 """
 
 from __future__ import annotations
@@ -83,12 +85,35 @@ def gemma2(softcap: float | None = 1.0) -> nn.Module:
     return transformers.Gemma2ForCausalLM(config)
 
 
+def gpt_oss(sinks: bool = True) -> nn.Module:
+    # the sinks (one logit per query head, s_aux=) drawn wide, so that they move the weights of
+    # a tiny random model (test_gpt_oss_sinks_reach_the_logits); sinks=False: −30, which leaves
+    # exp(sink) below fp32's resolution of any row's sum — the model as if it had none
+    config = transformers.GptOssConfig(
+        **_small(num_attention_heads=4, num_key_value_heads=2), head_dim=8,
+        max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if sinks:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+            else:
+                layer.self_attn.sinks.fill_(-30.0)
+    return model
+
+
 # model, and whether it pads on the left (decoders that generate) or the right
 MODELS = {"gpt2": (gpt2, False), "bert": (bert, False), "llama": (llama, True),
-          "mistral": (mistral, True), "gemma2": (gemma2, True)}  # fmt: skip
-DECODERS = ["gpt2", "llama", "mistral", "gemma2"]
+          "mistral": (mistral, True), "gemma2": (gemma2, True),
+          "gpt_oss": (gpt_oss, True)}  # fmt: skip
+DECODERS = ["gpt2", "llama", "mistral", "gemma2", "gpt_oss"]
 # (model, backend) pairs the backend cannot serve, and what its refusal says
-REFUSED = {("gemma2", "sdpa"): "cannot soft-cap the scores"}
+REFUSED = {
+    ("gemma2", "sdpa"): "cannot soft-cap the scores",
+    ("gpt_oss", "sdpa"): "cannot add attention sinks (sinks=)",
+}
 
 
 def switch(model: nn.Module, name: str, backend: str, run: Callable[[], object]) -> None:
@@ -238,6 +263,26 @@ def test_gemma2_soft_capping_reaches_the_logits():
         a = capped(ids, attention_mask=mask).logits
         b = uncapped(ids, attention_mask=mask).logits
     assert float((a - b)[mask.bool()].abs().max()) > 0.1
+
+
+def test_gpt_oss_sinks_reach_the_logits():
+    """The same weights without sinks give other logits, on dikkat as on eager: the comparisons
+    above see the sinks (before dikkat took them, s_aux= was refused, and a sinks= keyword
+    ignored, which gave eager's logits without sinks)."""
+    _, ids, mask = make("gpt_oss")
+    logits = {}
+    for sinks in (True, False):
+        torch.manual_seed(0)
+        model = gpt_oss(sinks).eval()
+        model.set_attn_implementation(NAMES["tiled"])
+        with torch.no_grad():
+            logits[sinks] = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            eager = model(ids, attention_mask=mask).logits
+        real = mask.bool()
+        assert float((logits[sinks] - eager)[real].abs().max()) <= TOL
+    assert float((logits[True] - logits[False])[mask.bool()].abs().max()) > 0.1
 
 
 def test_recording_says_which_backend_each_layer_took_and_why():

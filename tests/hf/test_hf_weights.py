@@ -29,7 +29,7 @@ def _real_rows(w: Tensor, mask: Tensor) -> Tensor:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["bert", "llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("name", ["bert", "llama", "mistral", "gemma2", "gpt_oss"])
 def test_output_attentions_equal_eager(name: str, backend: str) -> None:
     model, ids, mask = make(name)
     with torch.no_grad():
@@ -74,6 +74,22 @@ def test_capture_keeps_only_the_selected_layer_heads_and_rows(backend: str) -> N
     assert cap[-1].shape == (len(LENGTHS), 2, 2, ids.shape[1])
     # left padding: the last three tokens are real in every row
     torch.testing.assert_close(cap[-1], want[-1][:, [3, 1]][:, :, [-1, -3]], atol=TOL, rtol=0)
+
+
+def test_capture_counts_gpt_oss_sinks() -> None:
+    """gpt-oss's weights leave each row's share of the sink out, as eager's do (each row sums to
+    less than 1): tiled's lse counts the sinks, and capture recomputes the weights from it."""
+    model, ids, mask = make("gpt_oss")
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, output_attentions=True).attentions
+        model.set_attn_implementation(NAMES["tiled"])
+        with dikkat.capture(model) as cap:
+            model(ids, attention_mask=mask)
+    assert len(cap.layers) == len(want) == 2
+    for layer, w in enumerate(want):
+        diff = _real_rows(cap[layer], mask) - _real_rows(w, mask)
+        assert float(diff.abs().max()) <= TOL
+    assert float(_real_rows(want[-1], mask).sum(-1).min()) < 0.9  # the sinks took weight
 
 
 def test_capture_during_generate_follows_the_cache() -> None:

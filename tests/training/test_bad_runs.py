@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -271,6 +272,31 @@ def test_damaged_weights_are_found_wherever_a_run_is_loaded(bpe_run, tmp_path, c
         resume_trainer(out, steps=3)
 
 
+def test_a_checkpoint_without_its_manifest_is_refused_like_a_damaged_one(bpe_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(bpe_run, out)
+    manifest = runs.checkpoint_dir(out) / runs.MANIFEST_FILE
+    manifest.unlink()
+    before = snapshot(out)
+    message = f"{manifest} is missing, so the checkpoint's files cannot be checked"
+    code, _, err = run_cli(["train", "--out", str(out), "--resume", "--steps", "3"], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    code, text, err = run_cli(["generate", str(out), "def ", "-n", "3"], capsys)
+    assert code == 2 and message in err and text == ""
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json is missing"):
+        GPT.load(out)
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json is missing"):
+        resume_trainer(out, steps=3)
+    assert snapshot(out) == before  # nothing trained, nothing committed
+    assert isinstance(GPT.load(out, verify=False), GPT)  # the explicit way out
+    code, _, err = run_cli(
+        ["train", "--out", str(out), "--resume", "--steps", "3", "--no-verify", "--no-progress"],
+        capsys,
+    )
+    assert code == 0, err
+    assert runs.verify_checkpoint(runs.checkpoint_dir(out))  # the new checkpoint has one
+
+
 def test_a_translator_run_is_verified_too(tmp_path, capsys):
     out = tmp_path / "tr"
     code, _, err = run_cli(
@@ -328,6 +354,23 @@ def test_a_model_too_big_for_the_machine_is_refused_before_allocating(tmp_path, 
     )
     assert code == 2 and "parameters needs" in err and "GiB to train" in err, err
     assert not (tmp_path / "big").exists()
+
+
+def test_a_max_len_too_large_for_memory_is_refused_before_allocating(tmp_path, capsys):
+    folder = tmp_path / "model"
+    GPT(GPTConfig.preset("tiny", max_len=16)).save(folder)
+    config = folder / "config.json"
+    meta = json.loads(config.read_text())
+    meta["config"]["max_len"] = 10**12  # learned positions: max_len × d_model floats
+    config.write_text(json.dumps(meta))
+    d = meta["config"]["d_model"]
+    table = (10**12 - 1) * d * 4 / 2**30  # the fp32 table's rows beyond one
+    cause = f"max_len 1,000,000,000,000 alone takes {table:,.1f} GiB of it"
+    with pytest.raises(ValueError, match=re.escape(f"GiB available; {cause}") + "$"):
+        GPT.load(folder)  # not the allocator's RuntimeError
+    code, _, err = run_cli(["generate", str(folder), "def ", "-n", "2"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"error: {config}: a GPT of this config needs " in err and cause in err
 
 
 def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(

@@ -130,7 +130,7 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(text, tmp_path):
     assert any("log.jsonl" in w for w in rank0) and any("run.json" in w for w in rank0)
     assert rank1 == []
     names = {p.name for p in out.iterdir()}
-    assert names == {"run.json", "checkpoint-000004", LOG_FILE, "loss.png"}
+    assert names == {"run.json", "checkpoint-000004", LOG_FILE, "loss.png", runs.LOCK_FILE}
 
 
 def test_a_killed_rank_stops_the_run_and_it_resumes_in_one_process(text, tmp_path):

@@ -34,7 +34,7 @@ import dikkat.models.io as model_io
 from dikkat import runs
 from dikkat.files import sha256
 from dikkat.tasks import TaskSpec, build_task
-from dikkat.training.trainer import LOG_FILE, TrainConfig, Trainer, resume_trainer
+from dikkat.training.trainer import LOG_FILE, PLOT_FILE, TrainConfig, Trainer, resume_trainer
 
 # a small text of this Python's own (read once; the standard library's full walk is slow)
 TEXT = Path(tempfile.gettempdir()) / "dikkat-test-faults-corpus.txt"
@@ -159,12 +159,13 @@ def test_every_operation_of_a_save_broken_in_turn(task, tmp_path, mode, monkeypa
         assert resumed.step in expected, (k, seen[k - 1], resumed.step)
         if mode == "fail" and resumed.step == FIRST:  # the save cleaned up after itself
             names = sorted(p.name for p in out.iterdir())
-            assert names == [f"checkpoint-{FIRST:06d}", LOG_FILE, runs.RUN_FILE], (k, names)
+            want = [runs.LOCK_FILE, f"checkpoint-{FIRST:06d}", LOG_FILE, PLOT_FILE, runs.RUN_FILE]
+            assert names == want, (k, names)
         for name, value in resumed.model.state_dict().items():
             assert torch.equal(value, expected[resumed.step][name]), (k, seen[k - 1], name)
         resumed.train(progress=False, until=SECOND + 1)  # goes on, saving over any leftovers
         left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
-        assert left == [], (k, left)
+        assert left == [runs.LOCK_FILE], (k, left)  # the lock file stays, and nothing else
     # only a failed flush of a folder passes without an error (the files are whole and in
     # place; some filesystems cannot flush a folder at all)
     assert all(op.endswith("(folder)") for op in survived), survived
@@ -178,7 +179,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(task, tmp_path):
     mnt = Path(tempfile.mkdtemp(prefix="dikkat-tmpfs-"))
     t = trainer_at(task, tmp_path / "probe", FIRST)
     one = sum(p.stat().st_size for p in runs.checkpoint_dir(tmp_path / "probe").iterdir())
-    size = one * 3 // 2  # one checkpoint fits, two (the old one and the new one) do not
+    plot = -(-(tmp_path / "probe" / PLOT_FILE).stat().st_size // 4096) * 4096  # in pages
+    size = one * 3 // 2 + plot  # one checkpoint (and its loss.png) fits, two do not
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)])
     if r.returncode != 0:
         mnt.rmdir()
@@ -190,17 +192,19 @@ def test_a_full_disk_keeps_the_previous_checkpoint(task, tmp_path):
         with pytest.raises(OSError) as e:  # the checkpoint at SECOND does not fit beside FIRST's
             t.train(progress=False, until=SECOND)
         assert e.value.errno == errno.ENOSPC
-        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+        left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+        assert left == [runs.LOCK_FILE]
         resumed = resume_trainer(out)
         assert resumed.step == FIRST
         for name, value in resumed.model.state_dict().items():
             assert torch.equal(value, before[name]), name
         # the cause fixed (the filesystem grown), the same trainer saves again
-        grow = ["mount", "-o", f"remount,size={one * 3}", str(mnt)]
+        grow = ["mount", "-o", f"remount,size={one * 3 + 2 * plot}", str(mnt)]
         assert subprocess.run(grow).returncode == 0
         t.save()
         assert resume_trainer(out).step == SECOND
     finally:
+        runs.release(mnt / "run")  # the lock file is open while a trainer holds the run
         subprocess.run(["umount", str(mnt)], check=False)
         mnt.rmdir()
 

@@ -136,3 +136,29 @@ def test_bad_arguments_are_named(tmp_path: Path) -> None:
         write_html(np.zeros((1, 1, 1, 1)), tmp_path / "r.html")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_bytes must be a positive integer, got 0"):
         write_html(report_maps(), tmp_path / "r.html", max_bytes=0)
+
+
+def test_what_the_page_opens_on(tmp_path: Path) -> None:
+    """focus, layer and heads (head numbers) become indices into the maps' axes."""
+    path = write_html(report_maps(), tmp_path / "r.html", focus=-1, layer=1, heads=[4, 0])
+    data = json.loads(parse(path).scripts["dikkat-data"])
+    assert data["open"] == {"focus": 4, "layer": 1, "heads": [0, 2]}  # heads 0, 2, 4 kept
+    path = write_html(report_maps(), tmp_path / "r.html")
+    data = json.loads(parse(path).scripts["dikkat-data"])
+    assert data["open"] == {"focus": None, "layer": 0, "heads": [0, 1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(focus=5), ValueError, r"focus must be an index into the 5 query rows, got 5"),
+        (dict(focus=True), ValueError, "focus must be an index"),
+        (dict(layer=-3), ValueError, r"layer must be an index into the 2 layers, got -3"),
+        (dict(heads=[1]), ValueError, r"heads \[1\] are not among the maps' heads \[0, 2, 4\]"),
+        (dict(heads="0"), TypeError, "heads must be a sequence of head numbers"),
+    ],
+)
+def test_a_view_the_maps_do_not_have_is_refused(tmp_path: Path, kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        write_html(report_maps(), tmp_path / "r.html", **kwargs)
+    assert not (tmp_path / "r.html").exists()

@@ -222,3 +222,106 @@ def test_the_screenshot_is_not_blank(page: Page) -> None:
     inside = heat[3:-3, 3:-3]  # without the border
     assert inside.std() > 0.05  # weights of different sizes, painted in different shades
     assert (inside.mean(-1) < 0.95).mean() > 0.1
+
+
+@pytest.fixture(scope="module")
+def opened(page: Page, tmp_path_factory: pytest.TempPathFactory) -> Page:
+    """The report as `dikkat show --token … --layer …` writes it: opening on query row 1, the
+    second layer and head 2 alone (of heads 0, 2, 4)."""
+    path = tmp_path_factory.mktemp("opened") / "report.html"
+    write_html(report_maps(), path, focus=1, layer=1, heads=[2])
+    return Page(page.driver, path.as_uri())
+
+
+def checked(d: Any) -> list[bool]:
+    return [b.is_selected() for b in d.find_elements(By.CSS_SELECTOR, "#heads input")]
+
+
+def mode(d: Any) -> str | None:
+    on = d.find_elements(By.CSS_SELECTOR, "input[name='head-mode']:checked")
+    return on[0].get_attribute("value") if on else None
+
+
+def test_the_page_opens_on_the_token_layer_and_head_asked_for(opened: Page) -> None:
+    d = opened.fresh()
+    assert opened.severe() == []
+    assert Select(d.find_element(By.ID, "layer")).first_selected_option.text == "layer 1"
+    token = Select(d.find_element(By.ID, "token")).first_selected_option
+    assert token.get_attribute("value") == "q:1" and "position 4" in token.text
+    assert checked(d) == [False, True, False] and mode(d) == "one"
+    want = [line for line in expected_lines(1) if line[0] == 1 and line[2] == 1]
+    assert want and close(opened.lines(), want)  # its lines alone: no tangle
+    shown = d.execute_script(
+        "return [...document.querySelectorAll('#lines line')].map(l => getComputedStyle(l))"
+        ".map(s => s.display !== 'none' && s.visibility === 'visible' && +s.opacity === 1)"
+    )
+    assert shown and all(shown)
+    assert not any(opened.dimmed())
+    picked = d.find_elements(By.CSS_SELECTOR, ".token.picked")
+    assert [(p.get_attribute("class"), p.get_attribute("data-index")) for p in picked] == [
+        ("token q picked", "1")
+    ]
+    assert d.find_element(By.ID, "heat-title").text == "layer 1 · head 2"
+    selected = d.find_elements(By.CSS_SELECTOR, "canvas.cell.selected")
+    assert [(c.get_attribute("data-layer"), c.get_attribute("data-head")) for c in selected] == [
+        ("1", "1")
+    ]
+
+
+def test_the_heat_map_has_the_tokens_on_its_axes(opened: Page) -> None:
+    d = opened.fresh()
+    maps = report_maps()
+    for side, labels in (("q", maps.queries), ("k", maps.keys)):
+        shown = d.find_elements(By.CSS_SELECTOR, f"#heat-map .heat-label.{side}")
+        assert [t.get_attribute("textContent") for t in shown] == list(labels)
+        assert all(t.is_displayed() for t in shown)
+    # each query label beside its row of the map, each key label under its column
+    image = d.find_element(By.CSS_SELECTOR, "#heat-map image").rect
+    rows = [t.rect for t in d.find_elements(By.CSS_SELECTOR, "#heat-map .heat-label.q")]
+    cols = [t.rect for t in d.find_elements(By.CSS_SELECTOR, "#heat-map .heat-label.k")]
+    step = image["height"] / len(rows)
+    for i, r in enumerate(rows):
+        assert r["x"] + r["width"] <= image["x"] + 1
+        assert abs(r["y"] + r["height"] / 2 - (image["y"] + (i + 0.5) * step)) < step / 2
+    for j, c in enumerate(cols):
+        assert c["y"] >= image["y"] + image["height"] - 1
+        assert abs(c["x"] + c["width"] / 2 - (image["x"] + (j + 0.5) * step)) < step / 2
+    bold = d.find_elements(By.CSS_SELECTOR, "#heat-map .heat-label.picked")
+    assert [t.get_attribute("textContent") for t in bold] == [maps.queries[1]]
+    heat = pixels(d.find_element(By.CSS_SELECTOR, "#heat-map image").screenshot_as_png)
+    assert heat.std() > 0.05  # painted, not blank
+    assert opened.severe() == []
+
+
+def test_all_one_and_none_heads(opened: Page) -> None:
+    d = opened.fresh()
+    radio = {m.get_attribute("value"): m for m in d.find_elements(By.NAME, "head-mode")}
+    radio["all"].click()
+    assert checked(d) == [True, True, True] and mode(d) == "all"
+    assert close(opened.lines(), [line for line in expected_lines(1) if line[0] == 1])
+    radio["none"].click()
+    assert checked(d) == [False, False, False] and opened.lines() == []
+    radio["one"].click()
+    assert checked(d) == [True, False, False]
+    d.find_element(By.CSS_SELECTOR, "#heads input[data-head='2']").click()  # one: it alone
+    assert checked(d) == [False, False, True] and mode(d) == "one"
+    assert d.find_element(By.ID, "heat-title").text == "layer 1 · head 4"
+    radio["all"].click()
+    d.find_element(By.CSS_SELECTOR, "#heads input[data-head='0']").click()  # all: a toggle
+    assert checked(d) == [False, True, True] and mode(d) is None
+    assert opened.severe() == []
+
+
+def test_the_token_menu_and_a_click_pick_the_token(opened: Page) -> None:
+    d = opened.fresh()
+    menu = Select(d.find_element(By.ID, "token"))
+    menu.select_by_value("")  # every token
+    assert close(opened.lines(), [line for line in expected_lines(1) if line[2] == 1])
+    key = d.find_element(By.CSS_SELECTOR, ".token.k[data-index='3']")
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'})", key)
+    key.click()
+    assert menu.first_selected_option.get_attribute("value") == "k:3"
+    assert close(opened.lines(), [ln for ln in expected_lines(1) if ln[1] == 3 and ln[2] == 1])
+    key.click()  # again: every token
+    assert menu.first_selected_option.get_attribute("value") == ""
+    assert opened.severe() == []

@@ -7,9 +7,10 @@
     dikkat.audit.kv_cache(model)                # cached decoding = a full forward
     dikkat.audit.permutation(block, x)          # blind to position, or not
 
-Each probes the model from outside — random tokens, perturbed one position at a time, and the
-gradients through its token embedding — so it applies to a dikkat model, a Hugging Face one or
-any callable from token ids (B, T) to outputs (B, T, …).
+Each probes the model from outside — random tokens, each position set to many token ids in turn
+(on a float64 copy of the model), and the gradients through its token embedding, each output
+judged against its own dependence on what it may see — so it applies to a dikkat model, a
+Hugging Face one or any callable from token ids (B, T) to outputs (B, T, …).
 """
 
 from dikkat.audit.decoding import KVCacheReport, PermutationReport, kv_cache, permutation

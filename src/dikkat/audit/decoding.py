@@ -70,6 +70,13 @@ class KVCacheReport:
             f"{self.errors[t]:.3g}, above {self.rtol:g} × the logits' scale {self.scale:.3g}"
         )
 
+    def coverage(self) -> str:
+        """One line: what was compared, and the tolerance."""
+        return (
+            f"{len(self.errors)} positions of random tokens; a position fails above "
+            f"{self.rtol:g} × the full forward's largest |logit| ({self.scale:.3g})"
+        )
+
     def __str__(self) -> str:
         cells = " ".join(f"{e:.1e}" for e in self.errors)
         return (
@@ -160,6 +167,7 @@ class PermutationReport:
     max_diff: float
     scale: float
     permutation: tuple[int, ...]
+    rtol: float  # outputs within rtol × scale count as equal
     name: str = "permutation"
 
     @property
@@ -183,6 +191,14 @@ class PermutationReport:
             want = "blind to position" if self.expect else "to use positions"
             fact = f"UNEXPECTED: {fact}, but it was expected {want}"
         return fact
+
+    def coverage(self) -> str:
+        """One line: the permutation, and the tolerance."""
+        kept = ", the last position kept" if self.causal else ""
+        return (
+            f"permutation {list(self.permutation)}{kept}; outputs equal within {self.rtol:g} × "
+            f"their largest |output| ({self.scale:.3g})"
+        )
 
     def __str__(self) -> str:
         return (
@@ -236,5 +252,5 @@ def permutation(
     scale = float(y.abs().max())
     rtol = PERMUTATION_RTOL.get(y.dtype, 1e-2) if rtol is None else rtol
     return PermutationReport(
-        diff <= rtol * scale, expect, causal, diff, scale, tuple(perm.tolist())
+        diff <= rtol * scale, expect, causal, diff, scale, tuple(perm.tolist()), rtol
     )

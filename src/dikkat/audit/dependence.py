@@ -3,14 +3,17 @@
 Notation: ``B`` batch, ``T`` positions, ``F`` output features, ``C`` embedding width; a pair
 ``(i, j)`` is (query position i whose output is watched, key position j whose token changes).
 
-Two probes, both on random tokens:
+Two probes (:mod:`dikkat.audit.sweep`), both on random tokens and on a float64 copy of the model
+where one can be made:
 
-* **perturbation** — change the token at j (every row at once, each to another random token)
-  and see which outputs moved. A correct mask keeps the outputs it hides j from bit-identical
-  (a masked weight is exactly 0, and so is its product with any value), so any change above a
-  tolerance far below a real leak's effect is one.
+* **values** — set the token at j to each of many ids (every id of a small vocabulary) and see
+  which outputs moved. A correct mask keeps the outputs it hides j from bit-identical (a masked
+  weight is exactly 0, and so is its product with any value), so a move above a tolerance far
+  below a real leak's effect is one; the tolerance is relative to each output's own dependence
+  on the tokens its mask shows it.
 * **Jacobian** — d output_i / d embedding_j, through the model's token embedding, for each
-  query i (one backward pass each): exactly 0 where the mask hides j from i.
+  query i (one backward pass each): exactly 0 where the mask hides j from i, for every
+  direction in the embedding space.
 """
 
 from __future__ import annotations
@@ -18,19 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dikkat.audit.probe import (
-    RTOL,
-    Model,
-    check_deterministic,
-    device_of,
-    evaluating,
-    find_embedding,
-    outputs,
-    tolerance,
-)
+from dikkat.audit.probe import Model, device_of, dtype_name, evaluating, find_embedding, in_dtype
 from dikkat.audit.report import Checked, MaskReport, describe, pairs
+from dikkat.audit.sweep import Sweep, gradient_reads, random_ids, value_sweep
 from dikkat.core.masks import Mask, as_mask, causal
-from dikkat.validate import check_bool, check_int
+from dikkat.validate import check_bool, check_float, check_int
 
 
 def mask(
@@ -41,8 +36,10 @@ def mask(
     *,
     batch: int = 2,
     trials: int = 2,
+    values: int | None = None,
     seed: int = 0,
-    rtol: float = RTOL,
+    rtol: float | None = None,
+    dtype: torch.dtype | None = torch.float64,
     jacobian: bool = True,
     embedding: nn.Module | None = None,
     hops: int | None = None,
@@ -56,19 +53,35 @@ def mask(
         fn: token ids (B, T) (long) → outputs (B, T, …): a tensor, a tuple whose first item is
             one, or an object with ``.logits`` / ``.last_hidden_state`` (a Hugging Face output).
             A module is put in eval mode for the audit; any other callable must be
-            deterministic (two calls on the same tokens are compared first).
+            deterministic (two calls on the same tokens are compared in every trial).
         declared: the mask the model should implement, evaluated on the (B, 1, T, T) grid of
             positions 0 … T − 1 (head 0) — e.g. ``causal() & document(ids)``, or a bool tensor.
         vocab_size: token ids are drawn from 0 … vocab_size − 1.
-        seq_len: T, the positions checked (small: the cost is ``trials · (T + 2)`` calls).
-        batch: rows per call; a mask with a batch dimension (``padding``, ``document`` of
-            (B, N) ids) must match it.
-        trials: fresh random rows in which every key is perturbed once.
-        seed: seeds the tokens, the perturbations and the Jacobian's projections.
-        rtol: a change counts when it exceeds ``rtol`` × the largest |output| of the unperturbed
-            call (its scale). A correct mask leaves hidden outputs bit-identical, so this only
-            absorbs nondeterministic kernels; a real leak moves an output by a sizeable part of
-            its scale (an off-by-one mask gives the extra key a weight near 1 / (i + 2)).
+        seq_len: T, the positions checked (the cost is ``trials · (T · N + 2)`` calls, N the
+            values each key takes).
+        batch: B, the rows of random tokens; a mask with a batch dimension (``padding``,
+            ``document`` of (B, N) ids) must match it. When ``fn`` takes more rows, one call
+            holds copies of the B rows for several values (row r a copy of row r mod B), so a
+            function closed over a (B, …) tensor may tile it to the rows it is given.
+        trials: fresh random rows in which every key takes its values.
+        values: how many token ids each key takes in each trial, in every row: every id when
+            ``vocab_size`` is at most this, else this many drawn afresh for each key and trial.
+            None: every id of a vocabulary up to 256 (bytes), else 16. A leak that fires for
+            one id alone is found for certain only when every id is tried
+            (``values=vocab_size``).
+        seed: seeds the tokens, the values drawn and the Jacobian's projections.
+        rtol: output (i, f) reads key j when changing token j moves it by more than ``rtol``
+            × the most it moved for a token its mask shows it (its own included): relative per
+            output, so a tiny output beside a huge one is held to its own scale. None takes
+            :data:`~dikkat.audit.probe.RTOL` of the dtype the probes run in — 1e-9 in float64,
+            1e-6 in float32. A correct mask leaves hidden outputs bit-identical, so the
+            tolerance only absorbs nondeterministic kernels. The Jacobian counts a gradient
+            above ``rtol`` × output i's largest.
+        dtype: the probes run a copy of the model in this dtype (float64: rounding near 1e-16,
+            so a leak of 1e-5 of an output is unmistakable) when ``fn`` is a module, a bound
+            method of one, or a ``functools.partial`` of either or with one among its
+            arguments (``partial(model, mask=m)``); a plain function, a model whose copy
+            fails, or None runs as given. The report says which.
         jacobian: also take d output_i / d embedding_j (needs the token embedding).
         embedding: the module whose output the gradients are taken against; None finds it when
             ``fn`` is a model (``get_input_embeddings()``, ``tok_emb``, or its one embedding of
@@ -86,13 +99,18 @@ def mask(
 
     Returns:
         A :class:`~dikkat.audit.report.MaskReport`: ``.ok``, ``.leaks``, ``.first_leak``,
-        ``.unread`` (allowed pairs never read: a warning), ``.checked``.
+        ``.unread`` (allowed pairs never read: a warning), ``.checked`` (what was varied, in
+        which dtype, and the tolerance).
     """
     check_int("vocab_size", vocab_size, at_least=2)
     check_int("seq_len", seq_len)
     check_int("batch", batch)
     check_int("trials", trials)
+    check_int("values", values, optional=True)
     check_int("seed", seed, at_least=0)
+    check_float("rtol", rtol, low=0.0, optional=True)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     check_bool("jacobian", jacobian)
     check_int("hops", hops, optional=True)
     if embedding is not None and not isinstance(embedding, nn.Module):
@@ -103,40 +121,65 @@ def mask(
     where = device_of(fn, device)
     B, T = batch, seq_len
     allowed = declared_mask.materialize(B, 1, T, T, 0, where).expand(B, 1, T, T)[:, 0].cpu()
+    reach = reachable(allowed, hops)
     gen = torch.Generator().manual_seed(seed)
     with evaluating(fn):
-        read = perturbation_reads(fn, vocab_size, B, T, trials, gen, rtol, where)
-        grads, how = None, "off (jacobian=False)"
-        if jacobian:
-            if embedding is not None:
-                found, how = embedding, f"the given {type(embedding).__name__}"
-            else:
-                found, how = find_embedding(fn, vocab_size)
-            if found is not None:
-                grads, how = gradient_reads(fn, found, how, vocab_size, B, T, gen, rtol, where)
-            else:
-                how = f"skipped: {how}"
-    reach = reachable(allowed, hops)
-    gradient = grads if grads is not None else torch.zeros_like(read)
+        probe_ids = random_ids(vocab_size, B, T, gen).to(where)
+        run, given, precision = in_dtype(fn, embedding, dtype, probe_ids)
+        with evaluating(run):
+            sweep = value_sweep(run, vocab_size, B, T, trials, values, reach, gen, rtol, where)
+            grads, how = jacobian_reads(run, given, jacobian, vocab_size, B, T, trials, sweep, gen)
+    gradient = grads if grads is not None else torch.zeros_like(sweep.read)
+    read = sweep.read | gradient
     outside = ~reach
-    unread = allowed.any(0) & ~(read & allowed).any(0)
+    unread = allowed.any(0) & ~(sweep.read & allowed).any(0)
     checked = Checked(
         batch=B,
         seq_len=T,
         trials=trials,
-        forward_passes=trials * (T + 2) + int(grads is not None),
+        forward_passes=sweep.calls + trials * int(grads is not None),
+        rows_per_call=sweep.rows,
         jacobian=how,
-        rtol=rtol,
+        rtol=sweep.rtol,
+        values=sweep.values,
+        vocab_size=vocab_size,
+        precision=f"{dtype_name(sweep.scale.dtype)}, {precision}",
     )
     return MaskReport(
         name=name,
         declared=describe(declared_mask),
         allowed=allowed.any(0),
-        read=(read | gradient).any(0),
-        leaks=pairs(((read | gradient) & outside).any(0)),
+        read=read.any(0),
+        leaks=pairs((read & outside).any(0)),
         jacobian_leaks=pairs((gradient & outside).any(0)),
         unread=pairs(unread),
         checked=checked,
+    )
+
+
+def jacobian_reads(
+    fn: Model,
+    embedding: nn.Module | None,
+    wanted: bool,
+    vocab_size: int,
+    B: int,
+    T: int,
+    trials: int,
+    sweep: Sweep,
+    gen: torch.Generator,
+) -> tuple[Tensor | None, str]:
+    """The Jacobian's reads (:func:`~dikkat.audit.sweep.gradient_reads`), or None and why."""
+    if not wanted:
+        return None, "off (jacobian=False)"
+    if embedding is not None:
+        found, how = embedding, f"the given {type(embedding).__name__}"
+    else:
+        found, how = find_embedding(fn, vocab_size)
+    if found is None:
+        return None, f"skipped: {how}"
+    where = sweep.scale.device
+    return gradient_reads(
+        fn, found, how, vocab_size, B, T, trials, sweep.scale, gen, sweep.rtol, where
     )
 
 
@@ -147,8 +190,10 @@ def causality(
     *,
     batch: int = 2,
     trials: int = 2,
+    values: int | None = None,
     seed: int = 0,
-    rtol: float = RTOL,
+    rtol: float | None = None,
+    dtype: torch.dtype | None = torch.float64,
     jacobian: bool = True,
     embedding: nn.Module | None = None,
     device: torch.device | str | None = None,
@@ -171,8 +216,10 @@ def causality(
         seq_len,
         batch=batch,
         trials=trials,
+        values=values,
         seed=seed,
         rtol=rtol,
+        dtype=dtype,
         jacobian=jacobian,
         embedding=embedding,
         device=device,
@@ -192,80 +239,3 @@ def reachable(allowed: Tensor, hops: int | None) -> Tensor:
             break
         reach = grown
     return reach.bool()
-
-
-def random_ids(vocab_size: int, B: int, T: int, gen: torch.Generator) -> Tensor:
-    return torch.randint(0, vocab_size, (B, T), generator=gen)
-
-
-def perturbation_reads(
-    fn: Model,
-    vocab_size: int,
-    B: int,
-    T: int,
-    trials: int,
-    gen: torch.Generator,
-    rtol: float,
-    device: torch.device,
-) -> Tensor:
-    """(B, T, T) bool: True at (b, i, j) where changing token j of row b moved output i."""
-    read = torch.zeros(B, T, T, dtype=torch.bool)
-    with torch.no_grad():
-        for _ in range(trials):
-            ids = random_ids(vocab_size, B, T, gen)
-            base = outputs(fn, ids.to(device))  # (B, T, F)
-            check_deterministic(fn, ids.to(device), base, rtol)
-            tol = tolerance(base, rtol)
-            for j in range(T):
-                changed = ids.clone()
-                shift = torch.randint(1, vocab_size, (B,), generator=gen)
-                changed[:, j] = (changed[:, j] + shift) % vocab_size  # another token, every row
-                moved = (outputs(fn, changed.to(device)) - base).abs().amax(-1)  # (B, T)
-                read[:, :, j] |= (moved > tol).cpu()
-    return read
-
-
-def gradient_reads(
-    fn: Model,
-    embedding: nn.Module,
-    how: str,
-    vocab_size: int,
-    B: int,
-    T: int,
-    gen: torch.Generator,
-    rtol: float,
-    device: torch.device,
-) -> tuple[Tensor | None, str]:
-    """(B, T, T) bool: True at (b, i, j) where d output_i / d embedding_j of row b is nonzero
-    (above ``rtol`` × the largest gradient of that output), and where they were taken — or
-    None and why they could not be."""
-    captured: list[Tensor] = []
-
-    def swap_in_leaf(module: nn.Module, args: object, out: Tensor) -> Tensor:
-        leaf = out.detach().requires_grad_()  # gradients even where the weights are frozen
-        captured.append(leaf)
-        return leaf
-
-    ids = random_ids(vocab_size, B, T, gen).to(device)
-    handle = embedding.register_forward_hook(swap_in_leaf)
-    try:
-        with torch.enable_grad():
-            out = outputs(fn, ids)  # (B, T, F)
-    finally:
-        handle.remove()
-    if len(captured) != 1 or captured[0].shape[:2] != ids.shape:
-        return None, f"skipped: {how} ran {len(captured)} times in one call, not once on the ids"
-    if not out.requires_grad:
-        return None, f"skipped: the outputs carry no gradient back to {how}"
-    (emb,) = captured  # (B, T, C)
-    reads = torch.zeros(B, T, T, dtype=torch.bool)
-    for i in range(T):
-        weights = torch.randn(B, out.shape[-1], generator=gen).to(out.device, out.dtype)
-        (grad,) = torch.autograd.grad(
-            (out[:, i] * weights).sum(), emb, retain_graph=i < T - 1, allow_unused=True
-        )
-        if grad is None:
-            continue
-        size = grad.detach().float().flatten(2).norm(dim=-1).cpu()  # (B, T)
-        reads[:, i] = size > rtol * size.amax(-1, keepdim=True)
-    return reads, f"through {how}, d output_i / d embedding_j at all {T} output positions"

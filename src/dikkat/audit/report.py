@@ -31,7 +31,8 @@ GRID_MAX = 32  # __str__ draws the query × key grid up to this many positions
 
 
 class Report(Protocol):
-    """What every audit returns: a verdict, a name, a line and a readable account."""
+    """What every audit returns: a verdict, a name, a line, what it tested and a readable
+    account."""
 
     name: str
 
@@ -39,6 +40,8 @@ class Report(Protocol):
     def ok(self) -> bool: ...
 
     def summary(self) -> str: ...
+
+    def coverage(self) -> str: ...
 
 
 def describe(mask: Mask) -> str:
@@ -71,21 +74,48 @@ def pairs(where: Tensor) -> tuple[Pair, ...]:
 
 @dataclass(frozen=True)
 class Checked:
-    """What a mask audit tested."""
+    """What a mask audit tested, and the tolerance it judged by."""
 
-    batch: int  # rows of random tokens per call
+    batch: int  # B, the rows of random tokens (one call may hold copies of them per value)
     seq_len: int  # T
-    trials: int  # fresh random rows, each key perturbed once in each
-    forward_passes: int  # calls of the model, perturbation and Jacobian together
+    trials: int  # fresh random rows, each key set to every value of its set in each
+    forward_passes: int  # calls of the model, value sweep and Jacobian together
+    rows_per_call: int  # the most rows one call held (values' rows stacked when the model can)
     jacobian: str  # where the gradients were taken, or why they were not
-    rtol: float  # a change counts above rtol × the output scale
+    rtol: float  # a change counts above rtol × the output's dependence on what it may see
+    values: int  # token ids each key took in each trial (all of them when = vocab_size)
+    vocab_size: int
+    precision: str  # the dtype the probes ran in, and whether on a copy of the model
+
+    @property
+    def every_value(self) -> bool:
+        """Each key took every token id (in every row of every trial)."""
+        return self.values == self.vocab_size
+
+    def varied(self) -> str:
+        """What the tokens were put through, in words."""
+        rows = (
+            f"in each of {self.trials} trials × {self.batch} random rows of {self.seq_len} tokens"
+        )
+        if self.every_value:
+            return f"each key set to every one of the {self.vocab_size} token ids, {rows}"
+        share = 100 * self.values / self.vocab_size
+        return (
+            f"each key set to {self.values} of the {self.vocab_size} token ids ({share:.2g}%, "
+            f"drawn afresh for each key and trial), {rows}"
+        )
+
+    def tolerance(self) -> str:
+        """The tolerance, in words."""
+        return (
+            f"a move counts above {self.rtol:g} × that output's own dependence on the tokens "
+            "its mask shows it (each position and output feature apart)"
+        )
 
     def __str__(self) -> str:
-        trials = f"{self.trials} trial" + ("" if self.trials == 1 else "s")
         return (
-            f"{trials} of {self.batch} rows × {self.seq_len} positions, every key perturbed once "
-            f"a trial ({self.forward_passes} calls of the model); a change counts above "
-            f"{self.rtol:g} × the output scale"
+            f"{self.varied()}; {self.forward_passes} calls of the model (up to "
+            f"{self.rows_per_call} rows each) in {self.precision}"
         )
 
 
@@ -105,7 +135,8 @@ class MaskReport:
         jacobian_leaks: those of ``leaks`` the Jacobian found (empty when it was skipped).
         unread: allowed pairs no perturbation ever changed: a warning, not a failure (a
             random model may ignore a key by chance; more trials tell).
-        checked: what was tested.
+        checked: what was tested: the token values each key took, the dtype the probes ran
+            in, the tolerance.
     """
 
     name: str
@@ -140,6 +171,11 @@ class MaskReport:
             line += f" (warning: {len(self.unread)} allowed pairs never read)"
         return line
 
+    def coverage(self) -> str:
+        """One line: what was varied, in which dtype, and the tolerance."""
+        c = self.checked
+        return f"{c.varied()}; in {c.precision}; {c.tolerance()}"
+
     def grid(self) -> str:
         """The query × key grid: ``#`` allowed and read, ``+`` read through other positions
         (over layers, or the position's own token), ``.`` hidden and unread, ``X`` leak, ``?``
@@ -165,6 +201,7 @@ class MaskReport:
             f"{self.name} audit against {self.declared}: {'ok' if self.ok else 'FAILED'}",
             f"  result    {self.summary()}",
             f"  checked   {self.checked}",
+            f"  tolerance {self.checked.tolerance()}",
             f"  jacobian  {self.checked.jacobian}",
             f"  leaks     {leaks + more if leaks else 'none'}",
             f"  unread    {unread + (' …' if len(self.unread) > 8 else '') if unread else 'none'}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import Tensor
 from dikkat import audit
 from dikkat.audit import Report
 from dikkat.cli.args import add_no_verify, positive_int
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model
 from dikkat.core.masks import causal, document, full, padding
 from dikkat.models import BERT, GPT, Seq2Seq
@@ -25,6 +26,25 @@ Audit = Callable[[], Report]
 def _sizes(args: argparse.Namespace, context: int | None) -> dict[str, int]:
     T = args.seq_len if context is None else min(args.seq_len, context)
     return {"seq_len": T, "batch": args.batch, "trials": args.trials, "seed": args.seed}
+
+
+def _probe(args: argparse.Namespace) -> dict[str, int | None]:
+    """The mask audits' extra settings: the token values each key takes."""
+    return {"values": args.values}
+
+
+def _tiled(rows: Tensor, ids: Tensor) -> Tensor:
+    """``rows`` (B, …) repeated to the rows of ``ids``: the audit stacks copies of its B rows
+    (row r a copy of row r mod B) to try several token values in one call."""
+    return rows.repeat(ids.shape[0] // rows.shape[0], *[1] * (rows.dim() - 1))
+
+
+def _encode_padded(model: BERT, valid: Tensor, ids: Tensor) -> Tensor:
+    return model.encode(ids, _tiled(valid, ids))
+
+
+def _decode_given(model: Seq2Seq, src: Tensor, tgt: Tensor) -> Tensor:
+    return model(_tiled(src, tgt), tgt)
 
 
 def _random_ids(vocab_size: int, sizes: dict[str, int], device: torch.device) -> Tensor:
@@ -42,16 +62,10 @@ def gpt_audits(model: GPT, args: argparse.Namespace) -> list[Audit]:
     s = _sizes(args, c.max_len)
     T, V = s["seq_len"], c.vocab_size
     packed = causal() & document((torch.arange(T) >= T // 2).long().to(device))
+    p = _probe(args)
     return [
-        lambda: audit.causality(model, V, **s),
-        lambda: audit.mask(
-            lambda ids: model(ids, packed),
-            packed,
-            V,
-            **s,
-            embedding=model.tok_emb,
-            name="documents",
-        ),
+        lambda: audit.causality(model, V, **s, **p),
+        lambda: audit.mask(partial(model, mask=packed), packed, V, **s, **p, name="documents"),
         lambda: audit.kv_cache(model, V, T, batch=s["batch"], seed=s["seed"]),
         lambda: audit.permutation(model, _random_ids(V, s, device), causal=True, expect=False),
     ]
@@ -64,16 +78,11 @@ def bert_audits(model: BERT, args: argparse.Namespace) -> list[Audit]:
     T, V = s["seq_len"], c.vocab_size
     valid = torch.ones(s["batch"], T, dtype=torch.bool, device=device)
     valid[1:, T - T // 4 :] = False  # every row after the first ends in padding
-    encode = model.encode
+    encode, p = model.encode, _probe(args)
     return [
-        lambda: audit.mask(encode, full(), V, **s, name="bidirectional"),
+        lambda: audit.mask(encode, full(), V, **s, **p, name="bidirectional"),
         lambda: audit.mask(
-            lambda ids: encode(ids, valid),
-            padding(valid=valid),
-            V,
-            **s,
-            embedding=model.tok_emb,
-            name="padding",
+            partial(_encode_padded, model, valid), padding(valid=valid), V, **s, **p, name="padding"
         ),
         lambda: audit.permutation(encode, _random_ids(V, s, device), expect=False),
     ]
@@ -84,9 +93,10 @@ def seq2seq_audits(model: Seq2Seq, args: argparse.Namespace) -> list[Audit]:
     c, device = model.config, model.tgt_emb.weight.device
     s = _sizes(args, c.max_len)
     src = _random_ids(c.src_vocab_size, s, device)
+    decode = partial(_decode_given, model, src)
     return [
         lambda: audit.causality(
-            lambda tgt: model(src, tgt), c.tgt_vocab_size, **s, embedding=model.tgt_emb
+            decode, c.tgt_vocab_size, **s, **_probe(args), embedding=model.tgt_emb
         )
     ]
 
@@ -99,7 +109,7 @@ def hf_audits(model: Any, args: argparse.Namespace) -> list[Audit]:
     device = model.get_input_embeddings().weight.device
     V = c.vocab_size
     return [
-        lambda: audit.causality(model, V, **s),
+        lambda: audit.causality(model, V, **s, **_probe(args)),
         lambda: audit.kv_cache(model, V, s["seq_len"], batch=s["batch"], seed=s["seed"]),
         lambda: audit.permutation(model, _random_ids(V, s, device), causal=True),
     ]
@@ -126,6 +136,7 @@ def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
         path = Path(args.hf)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a Hugging Face model folder")
+        require_extra("hf", "audit --hf")
         from transformers import AutoModelForCausalLM  # optional: only `--hf` needs it
 
         model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
@@ -151,6 +162,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     print(f"  {'audit':<{width}}  {'result':<6}  what was found")
     for r in reports:
         print(f"  {r.name:<{width}}  {'ok' if r.ok else 'FAILED':<6}  {r.summary()}")
+    print("\nwhat was checked:")
+    for r in reports:
+        print(f"  {r.name:<{width}}  {r.coverage()}")
     for r in reports:
         if not r.ok:
             print(f"\n{r}")
@@ -164,10 +178,12 @@ def add_commands(sub: Any) -> None:
         cmd_audit,
         help="check causality, masks, the KV cache and positions of a model",
         description="Probe a dikkat run or model folder, or a local Hugging Face causal LM, with "
-        "random tokens: perturb each position and follow the gradients through the token "
-        "embedding to find every output that depends on a token its mask hides; check that "
-        "decoding through the KV cache gives the full forward's logits, and whether the model "
-        "sees positions. Prints a table; exits 1 when an audit fails.",
+        "random tokens, on a float64 copy: set each position to many token ids (every id of "
+        "a small vocabulary) and follow the gradients through the token embedding to find "
+        "every output that depends on a token its mask hides, beyond 1e-9 of that output's "
+        "own dependence on what it may see; check that decoding through the KV cache gives "
+        "the full forward's logits, and whether the model sees positions. Prints a table and "
+        "what each audit varied and its tolerance; exits 1 when an audit fails.",
         examples=[
             ("dikkat audit runs/gpt", "causality, packed documents, KV cache, positions"),
             ("dikkat audit --hf ./gpt2", "a local Hugging Face causal LM (nothing downloaded)"),
@@ -180,7 +196,19 @@ def add_commands(sub: Any) -> None:
     p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a run or model folder")
     p.add_argument("--hf", metavar="PATH", help="a Hugging Face model folder (save_pretrained)")
     p.add_argument("--seq-len", type=positive_int, default=16, help="positions checked (16)")
-    p.add_argument("--trials", type=positive_int, default=2, help="perturbations per key (2)")
+    p.add_argument(
+        "--trials",
+        type=positive_int,
+        default=2,
+        help="random batches, every key varied in each (2)",
+    )
+    p.add_argument(
+        "--values",
+        type=positive_int,
+        default=None,
+        help="token ids each key takes per trial (default: every id of a vocabulary up to 256, "
+        "else 16 drawn; the vocabulary size tries every id)",
+    )
     p.add_argument("--batch", type=positive_int, default=2, help="rows per call (2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (0)")
     add_device(p)

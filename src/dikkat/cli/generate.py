@@ -14,7 +14,7 @@ import torch
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
 from dikkat.cli.chat import load_pretrained, sampling
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import load_model
 from dikkat.generation import WEIGHT_FORMATS, LookupStats, iter_generate, iter_lookup_generate
 from dikkat.interop import load_hf_gpt2_dir
@@ -150,6 +150,7 @@ def cmd_fill_mask(args: argparse.Namespace) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     """Print one JSON list per sentence: its 384-dim MiniLM embedding."""
+    require_extra("minilm", "embed")
     for row in minilm(device_of(args)).encode(args.sentences).tolist():
         print(json.dumps([round(x, args.digits) for x in row]))
     return 0
@@ -157,6 +158,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 def cmd_similar(args: argparse.Namespace) -> int:
     """Rank candidate sentences by cosine similarity to the query."""
+    require_extra("minilm", "similar")
     for score, text in minilm(device_of(args)).similar(args.query, args.candidates):
         print(f"{score:7.4f}  {text}")
     return 0

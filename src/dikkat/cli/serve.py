@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dikkat.cli.args import add_no_verify, positive_int
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import load_model
 from dikkat.cli.generate import _tokenizer_of
 from dikkat.interop import load_hf_gpt2_dir
@@ -21,6 +21,7 @@ def build_app(args: argparse.Namespace) -> Any:
     """The app ``dikkat serve`` would serve: the model and its tokenizer, an engine over them."""
     if (args.checkpoint is None) == (args.hf_gpt2 is None):
         raise ValueError("give either a run or model folder, or --hf-gpt2 PATH")
+    require_extra("serve", "serve")  # before the model is loaded: fastapi and uvicorn
     device = device_of(args)
     if args.hf_gpt2 is not None:
         model = load_hf_gpt2_dir(args.hf_gpt2)
@@ -43,11 +44,8 @@ def build_app(args: argparse.Namespace) -> Any:
         max_queue=args.max_queue,
         weights=args.weights,
     )
-    try:  # fastapi and uvicorn are optional (`pip install dikkat[serve]`)
-        from dikkat.serving.server import create_app
-    except ModuleNotFoundError as e:
-        missing = f"dikkat serve needs {e.name}: pip install 'dikkat[serve]'"
-        raise ModuleNotFoundError(missing) from e
+    from dikkat.serving.server import create_app  # needs fastapi (checked above)
+
     stats = engine.stats()
     print(
         f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "

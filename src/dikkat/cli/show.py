@@ -12,7 +12,7 @@ import numpy as np
 
 from dikkat import maps
 from dikkat.cli.args import add_no_verify
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model, refusal, task_seed
 from dikkat.maps.faithfulness import MAX_TOKENS, Faithfulness
 from dikkat.models import BERT, GPT, Seq2Seq
@@ -45,15 +45,29 @@ def _token(text: str | None) -> str | int | None:
     return int(text) if text is not None and re.fullmatch(r"-?\d+", text) else text
 
 
+SHOW_DIR = Path("runs/show")  # the pictures of a pretrained or Hugging Face model, by default
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    """``--out``; else the run folder; else ``runs/show/minilm`` or ``runs/show/NAME`` for
+    ``--hf PATH`` (NAME: the folder's name) — never the working folder unasked."""
+    if args.out is not None:
+        return Path(args.out)
+    if args.run is not None:
+        return Path(args.run)
+    return SHOW_DIR / (args.model or Path(args.hf).resolve().name)
+
+
 class Figures:
     """Where the pictures go: ``--png PATH`` names the main one (the others beside it, with a
-    suffix), ``--out DIR`` a folder for all of them (default: the run folder, or here)."""
+    suffix), ``--out DIR`` a folder for all of them (default: :func:`out_dir`)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.one_head = args.head is None  # no --head: the report opens on one head, not all
         if args.png is not None:
             self.main = Path(args.png)
         else:
-            self.main = Path(args.out or args.run or ".") / "attention.png"
+            self.main = out_dir(args) / "attention.png"
         self.html = None if args.html is None else Path(args.html)
         self.written: list[tuple[Path, str]] = []
 
@@ -62,13 +76,14 @@ class Figures:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.written.append((save_png(fig, path), what))
 
-    def report(self, m: AttentionMaps) -> None:
-        """With --html, the interactive report of the maps drawn (docs/report.md)."""
+    def report(self, m: AttentionMaps, focus: int) -> None:
+        """With --html, the interactive report of the maps drawn (docs/report.md), opening on
+        query row ``focus`` (--token's), the first layer kept and the heads asked for (with no
+        --head, the first head alone: every head's lines at once are a tangle)."""
         if self.html is not None:
-            self.html.parent.mkdir(parents=True, exist_ok=True)
-            self.written.append(
-                (write_html(m, self.html), "interactive report (open in a browser)")
-            )
+            heads = m.heads[:1] if self.one_head else None
+            page = write_html(m, self.html, focus=focus, heads=heads)
+            self.written.append((page, "interactive report (open in a browser)"))
 
 
 def _focus_summary(m: AttentionMaps, row: int) -> str:
@@ -110,7 +125,7 @@ def _show_text(
     row = m.query_positions.index(focus)
     figures.save(draw_grid(m), "", f"{len(m.layers)} layers × {len(m.heads)} heads")
     figures.save(draw_focus(m, row), "focus", f"where {labels[focus]!r} looks, per head")
-    figures.report(m)
+    figures.report(m, row)
     print(_focus_summary(m, row))
     return maps.text_faithfulness(tm, args.text, focus) if args.faithfulness else None
 
@@ -135,7 +150,7 @@ def _show_translation(args: argparse.Namespace, figures: Figures) -> Faithfulnes
     figures.save(draw_alignment(m), "", "cross-attention: target × source, per layer")
     figures.save(draw_grid(m), "grid", f"{len(m.layers)} layers × {len(m.heads)} heads")
     figures.save(draw_focus(m, focus), "focus", f"where {m.queries[focus]!r} looks, per head")
-    figures.report(m)
+    figures.report(m, focus)
     print(_focus_summary(m, focus))
     return maps.translation_faithfulness(model, tokenizer, t, focus) if args.faithfulness else None
 
@@ -157,7 +172,7 @@ def _show_image(args: argparse.Namespace, figures: Figures) -> Faithfulness | No
         m = maps.vit_maps(model, image, layers=args.layer, heads=args.head, title=title)
     picture = image[0].float().cpu().numpy()
     figures.save(draw_image_attention(m, picture), "", "the class token over the patches")
-    figures.report(m)
+    figures.report(m, 0)  # the class token's row
     return maps.image_faithfulness(model, image) if args.faithfulness else None
 
 
@@ -168,9 +183,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise ValueError("give one model: a RUN_DIR, --model minilm or --hf PATH")
     figures = Figures(args)
     if args.model == "minilm":
+        require_extra("minilm", "show --model minilm")
         tm = maps.text_model(minilm(device_of(args)))
         result = _show_text(args, replace(tm, name="all-MiniLM-L6-v2"), figures)
     elif args.hf is not None:
+        require_extra("hf", "show --hf")
         result = _show_text(args, maps.hf_model(args.hf, device=device_of(args)), figures)
     else:
         what = held(args.run)
@@ -218,7 +235,7 @@ def add_commands(sub: Any) -> None:
             (
                 "dikkat show --model minilm --text \"The animal didn't cross the street because "
                 'it was too tired." --token it',
-                "attention.png and attention_focus.png here",
+                "attention.png and attention_focus.png in runs/show/minilm/",
             ),
             ("dikkat show runs/gpt --text 'import os' --rollout --faithfulness", ""),
             ("dikkat show runs/translate --text 4721 --layer -1", "the alignment"),
@@ -249,7 +266,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--png", metavar="PATH", help="the main picture's path (others beside it)")
     p.add_argument("--html", metavar="PATH", help="also one self-contained interactive HTML report")
     p.add_argument(
-        "--out", metavar="DIR", help="folder for the pictures (default: run folder or .)"
+        "--out",
+        metavar="DIR",
+        help="folder for the pictures (default: the run folder; for --model and --hf, "
+        "runs/show/minilm or runs/show/NAME, NAME the --hf folder's name)",
     )
     add_device(p)
     add_no_verify(p)

@@ -7,7 +7,9 @@ A backend (:class:`~dikkat.core.backends.Backend`) is a function ``run(request) 
 weights | None, lse | None)`` with a ``supports(request)`` that returns None when it can serve
 the request and otherwise the reason it cannot. ``auto`` walks the backends in order of
 preference (:data:`AUTO_ORDER`, then where ``register_backend`` puts others) and takes the first
-that can and has no reason to pass it by; :func:`explain` says which and why.
+that can and has no reason to pass it by; :func:`explain` says which and why. Attention sinks
+reach only a backend that declares it honours them (``Backend.sinks``): for any other,
+``sinks=`` is refused before its ``supports`` is asked, so none can drop them unawares.
 
 NaN and infinity, one rule for every backend (linear attention included). Output row i *reaches*
 its query q_i, each key/value row j that its mask allows, and each bias cell (i, j) that its mask
@@ -41,6 +43,7 @@ from dikkat.core.checks import (
     check_mask,
     check_qkv,
     check_scale,
+    check_sinks,
     check_softcap,
 )
 from dikkat.core.masks import Mask
@@ -145,12 +148,24 @@ def available_backends(*, exact_only: bool = False) -> list[str]:
     return sorted(name for name, b in _BACKENDS.items() if b.exact or not exact_only)
 
 
+# why a backend without Backend.sinks cannot serve a call with sinks=
+NO_SINKS = "it cannot add attention sinks (sinks=)"
+
+
+def _refusal(backend: Backend, request: AttentionRequest) -> str | None:
+    """Why ``backend`` cannot serve ``request``, or None: its own ``supports``, after the
+    capabilities every backend declares (``Backend.sinks``)."""
+    if request.sinks is not None and not backend.sinks:
+        return NO_SINKS
+    return backend.supports(request)
+
+
 def _choose(request: AttentionRequest) -> tuple[Backend, list[tuple[str, str]]]:
     """auto's choice, and the backends it passed by on the way with the reason for each."""
     refused = []
     for name in _auto:
         backend = _BACKENDS[name]
-        reason = backend.supports(request)
+        reason = _refusal(backend, request)
         if reason is None and backend.avoid is not None:
             reason = backend.avoid(request)
         if reason is None:
@@ -177,6 +192,7 @@ def _request(
     return_weights: bool,
     return_lse: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionRequest:
     shape = check_qkv(q, k, v)
     return AttentionRequest(
@@ -192,6 +208,7 @@ def _request(
         shape=shape,
         return_lse=check_flag("return_lse", return_lse),
         softcap=check_softcap(softcap),
+        sinks=check_sinks(sinks, q, shape),
     )
 
 
@@ -204,6 +221,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     bias: Tensor | None = None,
+    sinks: Tensor | None = None,
     q_offset: int = 0,
     dropout: float = 0.0,
     backend: str = "auto",
@@ -227,6 +245,12 @@ def attention(
             The reference, tiled and flex backends can; sdpa, triton and linear refuse
             (docs/attention.md, "Soft-capping").
         bias: additive float scores broadcastable to (B, H, T, S) (e.g. ALiBi).
+        sinks: attention sinks (gpt-oss): a finite float tensor (H,), one logit per query head,
+            or 3-D broadcastable to (B, H, T), one per head and query. Each row's softmax gets
+            the sink as one more score with no value: it adds exp(sink) to the denominator
+            only, so the weights sum to less than 1 and a row with no allowed key puts all its
+            weight on the sink (output 0). Differentiable. The reference and tiled backends
+            can; the others refuse (docs/attention.md, "Attention sinks").
         q_offset: absolute position of the first query among the keys, for masks: S − T aligns
             the queries with the last keys (bottom-right causal, a decoding step); negative
             when T > S puts the first queries before key 0, where causal() and
@@ -253,13 +277,13 @@ def attention(
     (torch.Size([1, 2, 4, 4]), True)
     """
     request = _request(
-        q, k, v, mask, scale, bias, q_offset, dropout, return_weights, return_lse, softcap
+        q, k, v, mask, scale, bias, q_offset, dropout, return_weights, return_lse, softcap, sinks
     )
     if backend == "auto":
         chosen, _ = _choose(request)
     elif backend in _BACKENDS:
         chosen = _BACKENDS[backend]
-        reason = chosen.supports(request)
+        reason = _refusal(chosen, request)
         if reason is not None:
             raise ValueError(f"backend {backend!r} cannot serve this call: {reason}")
     else:
@@ -271,7 +295,7 @@ def attention(
         out, weights, lse = _run_finite_rule(chosen, request)
     else:  # the same backend, asked for the lse when it can give it (the output is the same)
         with_lse = dataclasses.replace(request, return_lse=True)
-        run = with_lse if chosen.supports(with_lse) is None else request
+        run = with_lse if _refusal(chosen, with_lse) is None else request
         out, weights, lse = _run_finite_rule(chosen, run)
         record(
             target,
@@ -283,6 +307,7 @@ def attention(
             bias=request.bias,
             q_offset=request.q_offset,
             softcap=request.softcap,
+            sinks=request.sinks,
         )
     if not (request.return_weights or request.return_lse):
         return out
@@ -326,18 +351,21 @@ def explain(
     q_offset: int = 0,
     return_weights: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> str:
     """Say which backend ``auto`` would pick for this call, and why: ``"name (reasons): doc"``,
     the reasons being why auto passed each earlier backend by. When the verdict on a backend
     depends on the state of this process — flex is taken only for a signature already compiled
     here — a last sentence says so."""
-    request = _request(q, k, v, mask, None, bias, q_offset, 0.0, return_weights, False, softcap)
+    request = _request(
+        q, k, v, mask, None, bias, q_offset, 0.0, return_weights, False, softcap, sinks
+    )
     chosen, refused = _choose(request)
     why = "; ".join(f"not {name}: {reason}" for name, reason in refused) or "the first choice"
     notes = []
     for name in [*(name for name, _ in refused), chosen.name]:
         backend = _BACKENDS[name]
-        if backend.note is not None and backend.supports(request) is None:
+        if backend.note is not None and _refusal(backend, request) is None:
             note = backend.note(request)  # only where it could serve: its verdict is auto's
             notes += [] if note is None else [note]
     text = f"{chosen.name} ({why}): {chosen.doc}"

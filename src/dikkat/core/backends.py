@@ -47,6 +47,9 @@ class AttentionRequest:
     shape: AttentionShape
     return_lse: bool = False  # also the log-sum-exp of each row's scores (B, H, T), fp32
     softcap: float | None = None  # scaled scores s become softcap · tanh(s / softcap)
+    # attention sinks (B|1, H|1, T|1), fp32 (fp64 for fp64 q): one more logit per row in the
+    # softmax's denominator, with no value; only a backend with sinks=True receives them
+    sinks: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class Backend:
     # False for a backend that checks its inputs' finiteness itself: one whose call is a
     # collective (dikkat.distributed's ring) must not be run again by one process alone
     finite_rule: bool = True
+    # honours AttentionRequest.sinks; dikkat.attention refuses sinks= for a backend without,
+    # before its supports is asked, so that no backend can drop them unawares
+    sinks: bool = False
 
 
 # --- reference -----------------------------------------------------------------------------------
@@ -83,6 +89,7 @@ def _run_reference(r: AttentionRequest) -> tuple[Tensor, Tensor | None, Tensor |
         dropout=r.dropout,
         return_lse=r.return_lse,
         softcap=r.softcap,
+        sinks=r.sinks,
     )
     return out, aux.weights, aux.lse
 
@@ -92,6 +99,7 @@ REFERENCE = Backend(
     _run_reference,
     lambda r: None,
     "the formula of Vaswani et al. 2017, full (B, H, T, S) score matrix, returns weights",
+    sinks=True,
 )
 
 
@@ -166,8 +174,9 @@ SDPA = Backend(
 
 def _run_tiled(r: AttentionRequest) -> tuple[Tensor, None, Tensor]:
     out, lse = tiled_attention(
-        r.q, r.k, r.v, r.mask, scale=r.scale, softcap=r.softcap, bias=r.bias, q_offset=r.q_offset
-    )
+        r.q, r.k, r.v, r.mask, scale=r.scale, softcap=r.softcap, bias=r.bias, q_offset=r.q_offset,
+        sinks=r.sinks,
+    )  # fmt: skip
     return out, None, lse
 
 
@@ -184,6 +193,7 @@ TILED = Backend(
     _run_tiled,
     _tiled_supports,
     "exact attention over tiles with the online softmax: O(n) memory, masked tiles skipped",
+    sinks=True,
 )
 
 

@@ -132,6 +132,7 @@ def record(
     bias: Tensor | None,
     q_offset: int,
     softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Recompute and keep the selected heads and rows of one call (lse None: the backend did
     not return it, so the rows' log-sum-exp is computed from their scores)."""
@@ -150,6 +151,7 @@ def record(
             bias=None if bias is None else bias.detach(),
             q_offset=q_offset,
             softcap=softcap,
+            sinks=None if sinks is None else sinks.detach(),
         )
     target.calls += 1
     target.capture.calls.append(CapturedCall(target.layer, heads, rows, weights))

@@ -147,6 +147,48 @@ def check_bias(bias: Tensor | None, q: Tensor, shape: AttentionShape) -> Tensor 
     return b4.to(bias_dtype(q.dtype))
 
 
+def row_sinks(sinks: Tensor) -> Tensor:
+    """Sinks (H,) — one per head — or 3-D (B|1, H|1, T|1) — one per head and query — as the 3-D
+    view (B|1, H|1, T|1) that broadcasts against a row's log-sum-exp (B, H, T)."""
+    return sinks.view(1, -1, 1) if sinks.dim() == 1 else sinks
+
+
+def check_sinks(sinks: Tensor | None, q: Tensor, shape: AttentionShape) -> Tensor | None:
+    """Attention sinks: one more logit per row in the softmax's denominator, with no value (the
+    learned sinks of gpt-oss; docs/attention.md, "Attention sinks"). (H,) — one per query head —
+    or 3-D broadcastable to (B, H, T) — one per head and query; finite. Returned as
+    :func:`row_sinks`'s (B|1, H|1, T|1) view, cast to :func:`bias_dtype` (fp32 for bf16 q),
+    where every backend keeps the softmax's statistics."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a tensor or None, got {type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a float tensor, got dtype {sinks.dtype}")
+    target = (shape.B, shape.H, shape.T)
+    if sinks.dim() == 1:
+        fits = sinks.shape[0] == shape.H
+    else:
+        fits = sinks.dim() == 3 and all(
+            n in (1, m) for n, m in zip(sinks.shape, target, strict=True)
+        )
+    if not fits:
+        raise ValueError(
+            f"sinks must have shape (H,) = ({shape.H},) — one logit per query head — or 3 dims "
+            f"broadcastable to (B, H, T) = {target}, got {_shape(sinks)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")
+    if not torch.compiler.is_compiling():  # a compiled graph cannot branch on values
+        bad = int((~torch.isfinite(sinks.detach())).sum())
+        if bad:
+            raise ValueError(
+                f"sinks must be finite: {bad} of the {sinks.numel()} entries of the sinks "
+                f"{_shape(sinks)} are NaN or ±inf"
+            )
+    return row_sinks(sinks).to(bias_dtype(q.dtype))
+
+
 def check_dropout(dropout: float) -> float:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")

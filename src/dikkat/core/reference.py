@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dikkat.core.checks import row_sinks
 from dikkat.core.masks import Mask
 from dikkat.core.outputs import AttentionAux
 
@@ -40,6 +41,7 @@ def reference_attention(
     dropout: float = 0.0,
     return_lse: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, AttentionAux]:
     """Attention(Q, K, V) = softmax(Q Kᵀ · scale + bias, masked) V, with its weights.
 
@@ -58,12 +60,18 @@ def reference_attention(
         softcap: when set, the scaled scores s become ``softcap · tanh(s / softcap)`` before
             the bias and the mask, in this order as Gemma 2's attention does (transformers,
             ``models/gemma2/modeling_gemma2.py``, ``eager_attention_forward``).
+        sinks: attention sinks, (H,) or 3-D broadcastable to (B, H, T): one more logit per row,
+            in the softmax's denominator only (a column of scores whose value is 0), as gpt-oss
+            learns one per head (transformers, ``models/gpt_oss/modeling_gpt_oss.py``,
+            ``eager_attention_forward``). The lse counts it.
 
     Returns:
         ``(out, aux)``: out (B, H, T, Dv) and an :class:`~dikkat.core.outputs.AttentionAux`
         whose ``weights`` (B, H, T, S) are always there (this function holds them) and whose
         ``lse`` is None unless ``return_lse``. Each row of weights is ≥ 0 and sums to 1, except
-        a row whose every key is masked, which is all 0 (and its output 0, never NaN).
+        a row whose every key is masked, which is all 0 (and its output 0, never NaN). With
+        ``sinks`` each row sums to 1 − exp(sink − lse), and a row with no allowed key puts all
+        its weight on the sink (weights 0, output 0).
     """
     B, H, T, _ = q.shape
     S = k.shape[2]
@@ -78,14 +86,22 @@ def reference_attention(
     if mask is not None:
         allowed = mask.materialize(B, H, T, S, q_offset, q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    # A row with every key masked would be softmax(−inf, …, −inf) = 0/0. Give it finite scores
-    # for the softmax and zero weights after it, so its output is 0 and its gradients are finite.
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, T, 1)
-    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if sinks is not None:  # the sink as a column (S + 1) of the softmax, dropped after it
+        sink = row_sinks(sinks)  # (B|1, H|1, T|1)
+        scores = scores.to(torch.promote_types(scores.dtype, sink.dtype))
+        column = sink.to(scores.dtype).unsqueeze(-1).expand(B, H, T, 1)
+        scores = torch.cat([scores, column], dim=-1)  # (B, H, T, S + 1); the sink is finite
+        weights = torch.softmax(scores, dim=-1)[..., :S]
+    else:
+        # A row with every key masked would be softmax(−inf, …, −inf) = 0/0. Give it finite
+        # scores for the softmax and zero weights after it, so its output is 0 and its gradients
+        # are finite.
+        empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, T, 1)
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     weights = weights.to(q.dtype)  # a plain implementation in q's dtype from here on
     dropped = F.dropout(weights, p=dropout) if dropout > 0 else weights
     lse = None
-    if return_lse:  # −inf for a row with no allowed key
+    if return_lse:  # −inf for a row with no allowed key (and no sink)
         lse_dtype = torch.promote_types(scores.dtype, torch.float32)  # fp32, or fp64 for fp64
         lse = torch.logsumexp(scores.to(lse_dtype), dim=-1)
     return dropped @ v, AttentionAux(weights, lse)

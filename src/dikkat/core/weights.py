@@ -4,7 +4,8 @@ A fused or tiled backend never holds the (B, H, T, S) weights. With each row's l
 ``lse`` (``out, (_, lse) = dikkat.attention(..., return_lse=True)``) the weights of any rows are
 one product away: ``α_ij = exp(q_i · k_j · scale + bias_ij − lse_i)`` over the allowed keys —
 exactly the reference's softmax, for only the rows asked for. With ``softcap`` c the score is
-capped first, ``c · tanh(q_i · k_j · scale / c)``, as in the attention call.
+capped first, ``c · tanh(q_i · k_j · scale / c)``, as in the attention call. With attention
+sinks the lse counts them (the weights then sum to less than 1).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dikkat.core.checks import (
     check_mask,
     check_qkv,
     check_scale,
+    check_sinks,
     check_softcap,
 )
 from dikkat.core.masks import Mask
@@ -48,6 +50,7 @@ def attention_weights(
     bias: Tensor | None = None,
     q_offset: int = 0,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Weights (B, len(heads), len(rows), S) of the chosen query rows and heads.
 
@@ -58,6 +61,9 @@ def attention_weights(
             O(rows × S) work, for a backend that does not return it).
         rows, heads: query positions (0 … T − 1) and heads to compute; None = all.
         mask, scale, bias, q_offset, softcap: as in the attention call.
+        sinks: the call's attention sinks, (H,) or 3-D broadcastable to (B, H, T); they enter
+            the log-sum-exp computed when ``lse`` is None (a returned ``lse`` already counts
+            them, and then they change nothing).
     """
     shape = check_qkv(q, k, k)
     k = broadcast_kv(k, shape.B)  # keys shared by the batch: a view
@@ -72,6 +78,7 @@ def attention_weights(
     b4 = check_bias(bias, q, shape)
     scale = check_scale(scale, shape.D)
     softcap = check_softcap(softcap)
+    sink = check_sinks(sinks, q, shape)  # (B|1, H|1, T|1)
     r = _indices("rows", rows, shape.T, q.device)
     h = _indices("heads", heads, shape.H, q.device)
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -94,6 +101,10 @@ def attention_weights(
         scores = scores.masked_fill(~allowed, float("-inf"))
     if lse is None:
         row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        if sink is not None:  # one more logit per row, in the denominator only
+            sink = sink[:, h] if sink.shape[1] != 1 else sink
+            sink = sink[:, :, r] if sink.shape[2] != 1 else sink
+            row_lse = torch.logaddexp(row_lse, sink.to(acc).unsqueeze(-1))
     else:
         row_lse = lse[:, h][:, :, r].to(acc).unsqueeze(-1)
     # a row with no allowed key has lse = −inf: its weights are all 0

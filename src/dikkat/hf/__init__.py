@@ -11,12 +11,15 @@ ring attention instead, for a sequence split over processes (docs/distributed.md
 
 from dikkat.core.capture import Capture, capture
 from dikkat.hf.attention import LayerCall, attention_function, recording, register
+from dikkat.hf.keywords import KEYWORDS, Keyword
 from dikkat.hf.masks import HFMask, hf_mask
 from dikkat.hf.ring import RingMask, register_ring, ring_mask
 
 __all__ = [
+    "KEYWORDS",
     "Capture",
     "HFMask",
+    "Keyword",
     "LayerCall",
     "RingMask",
     "attention_function",

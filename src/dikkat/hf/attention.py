@@ -9,7 +9,10 @@ attention_mask, dropout=..., scaling=..., **kwargs)`` with q (B, H, T, D), k and
 (https://huggingface.co/docs/transformers/attention_interface). The mask is what the mask
 function registered under the same name returned: dikkat's :class:`~dikkat.hf.masks.HFMask`, or
 a 4-D tensor the caller built (transformers passes those through unchanged). T5's relative
-position bias comes as ``position_bias=`` beside the mask and is dikkat's additive ``bias``.
+position bias comes as ``position_bias=`` beside the mask and is dikkat's additive ``bias``;
+gpt-oss's attention sinks come as ``s_aux=`` and are dikkat's ``sinks``. Every other keyword is
+looked up in :data:`~dikkat.hf.keywords.KEYWORDS`: honoured, accepted with the reason, or refused
+by name — never ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 from dikkat.core.attention import attention, check_backend_name, explain
 from dikkat.core.masks import Mask
 from dikkat.core.weights import attention_weights
+from dikkat.hf.keywords import check_keywords, hf_sinks, with_indices
 from dikkat.hf.masks import HFMask, hf_mask
 
 __all__ = ["LayerCall", "attention_function", "recording", "register"]
@@ -36,11 +40,6 @@ __all__ = ["LayerCall", "attention_function", "recording", "register"]
 # flash-attention paths (utils.generic.is_flash_attention_requested), "flex" and "paged" theirs,
 # and "/" is read as a kernel repository on the Hub
 _RESERVED = ("sdpa", "flash", "flex", "paged", "/", "|")
-
-# Keyword arguments whose meaning dikkat does not implement yet: refused, never ignored.
-_UNSUPPORTED = {
-    "s_aux": "attention sinks",
-}
 
 
 @dataclass(frozen=True)
@@ -75,11 +74,16 @@ def recording() -> Iterator[list[LayerCall]]:
         _calls.reset(token)
 
 
+def _layer(module: nn.Module) -> str:
+    """How messages name an attention layer: its class and layer index, "LlamaAttention[0]"."""
+    return f"{type(module).__name__}[{getattr(module, 'layer_idx', '?')}]"
+
+
 def _record(module: nn.Module, backend: str, *args: Any, **kwargs: Any) -> None:
     calls = _calls.get()
     if calls is None:
         return
-    layer = f"{type(module).__name__}[{getattr(module, 'layer_idx', '?')}]"
+    layer = _layer(module)
     q, k = args[0], args[1]
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if backend == "auto":
@@ -157,15 +161,17 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Ten
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        for word, what in _UNSUPPORTED.items():
-            if kwargs.get(word) is not None:
-                raise ValueError(f"dikkat's HF attention does not support {word}= ({what}) yet")
+        check_keywords(_layer(module), kwargs, attention_mask is not None)
         mask, bias, q_offset = _mask_and_bias(module, query, key, attention_mask, kwargs)
+        shape = (query.shape[0], query.shape[2], key.shape[2])  # (B, T, S)
+        mask = with_indices(_layer(module), mask, kwargs.get("indices"), shape, q_offset)
         bias = _with_position_bias(bias, kwargs.get("position_bias"))
         softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping
+        sinks = hf_sinks(kwargs)  # gpt-oss's s_aux (H,), or sinks (B, H, T, 1) → (B, H, T)
         _record(
-            module, backend, query, key, value, mask, bias=bias, q_offset=q_offset, softcap=softcap
-        )
+            module, backend, query, key, value, mask,
+            bias=bias, q_offset=q_offset, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
         out = attention(
             query,
             key,
@@ -176,6 +182,7 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Ten
             q_offset=q_offset,
             dropout=dropout,
             softcap=softcap,
+            sinks=sinks,
             backend=backend,
         )  # (B, H, T, Dv)
         weights = None
@@ -184,7 +191,7 @@ def attention_function(backend: str = "auto") -> Callable[..., tuple[Tensor, Ten
                 weights = attention_weights(
                     query.detach(), key.detach(), None, mask=mask, scale=scaling,
                     bias=None if bias is None else bias.detach(), q_offset=q_offset,
-                    softcap=softcap,
+                    softcap=softcap, sinks=None if sinks is None else sinks.detach(),
                 ).to(value.dtype)  # fmt: skip
         return out.transpose(1, 2).contiguous(), weights  # (B, T, H, Dv), (B, H, T, S) | None
 

@@ -34,15 +34,19 @@ from dikkat.core.masks import Causal, Full, Mask, SlidingWindow
 from dikkat.distributed.layout import check_layout, rank_and_world, shard_positions
 from dikkat.distributed.ring import ring_attention
 from dikkat.hf.attention import check_name, install
+from dikkat.hf.keywords import check_keywords
 from dikkat.hf.masks import _captured, _convert, _Grid, _name
 
 __all__ = ["RingMask", "register_ring", "ring_mask"]
 
-# Keyword arguments a layer passes whose meaning the ring does not compute: refused, never ignored.
+# Keyword arguments a layer passes whose meaning the ring does not compute: refused, never ignored
+# (those dikkat.hf.KEYWORDS does not know, or refuses, are refused before these).
 _UNSUPPORTED = {
     "softcap": "soft-capping of the scores (Gemma 2's attn_logit_softcapping)",
     "position_bias": "an additive position bias (T5's relative attention bias)",
     "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "indices": "sparse attention's key indices",
     "cu_seq_lens_q": "packed sequences (flash-attention's cumulative lengths)",
     "cu_seq_lens_k": "packed sequences (flash-attention's cumulative lengths)",
 }
@@ -207,6 +211,7 @@ def _refuse_arguments(layer: str, T: int, S: int, dropout: float, kwargs: dict[s
     def refuse(what: str) -> NoReturn:
         raise ValueError(f"dikkat's ring attention cannot run {layer}: {what}")
 
+    check_keywords(layer, kwargs, has_mask=True)  # the ring checks the window itself
     for word, what in _UNSUPPORTED.items():
         if kwargs.get(word) is not None:
             refuse(f"{word}= ({what}) is not supported by ring_attention")

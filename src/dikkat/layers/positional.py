@@ -139,6 +139,9 @@ class RotaryEmbedding(nn.Module):
         # with assign=True keeps working frequencies); moved to the positions' device per call.
         steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
         self.inv_freq = base ** (-steps / head_dim)
+        # the last positions' cos and sin: the layers of one forward pass share one positions
+        # tensor (a model that passes it to every layer computes the table once, not per layer)
+        self._table: tuple[Tensor, int | None, torch.dtype, Tensor, Tensor] | None = None
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype."""
@@ -146,14 +149,31 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}"
             )
+        cos, sin = self._cos_sin(positions, x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles at ``positions``, in ``dtype``: (T, D/2) or (B, 1, T, D/2).
+        Kept for the same positions tensor, unchanged since (its version counter; an inference
+        tensor has none, so a model calls :meth:`forget` before each pass), and dtype."""
+        version = None if positions.is_inference() else positions._version
+        table = self._table
+        if table is not None and table[0] is positions and table[1:3] == (version, dtype):
+            return table[3], table[4]
         _check_max_len(positions, self.max_len, "RotaryEmbedding")
         inv_freq = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
         if positions.dim() == 2:
             angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._table = (positions, version, dtype, cos, sin)
+        return cos, sin
+
+    def forget(self) -> None:
+        """Drop the kept table (a new forward pass begins)."""
+        self._table = None
 
 
 def alibi_slopes(n_heads: int) -> Tensor:

@@ -31,7 +31,7 @@ def hf_model(path: str | Path, *, device: str | torch.device = "cpu") -> TextMod
     try:  # transformers is an optional dependency
         import transformers
     except ImportError as error:
-        raise ImportError("--hf needs transformers: pip install transformers") from error
+        raise ImportError("--hf needs transformers: pip install 'dikkat[hf]'") from error
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{path} holds an encoder-decoder ({config.model_type}); show reads "

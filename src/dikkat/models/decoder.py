@@ -46,7 +46,7 @@ from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
 from dikkat.layers.norm import RMSNorm
-from dikkat.layers.positional import RotaryEmbedding, valid_positions
+from dikkat.layers.positional import RotaryEmbedding, resolve_positions, valid_positions
 from dikkat.models.generating import Generates
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
@@ -277,6 +277,7 @@ class Decoder(Generates, SaveLoad, nn.Module):
             "sliding": RotaryEmbedding(c.dim, base=local_base, max_len=c.max_len),
         }
         self.blocks = nn.ModuleList(_block(c, kind, ropes) for kind in c.kinds)
+        self._ropes = tuple(ropes.values())  # shared by the blocks: forgotten at each pass
         self.norm_f = RMSNorm(c.d_model, eps=c.norm_eps)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
         for module in self.modules():  # Llama's initialisation: N(0, 0.02), norms at 1
@@ -347,6 +348,10 @@ class Decoder(Generates, SaveLoad, nn.Module):
                 )
             full = full & padding(valid=valid)
             positions = valid_positions(valid) if positions is None else positions
+        # one positions tensor for every layer: RoPE computes its table once per pass
+        positions = resolve_positions(ids.shape[1], offset, positions, ids.device)
+        for rope in self._ropes:
+            rope.forget()
         masks = {None: full}  # window → mask, built once per forward, not once per layer
         x = self.tok_emb(ids)  # (B, T, C)
         if c.embed_scale:  # Gemma: √C, rounded to the embeddings' dtype as its reference does

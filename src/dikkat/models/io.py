@@ -13,6 +13,7 @@ checkpoint. ``save`` never replaces a model, a run or foreign files without ``ov
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from pathlib import Path
@@ -128,6 +129,7 @@ class SaveLoad:
             raise ValueError(f"{config_path} is not a valid {cls.__name__} config: {e}") from None
         except ValueError as e:
             raise ValueError(f"{config_path}: {e}") from None
+        check_fits(cls, config, str(config_path))  # before a table of max_len rows is allocated
         if verify:
             _verify_weights(path, meta)
         try:
@@ -179,3 +181,55 @@ def _verify_weights(folder: Path, meta: dict[str, Any]) -> None:
     expected = meta.get("weights")
     if isinstance(expected, dict) and "sha256" in expected:
         verify(folder / WEIGHTS_FILE, expected)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable, capped by a cgroup
+    (container) limit; None where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def model_bytes(cls: type, config: Any) -> int:
+    """The bytes of the parameters and buffers (position tables) that ``cls(config)``
+    allocates, counted on the meta device: nothing is allocated. Not counted: what building
+    them needs for a moment, and everything a forward pass needs."""
+    with torch.device("meta"):
+        model = cls(config)
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_fits(cls: type, config: Any, source: str) -> None:
+    """Refuse (``ValueError`` naming ``source``, and ``max_len`` when it is the cause) a config
+    whose model would not fit in the memory available now, instead of the allocator's error."""
+    need, have = model_bytes(cls, config), available_memory()
+    if have is None or need <= have:
+        return
+    gib = 2**30
+    cause = ""
+    length = getattr(config, "max_len", None)
+    if isinstance(length, int) and length > 1:
+        try:
+            by_length = need - model_bytes(cls, dataclasses.replace(config, max_len=1))
+        except (TypeError, ValueError):  # a config that refuses max_len 1
+            by_length = 0
+        if by_length > need / 2:
+            cause = f"; max_len {length:,} alone takes {by_length / gib:,.1f} GiB of it"
+    raise ValueError(
+        f"{source}: a {cls.__name__} of this config needs {need / gib:,.1f} GiB for its weights "
+        f"and tables, more than the {have / gib:,.1f} GiB available{cause}"
+    )

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dikkat.models.io import available_memory
 from dikkat.validate import check_choice, check_int
 
 
@@ -89,26 +89,6 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 
 # bytes per parameter while training: fp32 weights and gradients, AdamW's two moments
 TRAINING_BYTES_PER_PARAMETER = 16
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate: the kernel's MemAvailable, capped by a cgroup
-    (container) limit; None where neither can be read."""
-    found: list[int] = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError):
-        pass
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 def new_model(cls: type[nn.Module], config: Any) -> nn.Module:

@@ -15,8 +15,10 @@ damaged bytes end with an error naming the file, never with a resumed run on wro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import torch
 from dikkat import runs
 from dikkat.files import check_writable_dir, sha256, write_text
 from dikkat.models.io import WEIGHTS_FILE, write_model
+from dikkat.training.results import SaveError
 
 STATE_FILE = "trainer_state.pt"
 TASK_FILE = "task.json"
@@ -45,6 +48,9 @@ def check_out_dir(path: Path, *, overwrite: bool, what: str = "out_dir") -> None
             f"{path} already holds {runs.describe_kind(kind)}:{hint} pass --overwrite "
             f"(overwrite=True) to replace it, or choose another {what}"
         )
+    if kind != "missing":
+        runs.check_own_names(path)
+        runs.refuse_if_held(path)
     if kind == "missing":  # the nearest existing parent must let us create it
         parent = next(p for p in path.absolute().parents if p.exists())
         if not os.access(parent, os.W_OK | os.X_OK):
@@ -53,12 +59,20 @@ def check_out_dir(path: Path, *, overwrite: bool, what: str = "out_dir") -> None
         raise ValueError(f"{what} {path} is not writable")
 
 
-def prepare_out_dir(path: Path, *, overwrite: bool, what: str = "out_dir") -> None:
-    """Create ``path`` (proving it writable) and, with ``overwrite``, remove what dikkat wrote
-    there before; called once, when training starts."""
+def hold_out_dir(path: Path, what: str = "out_dir") -> runs.RunLock:
+    """Before the first write into a run folder, new or resumed: create it (proving it
+    writable: a read-only one fails here, not after training), refuse the run's own file names
+    taken by folders, and take the run's lock (:func:`dikkat.runs.hold`)."""
+    check_writable_dir(path, what)
+    runs.check_own_names(path)
+    return runs.hold(path)
+
+
+def prepare_out_dir(path: Path, *, overwrite: bool) -> None:
+    """With ``overwrite``, remove what dikkat wrote into ``path`` before (under its lock);
+    called once, when a new run starts."""
     if overwrite and runs.folder_kind(path) in ("run", "model"):
         runs.clear(path)
-    check_writable_dir(path, what)
 
 
 def write_checkpoint(
@@ -80,7 +94,23 @@ def write_checkpoint(
         (folder / TASK_FILE).write_text(json.dumps(meta, indent=2))
         torch.save(state, folder / STATE_FILE)
 
-    return runs.commit_checkpoint(out_dir, int(state["step"]), write, made_by=made_by)
+    step = int(state["step"])
+    with writing(out_dir, f"the checkpoint of step {step}"):
+        return runs.commit_checkpoint(out_dir, step, write, made_by=made_by)
+
+
+@contextlib.contextmanager
+def writing(out_dir: Path, what: str) -> Iterator[None]:
+    """Inside, a failed write (``OSError``) of ``what`` into the run folder becomes a
+    :class:`SaveError` naming the checkpoint that is still current."""
+    try:
+        yield
+    except OSError as e:
+        try:
+            saved = int(runs.read_pointer(out_dir)["step"])
+        except (ValueError, OSError, KeyError, TypeError):
+            saved = None  # no run.json: nothing committed yet (or a run of an older dikkat)
+        raise SaveError(e, what, out_dir, saved) from e
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -109,10 +139,13 @@ class SavedRun:
 
 
 def read_checkpoint(run_dir: str | Path, *, verify: bool = True) -> SavedRun:
-    """Read the current checkpoint of the run in ``run_dir``, every file checked first."""
+    """Read the current checkpoint of the run in ``run_dir`` to resume it, every file checked
+    first; a run another process trains, or whose log's name a folder took, is refused."""
     d = Path(run_dir)
     if runs.folder_kind(d) != "run":
         raise FileNotFoundError(f"{d} is not a dikkat training run (it has no {runs.RUN_FILE})")
+    runs.refuse_if_held(d)  # what a resume would refuse, before every file is read and hashed
+    runs.check_own_names(d)
     folder = runs.checkpoint_dir(d)
     if verify:
         runs.verify_checkpoint(folder)  # an older flat run has no manifest: checked below
@@ -142,4 +175,11 @@ def read_checkpoint(run_dir: str | Path, *, verify: bool = True) -> SavedRun:
 
 def write_log(out_dir: Path, history: list[dict[str, Any]]) -> None:
     """Replace ``log.jsonl`` with ``history`` (on resume: lines past the checkpoint go)."""
-    write_text(out_dir / LOG_FILE, "".join(json.dumps(r) + "\n" for r in history))
+    with writing(out_dir, LOG_FILE):
+        write_text(out_dir / LOG_FILE, "".join(json.dumps(r) + "\n" for r in history))
+
+
+def append_log(out_dir: Path, record: dict[str, Any]) -> None:
+    """One line more in ``log.jsonl`` (append-only: a crash loses at most that line)."""
+    with writing(out_dir, LOG_FILE), open(out_dir / LOG_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")

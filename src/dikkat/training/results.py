@@ -37,3 +37,22 @@ class DivergedError(FloatingPointError):
             f"training diverged at step {step}: {what}; the step was not applied and "
             f"{kept}. Try a lower lr or a longer warmup."
         )
+
+
+class SaveError(OSError):
+    """Writing the run folder failed (a full disk, a folder made read-only or removed). A
+    checkpoint is all or nothing (:mod:`dikkat.runs`): the last one stays current and whole.
+    ``errno`` is the failed write's."""
+
+    def __init__(self, error: OSError, what: str, out_dir: Path, saved_step: int | None) -> None:
+        kept = (
+            f"the last checkpoint (step {saved_step}) is whole and current: --resume continues "
+            "from it once the cause is fixed"
+            if saved_step is not None
+            else "no checkpoint of this run was saved"
+        )
+        self.message = f"could not write {what} in {out_dir}: {error.strerror or error}; {kept}"
+        super().__init__(error.errno, self.message)
+
+    def __str__(self) -> str:
+        return self.message

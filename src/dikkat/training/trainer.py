@@ -15,7 +15,6 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict
@@ -27,6 +26,7 @@ from tqdm import tqdm
 
 from dikkat.files import atomic_write
 from dikkat.layers.inputs import check_device
+from dikkat.runs import RunLock
 from dikkat.tasks import Task, TaskSpec, build_task, step_generator
 from dikkat.text import load_tokenizer
 from dikkat.training.checkpoint import (
@@ -34,7 +34,9 @@ from dikkat.training.checkpoint import (
     PLOT_FILE,
     STATE_FILE,
     TASK_FILE,
+    append_log,
     check_out_dir,
+    hold_out_dir,
     prepare_out_dir,
     read_checkpoint,
     rng_state,
@@ -81,7 +83,8 @@ class Trainer:
     (``ValueError``) unless ``overwrite=True``, which removes what dikkat wrote there when
     training starts. ``made_by`` is recorded in the run's ``run.json``. ``device`` is where the
     model trains (the task's batches are moved there); it is not part of the run, so a run
-    trained on one device resumes on another.
+    trained on one device resumes on another. From its first write it holds the run's lock
+    (:func:`dikkat.runs.hold`); a write that fails (a full disk) raises ``SaveError``.
 
     Under ``torchrun`` (or in an initialised process group) it trains data-parallel
     (:mod:`dikkat.training.parallel`): ``config.batch_size`` is then the batch of a whole step,
@@ -114,6 +117,7 @@ class Trainer:
         if self.out_dir is not None and not _resuming:  # every rank, before the first collective
             check_out_dir(self.out_dir, overwrite=overwrite)
         self._needs_prepare = self.out_dir is not None and not _resuming and self.ranks.main
+        self._lock: RunLock | None = None  # rank 0's hold on out_dir, from its first write
         self.parallel = strategy(parallel, self.ranks)
         self._step_loss = self.parallel.wrap(task, self.model, self.ranks, self.device)  # (loss, n)
         self.optimizer = make_optimizer(self.model, config)  # on the shards, under fsdp
@@ -131,9 +135,12 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        """Once, before the first write: create ``out_dir`` (and clear it with overwrite)."""
+        """Before the first write (rank 0): hold ``out_dir`` (created, checked, locked), and
+        clear it for a new run with overwrite."""
+        if self.out_dir is not None and self.ranks.main and self._lock is None:
+            self._lock = hold_out_dir(self.out_dir)
         if self._needs_prepare:
-            prepare_out_dir(self.out_dir, overwrite=self._overwrite)  # type: ignore[arg-type]
+            prepare_out_dir(self.out_dir, overwrite=self._overwrite)
             self._needs_prepare = False
 
     def save(self) -> None:
@@ -162,6 +169,7 @@ class Trainer:
             made_by=self.made_by,
             weights=weights,
         )
+        self.plot()  # with every save, so a run stopped by Ctrl-C has its curves too
         self.saved_step = self.step
         barrier(self.ranks)
 
@@ -179,6 +187,7 @@ class Trainer:
             raise ValueError(f"{source} does not match this model's parameters: {e}") from None
         self.saved_step = self.step
         if self.out_dir is not None and self.ranks.main:
+            self._prepare()  # the lock, before the log is rewritten
             write_log(self.out_dir, self.history)
 
     # --- the loop -------------------------------------------------------------------------------
@@ -248,7 +257,6 @@ class Trainer:
         if metrics:
             self._log({"step": self.step, **metrics})
         self.save()
-        self.plot()
         return TrainResult(
             self.step, self._last("loss"), val, task.unit, seconds, rate, metrics, self.out_dir
         )
@@ -313,8 +321,7 @@ class Trainer:
         self.history.append(record)
         if self.out_dir is not None and self.ranks.main:
             self._prepare()
-            with open(self.out_dir / LOG_FILE, "a") as f:  # append-only: a crash loses one line
-                f.write(json.dumps(record) + "\n")
+            append_log(self.out_dir, record)
 
     def plot(self) -> Path | None:
         """Training and validation loss against step, as ``loss.png``."""
@@ -344,7 +351,6 @@ def resume_trainer(
     fewer steps than are done, or resuming a finished run without more steps, is refused
     before anything is written.
     """
-
     d = Path(out_dir)
     saved = read_checkpoint(d, verify=verify)
     try:

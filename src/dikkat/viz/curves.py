@@ -10,7 +10,15 @@ from typing import Any
 def plot_losses(
     history: Sequence[dict[str, Any]], path: str | Path, *, title: str = "", unit: str = "loss"
 ) -> None:
-    """Training loss (light, and a moving average) and validation loss against step, as a PNG.
+    """Write :func:`draw_losses` of ``history`` as a PNG at ``path``."""
+    from dikkat.viz.figure import save_png
+
+    save_png(draw_losses(history, title=title, unit=unit), path)
+
+
+def draw_losses(history: Sequence[dict[str, Any]], *, title: str = "", unit: str = "loss") -> Any:
+    """Training loss (light, and a moving average) and validation loss against step; returns
+    the matplotlib ``Figure`` unsaved.
 
     ``history`` holds records with ``step`` and ``loss`` and/or ``val_loss`` (the trainer's log).
     """
@@ -19,7 +27,7 @@ def plot_losses(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dikkat.viz.figure import save_png
+    from dikkat.viz.figure import fit_layout
 
     train = [(r["step"], r["loss"]) for r in history if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
@@ -44,7 +52,8 @@ def plot_losses(
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if train or val:
-        ax.legend()
-    fig.tight_layout()
-    save_png(fig, path)
+    legend = None
+    if train or val:  # below the axes, where it hides no part of a curve
+        legend = fig.legend(loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False)
+    fit_layout(fig, legend=legend)
+    return fig

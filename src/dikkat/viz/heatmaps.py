@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from dikkat.viz.figure import fit_layout
 from dikkat.viz.maps import AttentionMaps
 
 __all__ = ["draw_alignment", "draw_focus", "draw_grid", "label_size", "tick_step"]
 
 CMAP = "magma"
 POINTS_PER_INCH = 72
+MIN_WIDTH = 4.0  # inches: a grid of one column (a rollout) still has room for its title
 
 
 def pyplot() -> Any:
@@ -89,10 +91,11 @@ def draw_grid(maps: AttentionMaps, *, panel: float = 1.6) -> Any:
     L, H, Tq, Tk = maps.weights.shape
     height = panel * min(max(Tq / Tk, 0.25), 1.5)
     margin = 0.9  # inches for the token labels
+    width = max(H * panel + margin + 0.3, MIN_WIDTH)  # room for the title above one column
     fig, axes = plt.subplots(
         L,
         H,
-        figsize=(H * panel + margin + 0.3, L * (height + 0.3) + margin + 0.5),
+        figsize=(width, L * (height + 0.3) + margin + 0.5),
         dpi=100,
         squeeze=False,
     )
@@ -110,10 +113,8 @@ def draw_grid(maps: AttentionMaps, *, panel: float = 1.6) -> Any:
                 label_axis(ax, "y", maps.queries, height)
             else:
                 _no_ticks(ax, "y")
-    fig.suptitle(
-        _title(maps, "each map on its own scale; rows: queries, columns: keys"), fontsize=9
-    )
-    fig.tight_layout()
+    what = "each map on its own scale; rows: queries, columns: keys"
+    fit_layout(fig, fig.suptitle(_title(maps, what), fontsize=9))
     return fig
 
 
@@ -143,10 +144,8 @@ def draw_focus(maps: AttentionMaps, row: int = 0, *, panel: float = 2.6) -> Any:
             _no_ticks(ax, "y")
     token = escape(maps.queries[i])
     position = maps.query_positions[i]
-    fig.suptitle(
-        _title(maps, f"where {token!r} (position {position}) looks: one line per head"), fontsize=9
-    )
-    fig.tight_layout()
+    what = f"where {token!r} (position {position}) looks: one line per head"
+    fit_layout(fig, fig.suptitle(_title(maps, what), fontsize=9))
     return fig
 
 
@@ -178,8 +177,8 @@ def draw_alignment(maps: AttentionMaps, *, panel: float = 2.8) -> Any:
                 ax.text(k, q, f"{v:.2f}"[1:] if v < 1 else "1", ha="center", va="center",
                         fontsize=5, color="black" if v > 0.6 * top else "white")  # fmt: skip
     heads = "mean of heads " + ",".join(str(h) for h in maps.heads)
-    fig.suptitle(_title(maps, f"cross-attention, target × source ({heads})"), fontsize=9)
-    fig.tight_layout()
+    what = f"cross-attention, target × source ({heads})"
+    fit_layout(fig, fig.suptitle(_title(maps, what), fontsize=9))
     return fig
 
 

@@ -12,10 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from dikkat.viz.figure import fit_layout
 from dikkat.viz.heatmaps import escape, label_axis, pyplot
 from dikkat.viz.maps import AttentionMaps
 
 __all__ = ["draw_image_attention", "draw_importance"]
+
+MIN_WIDTH = 5.5  # inches: room for a panel's title with two correlations
+COLOURS = ("tab:orange", "tab:green", "tab:blue", "tab:red")  # one per importance measure
 
 
 def draw_image_attention(maps: AttentionMaps, image: np.ndarray, *, panel: float = 1.5) -> Any:
@@ -60,9 +64,8 @@ def draw_image_attention(maps: AttentionMaps, image: np.ndarray, *, panel: float
             ax.set_yticks([])
     who = ", ".join(escape(q) for q in dict.fromkeys(maps.queries))
     head = f"{escape(maps.title)}\n" if maps.title else ""
-    fig.suptitle(f"{head}where {who} looks over the patches (each map on its own scale)",
-                 fontsize=9)  # fmt: skip
-    fig.tight_layout()
+    what = f"{head}where {who} looks over the patches (each map on its own scale)"
+    fit_layout(fig, fig.suptitle(what, fontsize=9))
     return fig
 
 
@@ -86,28 +89,33 @@ def draw_importance(
     if not attention or not importance:
         raise ValueError("draw_importance needs at least one attention row and one importance")
     plt = pyplot()
-    width = max(4.0, 0.28 * n + 1.5)
-    fig, axes = plt.subplots(len(attention), 1, figsize=(width, 1.9 * len(attention) + 0.8),
+    width = max(MIN_WIDTH, 0.28 * n + 1.5)
+    fig, axes = plt.subplots(len(attention), 1, figsize=(width, 1.9 * len(attention) + 1.1),
                              dpi=100, squeeze=False)  # fmt: skip
     series = 1 + len(importance)
     bar = 0.8 / series
     x = np.arange(n)
+    colours = [COLOURS[k % len(COLOURS)] for k in range(len(importance))]
     for ax, (name, att) in zip(axes[:, 0], attention.items(), strict=True):
-        ax.bar(x - 0.4 + bar / 2, _unit(att), bar, label=f"attention: {name}", color="tab:purple")
+        ax.bar(x - 0.4 + bar / 2, _unit(att), bar, label="attention (the panel's)",
+               color="tab:purple")  # fmt: skip
         rho = []
-        for k, (method, values) in enumerate(importance.items(), start=1):
-            ax.bar(x - 0.4 + bar * (k + 0.5), _unit(values), bar, label=method, alpha=0.8)
+        for k, (method, values) in enumerate(importance.items()):
+            ax.bar(x - 0.4 + bar * (k + 1.5), _unit(values), bar, label=method, alpha=0.8,
+                   color=colours[k])  # fmt: skip
             value = correlations.get(name, {}).get(method, float("nan"))
             rho.append(f"ρ({method}) = {value:+.2f}")
         ax.set_title(f"{escape(name)}: " + ", ".join(rho), fontsize=8)
         ax.set_xlim(-0.6, n - 0.4)
         ax.set_yticks([])
         label_axis(ax, "x", tokens, width - 1.0)
-        ax.legend(fontsize=6, loc="upper right", frameon=False)
+    # one legend for every panel (the same series in each), below them all: it covers no bar
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    legend = fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+                        ncol=series, fontsize=7, frameon=False)  # fmt: skip
     head = f"{escape(title)}\n" if title else ""
-    fig.suptitle(f"{head}attention against importance (each series scaled to its maximum)",
-                 fontsize=9)  # fmt: skip
-    fig.tight_layout()
+    what = f"{head}attention against importance (each series scaled to its maximum)"
+    fit_layout(fig, fig.suptitle(what, fontsize=9), legend)
     return fig
 
 

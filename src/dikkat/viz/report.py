@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,21 @@ PAGE = """<!DOCTYPE html>
 <p class="note" id="kind"></p>
 <h2>Head view</h2>
 <p class="note">A line from each query to each key it attends to; its opacity is the weight (below
-0.01 not drawn), its colour the head. Hover a token to keep only its lines.</p>
-<div class="controls"><label>layer <select id="layer"></select></label><span id="heads"
-class="controls"></span></div>
+0.01 not drawn), its colour the head. Pick a token in the menu or click it to keep only its lines
+(click it again, or pick "every token", for all); hover a token to single out its lines.</p>
+<div class="controls"><label>layer <select id="layer"></select></label><label>token <select
+id="token"></select></label><span class="mode" role="radiogroup" aria-label="heads shown">heads:
+<label><input type="radio" name="head-mode" value="all"> all</label><label><input type="radio"
+name="head-mode" value="one"> one</label><label><input type="radio" name="head-mode"
+value="none"> none</label></span><span id="heads" class="controls"></span></div>
 <svg id="head-view" class="head-view" role="img" aria-label="head view"></svg>
+<h2>Heat map</h2>
+<p class="note"><span id="heat-title"></span>: row = query, column = key, white 0, the head's
+full colour 1; hover a cell for its weight.</p>
+<svg id="heat-map" class="heat-map" role="img" aria-label="heat map"></svg>
 <h2>Model view</h2>
-<p class="note">A heat map per layer and head: row = query, column = key, white 0, full colour 1.
-Click one to show it in the head view.</p>
+<p class="note">A heat map per layer and head, on the same scale. Click one to show it in the head
+view and the heat map above.</p>
 <div id="model-view" class="grid"></div>
 </main>
 <script>
@@ -91,11 +100,40 @@ def _refuse_if_too_big(size: int, maps: AttentionMaps, max_bytes: int) -> None:
         )
 
 
+def _index(name: str, value: object, n: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -n <= value < n:
+        raise ValueError(f"{name} must be an index into the {n} {what}, got {value!r}")
+    return value % n
+
+
+def _opened(
+    maps: AttentionMaps, focus: int | None, layer: int, heads: Sequence[int] | None
+) -> dict[str, Any]:
+    """The view the page opens on, as indices into the maps' axes (checked)."""
+    L, H, Tq, _ = maps.weights.shape
+    shown = list(range(H))
+    if heads is not None:
+        if isinstance(heads, (str, bytes)) or not all(isinstance(h, int) for h in heads):
+            raise TypeError(f"heads must be a sequence of head numbers, got {heads!r}")
+        unknown = [h for h in heads if h not in maps.heads]
+        if unknown:
+            raise ValueError(f"heads {unknown} are not among the maps' heads {list(maps.heads)}")
+        shown = [i for i, h in enumerate(maps.heads) if h in heads]
+    return {
+        "focus": None if focus is None else _index("focus", focus, Tq, "query rows"),
+        "layer": _index("layer", layer, L, "layers"),
+        "heads": shown,
+    }
+
+
 def write_html(
     maps: AttentionMaps,
     path: str | Path,
     *,
     title: str | None = None,
+    focus: int | None = None,
+    layer: int = 0,
+    heads: Sequence[int] | None = None,
     max_bytes: int = MAX_BYTES,
 ) -> Path:
     """Write ``maps`` as one self-contained, interactive HTML file at ``path`` (atomically: the
@@ -103,8 +141,13 @@ def write_html(
 
     The page has a head view (query tokens on the left, keys on the right, a line from each
     query to each key it attends to, its opacity the weight, one colour per head; a layer menu,
-    head check boxes, hovering a token keeps only its lines) and a model view (a small heat map
-    per layer and head; clicking one shows that layer and head in the head view).
+    a token menu, head check boxes with "all", "one" and "none", hovering a token singles out
+    its lines), a heat map of one layer and head with the tokens along its axes, and a model
+    view (a small heat map per layer and head; clicking one shows it in the two views above).
+
+    What the page opens on: ``focus``, a query row (an index into ``maps.queries``, negative
+    from the end; None: every token's lines), ``layer`` (an index into ``maps.layers``) and
+    ``heads``, the head numbers of ``maps.heads`` shown (None: all).
 
     ``title`` replaces ``maps.title``. A report larger than ``max_bytes`` is refused with a
     ``ValueError`` naming its size, before anything is written.
@@ -115,6 +158,7 @@ def write_html(
         raise ValueError(f"maps has nothing to draw: weights of shape {maps.weights.shape}")
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+    opened = _opened(maps, focus, layer, heads)
     L, H, Tq, Tk = maps.weights.shape
     q = np.rint(np.clip(maps.weights, 0.0, 1.0) * SCALE).astype(np.int32)  # (L, H, Tq, Tk)
     # the bytes the weights alone take (digits and commas), known before building any text
@@ -131,6 +175,7 @@ def write_html(
         "heads": [int(h) for h in maps.heads],
         "head_labels": list(maps.head_labels),  # "head 3", or "mean of heads" for a rollout
         "rows": [int(r) for r in maps.query_positions],
+        "open": opened,  # what the page shows first: {"focus", "layer", "heads"} (indices)
         "scale": SCALE,
         "weights": q.reshape(L, H, Tq * Tk).tolist(),  # [layer][head][i * Tk + j]
     }

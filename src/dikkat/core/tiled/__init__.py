@@ -41,11 +41,18 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from dikkat.core.checks import broadcast_kv, check_mask, check_qkv, check_scale, check_softcap
+from dikkat.core.checks import (
+    broadcast_kv,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_sinks,
+    check_softcap,
+)
 from dikkat.core.masks import Mask
 from dikkat.core.tiled.autograd import TiledAttention, backward
 from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
-from dikkat.core.tiled.kernel import fused_unavailable
+from dikkat.core.tiled.kernel import fused_unavailable, unit_last_stride
 from dikkat.core.tiled.plan import BLOCK, CELLS, KEY_TILE, Windows, windows_cells
 
 __all__ = [
@@ -100,9 +107,10 @@ def tiled_attention(
     windows: bool | None = None,
     fused: bool | None = None,
     plans: PlanCache | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention in tiles: ``(out (B, H, T, Dv), lse (B, H, T))``, lse in fp32 (fp64 for
-    fp64 inputs). Differentiable in q, k, v and the bias.
+    fp64 inputs). Differentiable in q, k, v, the bias and the sinks.
 
     Args:
         q, k, v, mask, scale, softcap, bias, q_offset: as in :func:`dikkat.attention` (``mask``
@@ -119,16 +127,23 @@ def tiled_attention(
             e.g. off the CPU, with Dv ≠ D or with a softcap, which that kernel cannot apply), in
             plain tensor ops (False), or None: the kernel wherever it can run.
         plans: the plan cache to use; None: the shared :data:`plans`.
+        sinks: attention sinks as in :func:`dikkat.attention`, (H,) or 3-D broadcastable to
+            (B, H, T), finite: one more logit per row in the softmax's denominator, joined after
+            the key tiles (:mod:`~dikkat.core.tiled.sinks`); the lse counts them.
     """
     softcap = check_softcap(softcap)
+    use_fused = _fused(q, v, fused, softcap)
+    if use_fused:  # a view whose last dim is strided: copied once here, not once per tile
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))
     # k, v of batch size 1 (shared by the batch): stride-0 views; autograd sums their gradient
     k, v = broadcast_kv(k, q.shape[0]), broadcast_kv(v, q.shape[0])
     prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
-    use_fused = _fused(q, v, fused, softcap)
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
     k, v = _for_windows(prepared, k, v)
-    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap)
+    if sinks is not None:  # (B|1, H|1, T|1), in the accumulator dtype
+        sinks = check_sinks(sinks, q, check_qkv(q, k, v))
+    return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap, sinks)
 
 
 def _for_windows(prepared: Prepared, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,9 +219,12 @@ def tiled_backward(
     _check_result("lse", lse, (B, H, T), q)
     scale, softcap = check_scale(scale, shape.D), check_softcap(softcap)
     mask = check_mask(mask, shape, q_offset)
-    kb, vb = broadcast_kv(k, B), broadcast_kv(v, B)
-    prepared = _prepared(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
     use_fused = _fused(q, v, fused, softcap)
+    kb, vb = k, v
+    if use_fused:  # as in tiled_attention: copied once here, not once per tile
+        q, kb, vb, out = (unit_last_stride(t) for t in (q, k, v, out))
+    kb, vb = broadcast_kv(kb, B), broadcast_kv(vb, B)
+    prepared = _prepared(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
     kb, vb = _for_windows(prepared, kb, vb)
     dq, dk, dv, _ = backward(q, kb, vb, out, lse, dout.contiguous(), scale, None, prepared,
                              key_tile, use_fused, softcap, False)  # fmt: skip

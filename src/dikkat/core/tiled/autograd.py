@@ -29,6 +29,7 @@ from dikkat.core.tiled.kernel import (
     tile_forward,
 )
 from dikkat.core.tiled.plan import Rows, Windows
+from dikkat.core.tiled.sinks import add_sinks, sinks_grad
 from dikkat.core.tiled.tile_masks import TileMask
 
 UNMASKED = TileMask(None, None)  # a tile whose every pair is allowed
@@ -123,9 +124,10 @@ def _windows_forward(
 
 def forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, prepared: Prepared,
-    key_tile: int, fused: bool, softcap: float | None = None,
+    key_tile: int, fused: bool, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the accumulator dtype)."""
+    """(out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the accumulator dtype); ``sinks``
+    (B|1, H|1, T|1) join each row's softmax after its key tiles (:mod:`~.sinks`)."""
     B, H, T, D = q.shape
     G, Dv = k.shape[1], v.shape[3]
     qg = q.reshape(B, G, H // G, T, D)  # (B, G, g, T, D): query heads grouped by kv head
@@ -143,7 +145,10 @@ def forward(
             _rows_forward(
                 i, item, qg, k, v, scale, bias, prepared, key_tile, fused, softcap, out, lse
             )
-    return out.view(B, H, T, Dv).to(q.dtype), lse.view(B, H, T)
+    out, lse = out.view(B, H, T, Dv), lse.view(B, H, T)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    return out.to(q.dtype), lse
 
 
 def backward(
@@ -204,22 +209,26 @@ def backward(
 
 
 class TiledAttention(torch.autograd.Function):
-    """``(out, lse)`` of a prepared plan; differentiable in q, k, v and the bias."""
+    """``(out, lse)`` of a prepared plan; differentiable in q, k, v, the bias and the sinks."""
 
     @staticmethod
     def forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None,
         prepared: Prepared, key_tile: int, fused: bool, softcap: float | None,
+        sinks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        out, lse = forward(q, k, v, scale, bias, prepared, key_tile, fused, softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = forward(q, k, v, scale, bias, prepared, key_tile, fused, softcap, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (scale, bias, prepared, key_tile, fused, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[4]
         dq, dk, dv, dbias = backward(q, k, v, out, lse, dout.contiguous(), *ctx.args, bias_grad)
-        return dq, dk, dv, None, dbias, None, None, None, None
+        dsinks = None
+        if ctx.needs_input_grad[9]:  # the sinks: a score with value 0 in every row's softmax
+            dsinks = sinks_grad(dout, out, lse, sinks)
+        return dq, dk, dv, None, dbias, None, None, None, None, dsinks

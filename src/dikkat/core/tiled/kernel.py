@@ -7,9 +7,13 @@ of a tile, ``D``/``Dv`` head dims; ``G`` key/value heads and ``g`` query heads p
 A tile is q (B, X, R, D), k (B, X, K, D), v (B, X, K, Dv) and an additive mask (B|1, X|1, R, K)
 or None. When the call allows it (``fused``) the tile runs in PyTorch's fused CPU flash kernel
 (``_scaled_dot_product_flash_attention_for_cpu``, which takes an additive mask and returns the
-log-sum-exp) and its backward; otherwise in plain tensor ops, written out here. ``cap`` is the
-identity, or with ``softcap`` c the soft-cap s ↦ c · tanh(s / c) of Gemma 2 (docs/attention.md,
-"Soft-capping"), which the fused kernel cannot apply: a soft-capped call runs plain ops.
+log-sum-exp) and its backward; otherwise in plain tensor ops, written out here. That kernel reads
+the last dim of q, k, v and the output as laid out with stride 1 whatever their strides say
+(seen with torch 2.13; https://github.com/pytorch/pytorch/pull/187506 makes the kernel copy such
+inputs itself): a tile of a transposed or sliced view goes to it as a contiguous copy
+(:func:`unit_last_stride`). ``cap`` is the identity, or with ``softcap`` c the soft-cap
+s ↦ c · tanh(s / c) of Gemma 2 (docs/attention.md, "Soft-capping"), which the fused kernel cannot
+apply: a soft-capped call runs plain ops.
 
 The plain backward recomputes the tile's weights from the whole attention's log-sum-exp,
 P = exp(s − lse), and with dP = dO Vᵀ the gradient of the scores is dS = P ∘ (dP − rowsum(dO ∘ O))
@@ -54,6 +58,12 @@ def fused_unavailable(q: Tensor, v: Tensor, softcap: float | None = None) -> str
     return None
 
 
+def unit_last_stride(x: Tensor) -> Tensor:
+    """x, or a contiguous copy of it when its last dim is not laid out with stride 1 (a
+    transposed or sliced view, an expanded one): what the fused CPU kernel reads correctly."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
 def capped_scores(
     q: Tensor, k: Tensor, scale: float, softcap: float | None
 ) -> tuple[Tensor, Tensor | None]:
@@ -75,6 +85,7 @@ def tile_forward(
     ``softcap`` None (:func:`fused_unavailable`)."""
     acc = acc_dtype(q.dtype)
     if fused:
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))
         out, lse = _FLASH_CPU(q, k, v, attn_mask=additive, scale=scale)
         return out.to(acc), lse.to(acc)
     s, _ = capped_scores(q, k, scale, softcap)
@@ -105,6 +116,7 @@ def tile_backward(
     needs ``softcap`` None."""
     if fused:
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dout, q, k, v, out = (unit_last_stride(t) for t in (dout, q, k, v, out))
         return backward(
             dout,
             q,
