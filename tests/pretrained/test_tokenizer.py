@@ -259,10 +259,7 @@ def _sentencepiece_reference(metadata: dict):
 
 
 def test_a_stream_never_shows_half_a_character(smollm2, gemma3):
-    try:
-        from dikkat.text.stream import TextStream
-    except ImportError:  # its place before the llama branch moved it
-        from dikkat.serving.detokenize import TextStream
+    from dikkat.text.stream import TextStream
 
     text = TEXTS["emoji"] + TEXTS["turkish"] + TEXTS["cjk"] + TEXTS["rare characters"]
     for tok in (smollm2, gemma3):

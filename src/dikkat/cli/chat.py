@@ -134,7 +134,7 @@ def add_commands(sub: Any) -> None:
         examples=[
             ('dikkat chat smollm2 --message "What is the capital of France?"', "answer once"),
             ("dikkat chat smollm2", "a conversation (Ctrl-D leaves)"),
-            ("dikkat chat ./SmolLM2-360M-Instruct.Q8_0.gguf --weights int8", "any GGUF file"),
+            ("dikkat chat smollm2 --system 'Answer in one word.' --weights int8", "int8 weights"),
         ],
     )
     chat.add_argument("model", help="a name (smollm2), a .gguf file or an HF folder")
