@@ -18,7 +18,8 @@ from dikkat.cli.args import add_no_verify, positive_int
 from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model
 from dikkat.core.masks import causal, document, full, padding
-from dikkat.models import BERT, GPT, Seq2Seq
+from dikkat.models import BERT, GPT, Decoder, Seq2Seq
+from dikkat.pretrained import load
 
 Audit = Callable[[], Report]
 
@@ -115,6 +116,24 @@ def hf_audits(model: Any, args: argparse.Namespace) -> list[Audit]:
     ]
 
 
+def decoder_audits(model: Decoder, args: argparse.Namespace) -> list[Audit]:
+    """A pretrained decoder: causality on its final hidden states (the output head reads one
+    position at a time, and over a vocabulary of 10⁵ ids it would be most of the cost), cached
+    decoding, and, where it has sliding layers, every layer against its own window."""
+    c, device = model.config, model.tok_emb.weight.device
+    s = _sizes(args, c.max_len)
+    V = c.vocab_size
+    hidden = partial(model, return_hidden=True)
+    audits: list[Audit] = [
+        lambda: audit.causality(hidden, V, **s, **_probe(args), embedding=model.tok_emb),
+        lambda: audit.kv_cache(model, V, s["seq_len"], batch=s["batch"], seed=s["seed"]),
+        lambda: audit.permutation(model, _random_ids(V, s, device), causal=True),
+    ]
+    if c.sliding_window is not None:
+        audits.append(lambda: audit.windows(model, seed=s["seed"]))
+    return audits
+
+
 AUDITS = {
     "GPT": (GPT, gpt_audits),
     "BERT": (BERT, bert_audits),
@@ -125,13 +144,18 @@ AUDITS = {
 def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
     """What is audited (in words) and the audits that apply to it."""
     device = device_of(args)
-    if (args.run is None) == (args.hf is None):
-        raise ValueError("give either RUN_DIR (a dikkat run or model folder) or --hf PATH")
+    if sum(x is not None for x in (args.run, args.hf, args.model)) != 1:
+        raise ValueError(
+            "give one of RUN_DIR (a dikkat run or model folder), --hf PATH or --model MODEL"
+        )
     if args.seq_len < 3:
         raise ValueError(
             f"--seq-len must be at least 3 (the permutation audit moves the tokens before the "
             f"last), got {args.seq_len}"
         )
+    if args.model is not None:
+        lm = load(args.model, device=device)
+        return f"{args.model} ({lm!r})", decoder_audits(lm.model, args)
     if args.hf is not None:
         path = Path(args.hf)
         if not (path / "config.json").is_file():
@@ -187,6 +211,7 @@ def add_commands(sub: Any) -> None:
         examples=[
             ("dikkat audit runs/gpt", "causality, packed documents, KV cache, positions"),
             ("dikkat audit --hf ./gpt2", "a local Hugging Face causal LM (nothing downloaded)"),
+            ("dikkat audit --model gemma3-270m --values 2 --trials 1", "its 512-key windows too"),
             ("dikkat audit runs/mlm --seq-len 12 --trials 4", "a BERT: bidirectional, padding"),
         ],
         notes="A GPT is audited for causality and against causal() & document(ids) on a batch "
@@ -195,6 +220,12 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a run or model folder")
     p.add_argument("--hf", metavar="PATH", help="a Hugging Face model folder (save_pretrained)")
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a pretrained decoder: a name (smollm2, gemma3-270m), a .gguf file or an HF folder "
+        "of a Llama, Mistral, Qwen2 or Gemma 3 (dikkat.pretrained.load)",
+    )
     p.add_argument("--seq-len", type=positive_int, default=16, help="positions checked (16)")
     p.add_argument(
         "--trials",

@@ -16,6 +16,7 @@ from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model, refusal, task_seed
 from dikkat.maps.faithfulness import MAX_TOKENS, Faithfulness
 from dikkat.models import BERT, GPT, Seq2Seq
+from dikkat.pretrained import load
 from dikkat.pretrained.minilm import minilm
 from dikkat.tasks.digits import load_digits_split
 from dikkat.tasks.translate import encode_numbers
@@ -55,7 +56,9 @@ def out_dir(args: argparse.Namespace) -> Path:
         return Path(args.out)
     if args.run is not None:
         return Path(args.run)
-    return SHOW_DIR / (args.model or Path(args.hf).resolve().name)
+    if args.model is not None:  # a name, or the stem of a .gguf file or folder
+        return SHOW_DIR / Path(args.model).stem
+    return SHOW_DIR / Path(args.hf).resolve().name
 
 
 class Figures:
@@ -180,12 +183,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Draw a model's attention on one input; with --faithfulness, rank it against importance."""
     given = [args.run is not None, args.model is not None, args.hf is not None]
     if sum(given) != 1:
-        raise ValueError("give one model: a RUN_DIR, --model minilm or --hf PATH")
+        raise ValueError("give one model: a RUN_DIR, --model MODEL or --hf PATH")
     figures = Figures(args)
     if args.model == "minilm":
         require_extra("minilm", "show --model minilm")
         tm = maps.text_model(minilm(device_of(args)))
         result = _show_text(args, replace(tm, name="all-MiniLM-L6-v2"), figures)
+    elif args.model is not None:
+        lm = load(args.model, device=device_of(args))
+        result = _show_text(args, maps.text_model(lm), figures)
     elif args.hf is not None:
         require_extra("hf", "show --hf")
         result = _show_text(args, maps.hf_model(args.hf, device=device_of(args)), figures)
@@ -238,6 +244,11 @@ def add_commands(sub: Any) -> None:
                 "attention.png and attention_focus.png in runs/show/minilm/",
             ),
             ("dikkat show runs/gpt --text 'import os' --rollout --faithfulness", ""),
+            (
+                "dikkat show --model smollm2 --text 'The cat sat on the mat because it was "
+                "tired.' --token it --layer -1",
+                "a real decoder",
+            ),
             ("dikkat show runs/translate --text 4721 --layer -1", "the alignment"),
             ("dikkat show runs/gpt --text 'def f(x):' --html attention.html", "open in a browser"),
             ("dikkat show runs/digits --image 3 --png digit.png", ""),
@@ -250,7 +261,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "run", nargs="?", help="a run folder of dikkat train (lm, mlm, translate, digits)"
     )
-    p.add_argument("--model", choices=["minilm"], help="a pretrained model: minilm")
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a pretrained model: minilm (all-MiniLM-L6-v2), or a decoder dikkat.pretrained.load "
+        "reads: a name (smollm2, gemma3-270m), a .gguf file or an HF folder",
+    )
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model folder (no download)")
     p.add_argument("--text", help="the text to read (for a translator: the number)")
     p.add_argument("--image", type=int, default=0, help="held-out digit to read (a ViT run)")

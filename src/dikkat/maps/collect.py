@@ -134,7 +134,10 @@ def token_labels(tokenizer: Any, ids: Sequence[int]) -> tuple[str, ...]:
         out = []
         for i in ids:
             t = inner.id_to_token(int(i))
-            out.append(f"<{i}>" if t is None else t.replace("Ġ", "␣").replace("Ċ", "\\n"))
+            if t is None:
+                out.append(f"<{i}>")
+            else:  # byte-level BPE's Ġ and SentencePiece's ▁ are spaces
+                out.append(t.replace("Ġ", "␣").replace("▁", "␣").replace("Ċ", "\\n"))
         return tuple(out)
     table = getattr(tokenizer, "tokens", None)
     if table is not None:

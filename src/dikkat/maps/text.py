@@ -21,6 +21,7 @@ from dikkat.maps.collect import Selection, collect, layer_family, token_labels
 from dikkat.models.bert import BERT
 from dikkat.models.gpt import GPT
 from dikkat.pretrained.minilm import SentenceEncoder
+from dikkat.pretrained.session import Pretrained
 from dikkat.viz.maps import AttentionMaps
 
 __all__ = ["TextModel", "encode_text", "mask_id_of", "text_maps", "text_model"]
@@ -52,9 +53,16 @@ def mask_id_of(tokenizer: Any, vocab_size: int) -> int | None:
     return size if isinstance(size, int) and size + 1 == vocab_size else None
 
 
-def text_model(model: BERT | GPT | SentenceEncoder, tokenizer: Any = None) -> TextModel:
-    """A dikkat BERT (its encoder's hidden states), GPT (its logits) or a sentence encoder
-    (MiniLM: its BERT and tokenizer) as a :class:`TextModel`."""
+def text_model(
+    model: BERT | GPT | SentenceEncoder | Pretrained, tokenizer: Any = None
+) -> TextModel:
+    """A dikkat BERT (its encoder's hidden states), GPT (its logits), a sentence encoder
+    (MiniLM: its BERT and tokenizer) or a pretrained decoder (:func:`dikkat.pretrained.load`:
+    its logits) as a :class:`TextModel`."""
+    if isinstance(model, Pretrained):
+        lm = model.model
+        return TextModel(lm, model.tokenizer, lm, causal=True, embedding=lm.tok_emb,
+                         name=model.name)  # fmt: skip
     name = "BERT"
     if isinstance(model, SentenceEncoder):
         tokenizer = model.tokenizer if tokenizer is None else tokenizer
@@ -84,11 +92,8 @@ def encode_text(tm: TextModel, text: str) -> tuple[list[int], tuple[str, ...]]:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     inner = getattr(tm.tokenizer, "inner", tm.tokenizer)
-    if hasattr(inner, "encode") and hasattr(inner, "id_to_token"):  # a tokenizers.Tokenizer
-        encoding = inner.encode(text)
-        ids = list(encoding.ids)
-    else:
-        ids = list(tm.tokenizer.encode(text))
+    encoded = inner.encode(text) if hasattr(inner, "encode") else tm.tokenizer.encode(text)
+    ids = list(getattr(encoded, "ids", encoded))  # a tokenizers.Encoding, or a list of ids
     if not ids:
         raise ValueError(f"text {text!r} encodes to no tokens")
     return ids, token_labels(tm.tokenizer, ids)
