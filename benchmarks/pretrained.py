@@ -142,9 +142,7 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict:
         if key != "hf":
             rows[key]["mean_loglik"] = mean_loglik(lm.model, held_out, weights)
             rows[key]["vs_transformers"] = tok_s / (args.new / statistics.median(times["hf"]))
-    prefill = {
-        k: args.prefill / statistics.median(times[f"{k}_prefill"]) for k in ("hf", "ours")
-    }
+    prefill = {k: args.prefill / statistics.median(times[f"{k}_prefill"]) for k in ("hf", "ours")}
     return {
         "model": repr(lm),
         "decode": rows,

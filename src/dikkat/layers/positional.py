@@ -153,7 +153,6 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
-
     def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles at ``positions``, in ``dtype``: (T, D/2) or (B, 1, T, D/2).
         Kept for the same positions tensor, unchanged since (its version counter; an inference

