@@ -15,8 +15,10 @@ never a model that loads with silently wrong weights.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -75,7 +77,15 @@ def atomic_write_all(writes: Mapping[Path, Writer]) -> None:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
             os.close(fd)
             tmps[path] = tmp
-            write(tmp)
+            try:
+                write(tmp)
+            except OSError:
+                raise
+            except Exception as error:  # a writer that reports a failed write its own way
+                failed = os_error_of(error, tmp)
+                if failed is None:
+                    raise
+                raise failed from error
             os.chmod(tmp, mode)
             fsync_path(tmp)
         for path, tmp in tmps.items():
@@ -86,6 +96,27 @@ def atomic_write_all(writes: Mapping[Path, Writer]) -> None:
         for tmp in tmps.values():
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def os_error_of(error: Exception, path: str | Path) -> OSError | None:
+    """The ``OSError`` behind a writer's own exception, or None when there is none to find.
+
+    safetensors reports a failed write as ``SafetensorError("… (os error 28)")`` and
+    ``torch.save`` as a ``RuntimeError`` of its zip writer that names no cause, so a full disk
+    would end in a traceback instead of the one line an ``OSError`` gets: the error number is
+    read from the message, else a file system with no free block is taken to be the cause.
+    """
+    found = re.search(r"os error (\d+)", str(error))
+    if found:
+        number = int(found.group(1))
+        return OSError(number, os.strerror(number), str(path))
+    try:
+        stats = os.statvfs(Path(path).parent)
+    except (OSError, AttributeError):  # no statvfs on this platform, or the folder is gone
+        return None
+    if stats.f_bavail == 0:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -141,3 +141,32 @@ def test_a_disk_that_fills_during_a_save_ends_in_one_line(tmp_path, capsys, monk
     runs.release(out)
     assert len(calls) == 2 and resume_trainer(out, steps=3).step == 2
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [runs.LOCK_FILE]
+
+
+def test_a_full_disk_as_torch_save_reports_it_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    """torch.save reports a full disk as a RuntimeError of its zip writer, not an OSError: with
+    no free block on the disk it is taken for what it is."""
+    import types
+
+    import dikkat.training.checkpoint as checkpoint
+
+    out = tmp_path / "run"
+    real, calls = checkpoint.torch.save, []
+
+    def zip_writer_fails(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            monkeypatch.setattr(os, "statvfs", lambda p: types.SimpleNamespace(f_bavail=0))
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+        return real(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", zip_writer_fails)
+    argv = ["train", "--steps", "3", "--save-every", "2", "--out", str(out), *TINY]
+    code, _, err = run_cli(argv, capsys)
+    assert one_line(code, err, status=1).startswith(
+        f"could not write the checkpoint of step 3 in {out}: No space left on device; the last "
+        "checkpoint (step 2) is whole and current"
+    )
+    monkeypatch.undo()
+    runs.release(out)
+    assert resume_trainer(out, steps=3).step == 2

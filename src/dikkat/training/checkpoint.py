@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dikkat import runs
-from dikkat.files import check_writable_dir, sha256, write_text
+from dikkat.files import check_writable_dir, os_error_of, sha256, write_text
 from dikkat.models.io import WEIGHTS_FILE, write_model
 from dikkat.training.results import SaveError
 
@@ -101,16 +101,20 @@ def write_checkpoint(
 
 @contextlib.contextmanager
 def writing(out_dir: Path, what: str) -> Iterator[None]:
-    """Inside, a failed write (``OSError``) of ``what`` into the run folder becomes a
-    :class:`SaveError` naming the checkpoint that is still current."""
+    """Inside, a failed write (``OSError``, or a writer's own error for one, as ``torch.save``
+    raises on a full disk: :func:`dikkat.files.os_error_of`) of ``what`` into the run folder
+    becomes a :class:`SaveError` naming the checkpoint that is still current."""
     try:
         yield
-    except OSError as e:
+    except Exception as error:
+        e = error if isinstance(error, OSError) else os_error_of(error, out_dir / STATE_FILE)
+        if e is None:
+            raise
         try:
             saved = int(runs.read_pointer(out_dir)["step"])
         except (ValueError, OSError, KeyError, TypeError):
             saved = None  # no run.json: nothing committed yet (or a run of an older dikkat)
-        raise SaveError(e, what, out_dir, saved) from e
+        raise SaveError(e, what, out_dir, saved) from error
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
