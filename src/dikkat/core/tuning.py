@@ -143,4 +143,5 @@ TABLE: Mapping[str, Tuning] = MappingProxyType({"cpu": CPU, "cuda": CUDA})
 def for_device(device: torch.device | str) -> Tuning:
     """The constants for a device (by its type: ``"cpu"``, ``"cuda"``, …); :data:`DEFAULT` for a
     type with no entry in :data:`TABLE`."""
-    return TABLE.get(torch.device(device).type, DEFAULT)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return TABLE.get(kind, DEFAULT)  # asked on every product of a decoding step: no new device

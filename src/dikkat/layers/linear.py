@@ -156,12 +156,15 @@ class Linear(nn.Linear):
 
     def _run_copy(self, x: Tensor, start: int, stop: int, bias: Tensor | None) -> Tensor:
         weights = self._formats[-1]
-        if weights == "fp32" and (
-            x.dtype != self.weight.dtype
-            or not _onednn_serves(self.weight)
-            or x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
-        ):
-            return F.linear(x, self.weight[start:stop], bias)  # as outside the block
+        if weights == "fp32":
+            weight = self.weight
+            if (
+                x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
+                or x.dtype != weight.dtype
+                or not _onednn_serves(weight)
+            ):  # as outside the block
+                whole = start == 0 and stop == self.out_features
+                return F.linear(x, weight if whole else weight[start:stop], bias)
         rows = _BATCH_ROWS if self._batched[-1] and x.numel() > 2 * x.shape[-1] else 1
         copy = self.inference_copy(weights, start, stop, rows)
         if isinstance(copy, W8A8Weight):  # its bias is packed with it
