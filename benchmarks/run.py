@@ -21,6 +21,7 @@ import checkpoint
 import distributed
 import generation
 import hf_long_context
+import pretrained
 import speculative
 import training
 import vision
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "attention": attention.main,
     "generation": generation.main,
     "speculative": speculative.main,
+    "pretrained": pretrained.main,
     "training": training.main,
     "vision": vision.main,
     "checkpoint": checkpoint.main,
