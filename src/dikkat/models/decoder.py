@@ -47,7 +47,7 @@ from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
 from dikkat.layers.norm import RMSNorm
 from dikkat.layers.positional import RotaryEmbedding, resolve_positions, valid_positions
-from dikkat.models.generating import Generates
+from dikkat.models.generating import CacheLayout, Generates
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
@@ -288,29 +288,9 @@ class Decoder(Generates, SaveLoad, nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def is_tied(self, name: str) -> bool:
-        return self.config.tie_embeddings and name == "lm_head.weight"
-
-    @property
-    def n_params(self) -> int:
-        """Parameters, counting a tied embedding once."""
-        return sum(p.numel() for p in self.parameters())
-
-    def new_cache(
-        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
-    ) -> list[KVCache]:
-        """One preallocated KV cache per layer, (B, G, max_len, D) each."""
+    def cache_layout(self) -> CacheLayout:
         c = self.config
-        max_len = c.max_len if max_len is None else max_len
-        check_int("max_len", max_len)
-        if max_len > c.max_len:
-            raise ValueError(f"max_len={max_len} exceeds the model's context of {c.max_len}")
-        weight = self.tok_emb.weight
-        dtype = dtype or weight.dtype
-        return [
-            KVCache(batch, c.kv_heads, max_len, c.dim, dtype=dtype, device=weight.device)
-            for _ in range(c.n_layers)
-        ]
+        return CacheLayout(c.n_layers, c.kv_heads, c.dim, c.max_len)
 
     def forward(
         self,

@@ -1,16 +1,64 @@
-"""``model.generate``: the decoder-only models' one way into :func:`dikkat.generate`."""
+"""What the decoder-only language models share: their KV caches, a tied output embedding, and
+``model.generate``, their one way into :func:`dikkat.generate`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dikkat.generation.generate import Prompts, generate
+from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.quantized import WeightFormat
+from dikkat.validate import check_int
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What each layer's KV cache holds: (B, kv_heads, ≤ context, head_dim) keys and values."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    context: int  # the longest sequence the model's positions allow
 
 
 class Generates:
-    """Mixin for an ``nn.Module`` decoder that meets
-    :class:`dikkat.generation.generate.CausalLM`."""
+    """Mixin for an ``nn.Module`` decoder (``GPT``, ``Decoder``) that meets
+    :class:`dikkat.generation.generate.CausalLM`: it has ``config`` (with ``tie_embeddings``),
+    ``tok_emb`` and :meth:`cache_layout`."""
+
+    config: Any
+    tok_emb: torch.nn.Embedding
+
+    def cache_layout(self) -> CacheLayout:
+        raise NotImplementedError
+
+    def is_tied(self, name: str) -> bool:
+        """True for a parameter stored under another name (the tied output embedding)."""
+        return self.config.tie_embeddings and name == "lm_head.weight"
+
+    @property
+    def n_params(self) -> int:
+        """Parameters, counting a tied embedding once."""
+        return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+
+    def new_cache(
+        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        """One preallocated KV cache per layer, (B, G, max_len, D) each."""
+        layout = self.cache_layout()
+        max_len = layout.context if max_len is None else max_len
+        check_int("max_len", max_len)
+        if max_len > layout.context:
+            raise ValueError(f"max_len={max_len} exceeds the model's context of {layout.context}")
+        weight = self.tok_emb.weight
+        return [
+            KVCache(batch, layout.kv_heads, max_len, layout.head_dim,
+                    dtype=dtype or weight.dtype, device=weight.device)  # fmt: skip
+            for _ in range(layout.n_layers)
+        ]
 
     @torch.no_grad()
     def generate(

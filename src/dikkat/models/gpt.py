@@ -30,7 +30,7 @@ from dikkat.layers.positional import (
     RotaryEmbedding,
     valid_positions,
 )
-from dikkat.models.generating import Generates
+from dikkat.models.generating import CacheLayout, Generates
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
@@ -131,35 +131,9 @@ class GPT(Generates, SaveLoad, nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def is_tied(self, name: str) -> bool:
-        return self.config.tie_embeddings and name == "lm_head.weight"
-
-    @property
-    def n_params(self) -> int:
-        """Parameters, counting a tied embedding once."""
-        return sum(p.numel() for p in self.parameters())
-
-    def new_cache(
-        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
-    ) -> list[KVCache]:
-        """One preallocated KV cache per layer, (B, G, max_len, D) each."""
+    def cache_layout(self) -> CacheLayout:
         c = self.config
-        max_len = c.max_len if max_len is None else max_len
-        check_int("max_len", max_len)
-        if max_len > c.max_len:
-            raise ValueError(f"max_len={max_len} exceeds the model's context of {c.max_len}")
-        weight = self.tok_emb.weight
-        return [
-            KVCache(
-                batch,
-                c.block().kv_heads,
-                max_len,
-                c.d_model // c.n_heads,
-                dtype=dtype or weight.dtype,
-                device=weight.device,
-            )
-            for _ in range(c.n_layers)
-        ]
+        return CacheLayout(c.n_layers, c.block().kv_heads, c.d_model // c.n_heads, c.max_len)
 
     def forward(
         self,

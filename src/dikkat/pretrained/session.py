@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,7 +70,8 @@ class Pretrained:
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError("text must be a str or a non-empty list of str")
         prompts = [self.tokenizer.encode(t) for t in texts]
-        rows = self._generate_ids(prompts, max_new_tokens, temperature, top_k, top_p, seed, weights)
+        settings = _settings(temperature, top_k, top_p, seed, weights)
+        rows = self._generate_ids(prompts, max_new_tokens, settings)
         out = [self._decode(row) for row in rows]
         return out[0] if isinstance(text, str) else out
 
@@ -89,7 +91,8 @@ class Pretrained:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         ids = self.tokenizer.encode(text)
-        yield from self._stream_ids(ids, max_new_tokens, temperature, top_k, top_p, seed, weights)
+        settings = _settings(temperature, top_k, top_p, seed, weights)
+        yield from self._stream_ids(ids, max_new_tokens, settings)
 
     def chat_prompt(self, messages: Sequence[dict]) -> str:
         """``messages`` rendered in the model's chat template, ready for the assistant's turn."""
@@ -143,21 +146,14 @@ class Pretrained:
         # the template writes the special tokens (BOS included) itself, as transformers'
         # apply_chat_template(tokenize=True) encodes without adding them
         ids = self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
-        yield from self._stream_ids(ids, max_new_tokens, temperature, top_k, top_p, seed, weights)
+        settings = _settings(temperature, top_k, top_p, seed, weights)
+        yield from self._stream_ids(ids, max_new_tokens, settings)
 
     def _stream_ids(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        weights: WeightFormat | None,
+        self, ids: list[int], max_new_tokens: int, settings: dict[str, Any]
     ) -> Iterator[str]:
         stream = TextStream(self._text)
-        steps = self._steps([ids], max_new_tokens, temperature, top_k, top_p, seed, weights)
-        for tokens in steps:
+        for tokens in self._steps([ids], max_new_tokens, settings):
             token = int(tokens[0])
             if token in self.tokenizer.eos_ids:
                 break
@@ -167,21 +163,12 @@ class Pretrained:
             yield rest
 
     def _generate_ids(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        weights: WeightFormat | None,
+        self, prompts: list[list[int]], max_new_tokens: int, settings: dict[str, Any]
     ) -> list[list[int]]:
         """The new tokens of each prompt, each row cut before its first end-of-generation id."""
         rows: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        for tokens in self._steps(
-            prompts, max_new_tokens, temperature, top_k, top_p, seed, weights
-        ):
+        for tokens in self._steps(prompts, max_new_tokens, settings):
             for i, token in enumerate(tokens.tolist()):
                 if done[i]:
                     continue
@@ -194,29 +181,24 @@ class Pretrained:
         return rows
 
     def _steps(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        weights: WeightFormat | None,
+        self, prompts: list[list[int]], max_new_tokens: int, settings: dict[str, Any]
     ) -> Iterator[torch.Tensor]:
         check_int("max_new_tokens", max_new_tokens, at_least=0)
         if any(not p for p in prompts):
             raise ValueError("a prompt encodes to no tokens: give some text")
-        return iter_generate(
-            self.model,
-            prompts,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            pad_id=self.tokenizer.pad_id or 0,
-            weights=weights,
-        )
+        pad = self.tokenizer.pad_id or 0
+        return iter_generate(self.model, prompts, max_new_tokens, pad_id=pad, **settings)
+
+
+def _settings(
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int | None,
+    weights: WeightFormat | None,
+) -> dict[str, Any]:
+    """The sampling keywords of :func:`dikkat.iter_generate`, checked by it."""
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, weights=weights)
 
 
 class _TextOf:
