@@ -113,9 +113,11 @@ def test_a_local_hf_llama_through_hf(tmp_path, capsys):
 
 def test_audit_needs_exactly_one_model(folders, tmp_path, capsys):
     code, _, err = run_cli(["audit"], capsys)
-    assert code == 2 and "give either RUN_DIR" in err
+    assert code == 2 and "give one of RUN_DIR" in err
     code, _, err = run_cli(["audit", str(folders / "gpt"), "--hf", str(tmp_path)], capsys)
-    assert code == 2 and "give either RUN_DIR" in err
+    assert code == 2 and "give one of RUN_DIR" in err
+    code, _, err = run_cli(["audit", str(folders / "gpt"), "--model", "smollm2"], capsys)
+    assert code == 2 and "--model MODEL" in err
     code, _, err = run_cli(["audit", "--hf", str(tmp_path)], capsys)
     assert code == 2 and "holds no config.json" in err
     code, _, err = run_cli(["audit", str(folders / "gpt"), "--seq-len", "2"], capsys)

@@ -100,7 +100,7 @@ def test_generate_with_a_local_hf_gpt2_directory(tmp_path, capsys):
     [
         (["generate", "/nonexistent/dir", "x"], "/nonexistent/dir does not exist"),
         (["generate", "--hf-gpt2", "/nonexistent/dir", "x"], "no config.json"),
-        (["generate", "x"], "either a CHECKPOINT"),
+        (["generate", "x"], "give one of a CHECKPOINT directory, --hf-gpt2 PATH or --model"),
         (["generate", "ckpt", "x", "--top-p", "1.5"], "expected a number in (0, 1]"),
         (["generate", "ckpt", "x", "--temperature", "-1"], "expected a number ≥ 0"),
         (["generate", "ckpt", "x", "-n", "0"], "expected a positive integer"),
