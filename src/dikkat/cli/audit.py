@@ -211,7 +211,7 @@ def add_commands(sub: Any) -> None:
         examples=[
             ("dikkat audit runs/gpt", "causality, packed documents, KV cache, positions"),
             ("dikkat audit --hf ./gpt2", "a local Hugging Face causal LM (nothing downloaded)"),
-            ("dikkat audit --model gemma3-270m --values 2 --trials 1", "its 512-key windows too"),
+            ("dikkat audit --model smollm2 --values 2 --trials 1", "a pretrained decoder"),
             ("dikkat audit runs/mlm --seq-len 12 --trials 4", "a BERT: bidirectional, padding"),
         ],
         notes="A GPT is audited for causality and against causal() & document(ids) on a batch "
