@@ -312,22 +312,8 @@ class Decoder(Generates, SaveLoad, nn.Module):
         cache per layer, ``last_only`` keeps the last position's logits.
         """
         c = self.config
-        check_token_ids("ids", ids, c.vocab_size, device=self.tok_emb.weight.device)
-        end = offset + ids.shape[1] if positions is None else int(positions.max()) + 1
-        if end > c.max_len:
-            raise ValueError(f"positions reach {end - 1}, past the model's context of {c.max_len}")
-        if cache is not None and len(cache) != c.n_layers:
-            raise ValueError(f"cache has {len(cache)} layers, the model {c.n_layers}")
-        full = as_mask(causal() if mask is None else mask)
-        if valid is not None:
-            check_valid("valid", valid, ids)
-            if offset != 0:
-                raise ValueError(
-                    f"valid describes ids alone, but offset={offset} puts cached keys before "
-                    f"them: pass mask=causal() & padding(valid=<every slot>) and positions"
-                )
-            full = full & padding(valid=valid)
-            positions = valid_positions(valid) if positions is None else positions
+        given, positions = self.forward_inputs(ids, mask, valid, offset, positions, cache)
+        full = as_mask(given)
         # one positions tensor for every layer: RoPE computes its table once per pass
         positions = resolve_positions(ids.shape[1], offset, positions, ids.device)
         for rope in self._ropes:

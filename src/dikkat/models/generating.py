@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from dikkat.core.masks import Mask, as_mask, causal, padding
 from dikkat.generation.generate import Prompts, generate
+from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.positional import valid_positions
 from dikkat.layers.quantized import WeightFormat
 from dikkat.validate import check_int
 
@@ -43,6 +48,40 @@ class Generates:
     def n_params(self) -> int:
         """Parameters, counting a tied embedding once."""
         return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+
+    def forward_inputs(
+        self,
+        ids: Tensor,
+        mask: Mask | Tensor | None,
+        valid: Tensor | None,
+        offset: int,
+        positions: Tensor | None,
+        cache: Sequence[object] | None,
+    ) -> tuple[Mask | Tensor, Tensor | None]:
+        """What every decoder's forward checks and derives first: the ids against the vocabulary
+        and the context, the cache's layer count, and, with ``valid`` (padding), the mask
+        ``mask & padding(valid=valid)`` and each row's positions from its first real token.
+        Returns (mask, positions); the mask defaults to ``causal()``."""
+        layout = self.cache_layout()
+        check_token_ids("ids", ids, self.config.vocab_size, device=self.tok_emb.weight.device)
+        end = offset + ids.shape[1] if positions is None else int(positions.max()) + 1
+        if end > layout.context:
+            raise ValueError(
+                f"positions reach {end - 1}, past the model's context of {layout.context}"
+            )
+        if cache is not None and len(cache) != layout.n_layers:
+            raise ValueError(f"cache has {len(cache)} layers, the model {layout.n_layers}")
+        mask = causal() if mask is None else mask
+        if valid is not None:
+            check_valid("valid", valid, ids)
+            if offset != 0:
+                raise ValueError(
+                    f"valid describes ids alone, but offset={offset} puts cached keys before "
+                    f"them: pass mask=causal() & padding(valid=<every slot>) and positions"
+                )
+            mask = as_mask(mask) & padding(valid=valid)
+            positions = valid_positions(valid) if positions is None else positions
+        return mask, positions
 
     def new_cache(
         self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None

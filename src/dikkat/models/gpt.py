@@ -167,24 +167,7 @@ class GPT(Generates, SaveLoad, nn.Module):
                 of :class:`dikkat.serving.Engine`).
             last_only: logits of the last position only, (B, 1, V) (what generation needs).
         """
-        c = self.config
-        check_token_ids("ids", ids, c.vocab_size, device=self.tok_emb.weight.device)
-        T = ids.shape[1]
-        end = offset + T if positions is None else int(positions.max()) + 1
-        if end > c.max_len:
-            raise ValueError(f"positions reach {end - 1}, past the model's context of {c.max_len}")
-        if cache is not None and len(cache) != c.n_layers:
-            raise ValueError(f"cache has {len(cache)} layers, the model {c.n_layers}")
-        mask = causal() if mask is None else mask
-        if valid is not None:
-            check_valid("valid", valid, ids)
-            if offset != 0:
-                raise ValueError(
-                    f"valid describes ids alone, but offset={offset} puts cached keys before "
-                    f"them: pass mask=causal() & padding(valid=<every slot>) and positions"
-                )
-            mask = as_mask(mask) & padding(valid=valid)
-            positions = valid_positions(valid) if positions is None else positions
+        mask, positions = self.forward_inputs(ids, mask, valid, offset, positions, cache)
         x = self.tok_emb(ids)  # (B, T, C)
         if self.pos_emb is not None:
             x = self.pos_emb(x, offset, positions)
