@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dikkat.models.generating
 import dikkat.models.gpt
 from dikkat import masks
 from dikkat.models import BERT, GPT, BERTConfig, GPTConfig, Seq2Seq, Seq2SeqConfig
@@ -72,9 +73,9 @@ def test_a_gpt_with_a_tiny_leak_for_one_token_id_exits_1(folders, capsys, monkey
 def test_a_gpt_that_lost_its_causal_mask_exits_1_naming_the_first_leak(
     folders, capsys, monkeypatch
 ):
-    # the model's default mask (GPT.forward: `causal() if mask is None`) becomes full(): the
-    # folder loads as usual and the bug is in the model, where a real one would be
-    monkeypatch.setattr(dikkat.models.gpt, "causal", masks.full)
+    # the model's default mask (Generates.forward_inputs: `causal() if mask is None`) becomes
+    # full(): the folder loads as usual and the bug is in the model, where a real one would be
+    monkeypatch.setattr(dikkat.models.generating, "causal", masks.full)
     code, out, err = run_cli(["audit", str(folders / "gpt"), "--seq-len", "8"], capsys)
     assert code == 1, err
     table = rows(out)
