@@ -254,13 +254,13 @@ def test_python_dash_m_dikkat_is_the_command():
 def test_generate_with_int8_weights_prints_the_int8_greedy_tokens(
     tiny_checkpoint, capsys, monkeypatch
 ):
-    from dikkat.layers import Linear
+    from dikkat.layers import InferenceLinear
 
     path, model = tiny_checkpoint
-    seen = []  # the format every linear layer of the loaded model multiplied in
-    forward = Linear.forward
+    seen = []  # the format every linear layer of the loaded model's copy multiplied in
+    forward = InferenceLinear.forward
     monkeypatch.setattr(
-        Linear, "forward", lambda m, x: seen.append(m.weights_format) or forward(m, x)
+        InferenceLinear, "forward", lambda m, x: seen.append(m.weights_format) or forward(m, x)
     )
     assert main(["generate", str(path), "def f(", "-n", "12", "--weights", "int8"]) == 0
     monkeypatch.undo()

@@ -20,7 +20,7 @@ from dikkat.generation import (
     iter_lookup_generate,
     lookup_generate,
 )
-from dikkat.layers import KVCache, Linear
+from dikkat.layers import InferenceLinear, KVCache
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 
@@ -105,9 +105,9 @@ def test_a_tensor_prompt_and_the_streamed_tokens(model: GPT) -> None:
 
 def test_the_weights_format_reaches_every_linear_layer(model: GPT, monkeypatch) -> None:
     seen = []
-    forward = Linear.forward
+    forward = InferenceLinear.forward
     monkeypatch.setattr(
-        Linear, "forward", lambda m, x: seen.append(m.weights_format) or forward(m, x)
+        InferenceLinear, "forward", lambda m, x: seen.append(m.weights_format) or forward(m, x)
     )
     prompt = PROMPTS["repetitive"]
     out = lookup_generate(model, [prompt], 12, k=4, weights="int8")

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dikkat import MultiHeadAttention, masks
-from dikkat.layers import Block, BlockConfig, KVCache, packed_for_inference
-from dikkat.layers.linear import Linear, LinearRows, onednn_linear_available
+from dikkat.layers import Block, BlockConfig, KVCache
+from dikkat.layers.linear import Linear, LinearRows
 
 NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -150,25 +150,6 @@ def test_training_and_eval_outputs_are_identical_without_dropout(case):
     assert trained.requires_grad and not evaluated.requires_grad
     assert torch.equal(trained.detach(), evaluated)
     assert torch.equal(evaluated, inferred)
-
-
-@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN not available")
-def test_generation_packs_the_fused_weight():
-    torch.manual_seed(0)
-    block = Block(BlockConfig(d_model=32, n_heads=4, n_kv_heads=2, cross_attention=True)).eval()
-    x, ctx = torch.randn(1, 3, 32), torch.randn(1, 4, 32)
-    with torch.no_grad():
-        plain = block(x, masks.causal(), context=ctx)
-        with packed_for_inference(block):
-            packed = block(x, masks.causal(), context=ctx)
-            attn, cross = block.attn.qkv_proj, block.cross_attn.qkv_proj
-            assert attn.packed_copies == {(0, attn.out_features)}  # the whole fused weight, once
-            # cross-attention: its q rows (on x), its k and v rows (on the context), each packed
-            sizes = block.cross_attn.qkv_sizes
-            q_end, k_end = sizes[0], sizes[0] + sizes[1]
-            assert cross.packed_copies == {(0, q_end), (q_end, k_end), (k_end, sum(sizes))}
-    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
-    assert attn.packed_copies == cross.packed_copies == frozenset()  # freed with the block
 
 
 # --- the state dict keeps the three projections ---------------------------------------------------

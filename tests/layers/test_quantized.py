@@ -1,5 +1,5 @@
 """Weight formats for inference: int8 per-channel quantisation against fp64, the int8 product
-against the dequantised product, and ``Linear`` inside ``packed_for_inference(model, weights)``.
+against the dequantised product, and the linear layers of ``inference_model(model, weights)``.
 
 Notation: ``N`` output features, ``K`` input features, ``M`` input rows.
 """
@@ -12,9 +12,10 @@ import torch
 from dikkat.layers import (
     WEIGHT_FORMATS,
     Linear,
+    LinearRows,
     dequantize_int8,
+    inference_model,
     int8_linear,
-    packed_for_inference,
     quantize_int8,
 )
 
@@ -84,17 +85,16 @@ def test_int8_product_checks_the_width():
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_linear_multiplies_in_the_block_s_format_and_keeps_its_parameters(weights):
+def test_a_copy_multiplies_in_its_format_and_the_linear_keeps_its_parameters(weights):
     torch.manual_seed(0)
     m = Linear(32, 24)
     x = torch.randn(2, 32)
     before = m.weight.detach().clone(), m.bias.detach().clone()
     with torch.no_grad():
         exact = m(x)
-        with packed_for_inference(m, weights):
-            assert m.weights_format == weights
-            got = m(x)
-            assert m.packed_copies == {(0, 24)}
+    copy = inference_model(m, weights)
+    got = copy(x)
+    assert copy.weights_format == weights
     if weights == "int8":
         expected = int8_linear(x, quantize_int8(m.weight), m.bias)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -106,23 +106,42 @@ def test_linear_multiplies_in_the_block_s_format_and_keeps_its_parameters(weight
     assert float((got - exact).abs().max()) > 0  # the copy, not the fp32 weight, was used
     assert got.dtype == x.dtype
     assert torch.equal(m.weight, before[0]) and torch.equal(m.bias, before[1])
-    assert m.packed_copies == frozenset() and m.weights_format is None
+    # what the layers' input checks read: the model's dtype and device, not the format's
+    assert (copy.weight.dtype, copy.weight.device, copy.weight.shape) == (
+        torch.float32,
+        x.device,
+        (24, 32),
+    )
 
 
-def test_an_inner_block_without_a_format_keeps_the_outer_one():
-    m = Linear(16, 8)
-    with torch.no_grad(), packed_for_inference(m, "int8"):
-        with packed_for_inference(m):
-            assert m.weights_format == "int8"
-        with packed_for_inference(m, "bf16"):
-            assert m.weights_format == "bf16"
-        assert m.weights_format == "int8"
-    assert m.weights_format is None
+@pytest.mark.parametrize(("start", "stop"), [(0, 8), (8, 20), (20, 24)])
+def test_int8_rows_of_a_copy_are_the_rows_quantised_alone(start, stop):
+    """Each output channel has its own scale, so a block of rows of the whole int8 weight is
+    what quantising those rows alone gives: the same products, to the bit."""
+    torch.manual_seed(1)
+    m = Linear(32, 24)
+    m.weight.data = weight(24, 32, seed=3)
+    copy = inference_model(LinearRows(m, start, stop), "int8")
+    x = torch.randn(3, 32)
+    w, b = m.weight[start:stop].detach(), m.bias[start:stop].detach()
+    assert torch.equal(copy(x), int8_linear(x, quantize_int8(w), b))
+
+
+def test_a_bf16_copy_runs_in_the_model_s_dtype_around_its_bf16_product():
+    torch.manual_seed(2)
+    m = Linear(32, 24).double()
+    x = torch.randn(5, 32, dtype=torch.float64)
+    got = inference_model(m, "bf16", batched=True)(x)
+    assert got.dtype == torch.float64
+    w16, b16 = m.weight.bfloat16().double(), m.bias.bfloat16().double()
+    ref = x.bfloat16().double() @ w16.T + b16
+    size = x.abs() @ m.weight.abs().T + m.bias.abs()
+    assert bool(((got - ref).abs() <= 2 * BF16_EPS * size + 1e-6).all())
 
 
 @pytest.mark.parametrize("bad", ["int4", "FP32", "", 8])
 def test_an_unknown_format_is_refused_by_name(bad):
     refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', got"
-    with pytest.raises(ValueError, match=refused), packed_for_inference(Linear(4, 4), bad):
-        pass
+    with pytest.raises(ValueError, match=refused):
+        inference_model(Linear(4, 4), bad)
     assert WEIGHT_FORMATS == ("fp32", "bf16", "int8", "w8a8")

@@ -1,5 +1,5 @@
 """The w8a8 format: FBGEMM's dynamic quantised product against an fp64 bound, one row at a time,
-and ``Linear`` inside ``packed_for_inference(model, "w8a8")``.
+and the linear layers of ``inference_model(model, "w8a8")``.
 
 Notation: ``N`` output features, ``K`` input features, ``M`` input rows.
 """
@@ -11,8 +11,9 @@ import torch
 
 from dikkat.layers import (
     Linear,
+    LinearRows,
     dequantize_int8,
-    packed_for_inference,
+    inference_model,
     quantize_int8,
     quantize_w8a8,
     w8a8_available,
@@ -70,17 +71,32 @@ def test_only_cpu_weights_are_packed():
         quantize_w8a8(torch.empty(4, 4, device="meta"))
 
 
-def test_linear_multiplies_in_w8a8_inside_the_block_and_keeps_its_parameters():
+def test_a_w8a8_copy_multiplies_in_w8a8_and_the_linear_keeps_its_parameters():
     torch.manual_seed(0)
-    m = Linear(32, 24)
+    m = Linear(32, 24).double()
     x = torch.randn(2, 32, dtype=torch.float64)  # any float input: multiplied in fp32
     before = m.weight.detach().clone()
-    with torch.no_grad(), packed_for_inference(m.double(), "w8a8"):
-        got = m(x)
-        expected = w8a8_linear(x, quantize_w8a8(m.weight, m.bias))
-        assert m.packed_copies == {(0, 24)}
+    copy = inference_model(m, "w8a8")
+    got = copy(x)
+    expected = w8a8_linear(x, quantize_w8a8(m.weight, m.bias))
+    assert {(a, b) for a, b, _ in copy.copies} == {(0, 24)}  # packed on first use
+    with torch.no_grad():
         exact = torch.nn.functional.linear(x, m.weight, m.bias)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert float((got - exact).abs().max()) > 0  # the int8 copy, not the weight, was used
-    assert torch.equal(m.weight.float(), before)
+    assert torch.equal(m.weight, before)
+
+
+def test_w8a8_rows_of_a_copy_are_the_rows_packed_alone():
+    torch.manual_seed(1)
+    m = Linear(32, 24)
+    copy = inference_model(LinearRows(m, 8, 20), "w8a8")
+    x = torch.randn(3, 32)
+    w, b = m.weight[8:20].detach(), m.bias[8:20].detach()
+    assert torch.equal(copy(x), w8a8_linear(x, quantize_w8a8(w, b)))
+
+
+def test_a_w8a8_copy_is_refused_off_the_cpu_when_it_is_made():
+    with pytest.raises(ValueError, match=r"runs on the CPU only.*meta"):
+        inference_model(Linear(4, 4, device="meta"), "w8a8")

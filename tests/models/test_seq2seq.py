@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dikkat.layers import Linear, packed_for_inference, w8a8_available
-from dikkat.layers import linear as linear_module
+from dikkat.layers import InferenceLinear, Linear, inference_model, w8a8_available
+from dikkat.layers import inference as inference_module
 from dikkat.models import Seq2Seq, Seq2SeqConfig
 from helpers import scramble
 
@@ -293,29 +293,28 @@ def test_top_k_sampling_draws_only_among_the_k_likeliest_at_every_step():
     ],
 )
 def test_generate_in_a_smaller_format_is_the_recompute_loop_in_that_format(weights, monkeypatch):
-    """``weights=`` reaches every linear layer, the encoder's too: each one multiplies through a
-    copy in that format, the cached translation equals the recompute-everything loop run inside
-    a block of that format, and the parameters are left as they were."""
+    """``weights=`` reaches every linear layer, the encoder's too: each one is held in that
+    format, the cached translation equals the recompute-everything loop run on an inference
+    copy in that format, and the parameters are left as they were."""
     model = small(seed=33)
     made: list[str] = []
-    make_copy = linear_module._make_copy
-    monkeypatch.setattr(
-        linear_module, "_make_copy", lambda fmt, *a: made.append(fmt) or make_copy(fmt, *a)
+    layer = inference_module.LAYERS[weights]
+    monkeypatch.setitem(
+        inference_module.LAYERS, weights, lambda *a: made.append(weights) or layer(*a)
     )
     src = random_ids(3, 7, seed=34, high=SRC_V)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tgt = torch.full((3, 1), BOS)
+    copy = inference_model(model, weights)
     with torch.no_grad():
         exact = model(src, tgt)
-        with packed_for_inference(model, weights):
-            low = model(src, tgt)
-            expected = greedy_recompute(model, src, 10)
+        low = copy(src, tgt)
+    expected = greedy_recompute(copy, src, 10)
     assert 0 < float((low - exact).abs().max()) <= 0.03 * float(exact.max() - exact.min())
     made.clear()
     assert model.generate(src, 10, bos_id=BOS, weights=weights) == expected
-    linears = sum(isinstance(m, Linear) for m in model.modules())
-    assert made.count(weights) >= linears and set(made) == {weights}
+    assert made.count(weights) == sum(isinstance(m, Linear) for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert not any(m.packed_copies for m in model.modules() if isinstance(m, Linear))
+    assert not any(isinstance(m, InferenceLinear) for m in model.modules())
     with pytest.raises(ValueError, match="weights must be one of"):
         model.generate(src, 3, bos_id=BOS, weights="q4")

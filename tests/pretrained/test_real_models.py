@@ -22,7 +22,7 @@ import torch
 from hf_reference import exact_fp64
 
 import dikkat
-from dikkat.layers import packed_for_inference
+from dikkat.layers import inference_model
 
 pytest.importorskip("transformers")
 
@@ -126,8 +126,7 @@ def test_the_weight_formats_run_and_stay_close(smollm2_gguf, weights):
     ids = torch.tensor([stdlib_text(lm.tokenizer, 200)])
     with torch.no_grad():
         fp32 = torch.log_softmax(lm.model(ids)[0, :-1].double(), -1)
-        with packed_for_inference(lm.model, weights):
-            low = torch.log_softmax(lm.model(ids)[0, :-1].double(), -1)
+    low = torch.log_softmax(inference_model(lm.model, weights)(ids)[0, :-1].double(), -1)
     targets = ids[0, 1:, None]
     nll32 = -fp32.gather(-1, targets).mean().item()
     nll = -low.gather(-1, targets).mean().item()

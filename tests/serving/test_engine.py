@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dikkat.generation import generate
-from dikkat.layers import Linear, w8a8_available
+from dikkat.layers import InferenceLinear, w8a8_available
 from dikkat.models import GPT, GPTConfig
 from dikkat.serving import Engine, EngineFull, SamplingParams, TokenEvent
 from helpers import scramble
@@ -202,25 +202,25 @@ def test_abort_frees_the_blocks_of_waiting_and_running_requests():
 
 def test_abort_from_another_thread_during_a_step_drops_its_events():
     model = make_gpt(seed=6)
-    engine = Engine(model, block_size=4)
-    victim = engine.submit(prompt(4, 15), SamplingParams(max_tokens=20))
-    other = engine.submit(prompt(4, 16), SamplingParams(max_tokens=20))
-    engine.step()
-    # abort while the model runs: from inside the first layer's forward, on another thread
-    hook_fired = []
+    # abort while the model runs: from inside the first layer's forward, on another thread (the
+    # hook is the model's when the engine copies it, so its copy runs it too)
+    armed, hook_fired = [], []
 
     def abort_now(module, args):
-        if not hook_fired:
+        if armed and not hook_fired:
             t = threading.Thread(target=engine.abort, args=(victim,))
             t.start()
             t.join()
             hook_fired.append(True)
 
     handle = model.blocks[0].register_forward_pre_hook(abort_now)
-    try:
-        events = engine.step()
-    finally:
-        handle.remove()
+    engine = Engine(model, block_size=4)
+    handle.remove()
+    victim = engine.submit(prompt(4, 15), SamplingParams(max_tokens=20))
+    other = engine.submit(prompt(4, 16), SamplingParams(max_tokens=20))
+    engine.step()
+    armed.append(True)
+    events = engine.step()
     assert hook_fired
     assert [e.request_id for e in events] == [other]
     assert engine.stats().running == 1
@@ -339,15 +339,14 @@ def test_a_weight_format_serves_what_generate_gives_in_it(weights):
     ids = [engine.submit(p, params) for p in prompts]
     streams: dict[int, list[TokenEvent]] = {}
     seen = []  # the format each linear layer multiplied in, at every call during the steps
-    hooks = [
-        m.register_forward_hook(lambda m, *_: seen.append(m.weights_format))
-        for m in model.modules()
-        if isinstance(m, Linear)
-    ]
-    drain(engine, streams)
-    for h in hooks:
-        h.remove()
+    forward = InferenceLinear.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            InferenceLinear, "forward", lambda m, x: seen.append(m.weights_format) or forward(m, x)
+        )
+        drain(engine, streams)
     assert seen and set(seen) == {weights}
+    assert not any(isinstance(m, InferenceLinear) for m in model.modules())
     for rid, tokens in zip(ids, prompts, strict=True):
         want = generate(model, [tokens], 6, weights=weights)[0][len(tokens) :]
         assert tokens_of(streams[rid]) == want, (weights, rid)
@@ -363,19 +362,20 @@ def test_default_pool_holds_max_batch_whole_contexts():
 
 def test_a_step_whose_model_raises_drops_every_request_and_the_engine_goes_on():
     model = make_gpt(seed=9)
-    engine = Engine(model, block_size=4, max_batch=1)
-    first = engine.submit(prompt(9, 30), SamplingParams(max_tokens=4))
-    engine.submit(prompt(9, 31), SamplingParams(max_tokens=4))
+    failing = [True]
 
     def fail(module, args):
-        raise RuntimeError("out of memory, say")
+        if failing:
+            raise RuntimeError("out of memory, say")
 
-    handle = model.blocks[0].register_forward_pre_hook(fail)
-    try:
-        with pytest.raises(RuntimeError, match="out of memory, say"):
-            engine.step()
-    finally:
-        handle.remove()
+    handle = model.blocks[0].register_forward_pre_hook(fail)  # copied with the model
+    engine = Engine(model, block_size=4, max_batch=1)
+    handle.remove()
+    first = engine.submit(prompt(9, 30), SamplingParams(max_tokens=4))
+    engine.submit(prompt(9, 31), SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="out of memory, say"):
+        engine.step()
+    failing.clear()
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.aborted) == (0, 0, 2)
     assert stats.free_blocks == stats.total_blocks and not engine.has_work()

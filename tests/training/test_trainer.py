@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dikkat.layers import onednn_linear_available, packed_for_inference
+from dikkat.layers import inference_model, onednn_linear_available
 from dikkat.runs import checkpoint_dir
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import (
@@ -111,16 +111,17 @@ def test_loss_goes_down(lm_task):
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="no packed weights without oneDNN")
 def test_inference_after_training_uses_the_trained_weights(lm_task):
-    """Generation packs the weights; the fused AdamW steps that follow do not bump their version
-    counters, so packed copies must not outlive the generate call that made them."""
+    """Generation packs the weights into an inference copy; the fused AdamW steps that follow
+    write the model's weights without bumping their version counters, and a copy made after
+    them multiplies the trained weights."""
     t = Trainer(fresh(lm_task), TrainConfig(steps=3, batch_size=2, lr=1e-2, warmup=1, eval_every=0))
     x = torch.randint(0, 256, (1, 8))
-    t.model.generate(x.tolist(), 2)  # packs every weight
+    t.model.generate(x.tolist(), 2)  # packs every weight, of a copy
     t.train(progress=False)
     twin = type(t.model)(t.model.config)
     twin.load_state_dict(t.model.state_dict())
-    with torch.no_grad(), packed_for_inference(t.model), packed_for_inference(twin):
-        torch.testing.assert_close(t.model.eval()(x), twin.eval()(x), rtol=0, atol=0)
+    trained, twin_copy = inference_model(t.model), inference_model(twin)
+    torch.testing.assert_close(trained(x), twin_copy(x), rtol=0, atol=0)
 
 
 def test_bf16_autocast_trains(lm_task):

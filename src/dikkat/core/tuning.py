@@ -45,7 +45,7 @@ class Tuning:
     linear_chunk: int
     # ... and rows per pass, so the working set stays small
     linear_segment: int
-    # inside packed_for_inference, an fp32 product of at most this many input rows (decoding
+    # in an fp32 inference copy, a product of at most this many input rows (decoding
     # one or two sequences) multiplies the plain weight (MKL's GEMV) instead of oneDNN's packed
     # copy, which pays off only from more rows
     plain_gemv_max_rows: int = 0

@@ -1,8 +1,9 @@
 """Inference: the preallocated KV cache, prefill and one-token decode, sampling, the decoding
 loop that every model shares, prompt-lookup decoding (greedy, a whole guessed draft checked per
-model call), and the weight formats it decodes in (``packed_for_inference``,
-re-exported from :mod:`dikkat.layers`: hold ``with packed_for_inference(model, "int8"):`` open
-around many calls to prepare the weights once)."""
+model call), and the weight formats it decodes in (``inference_model``, re-exported from
+:mod:`dikkat.layers`: each call decodes with an inference copy of the model in its format; make
+one with ``inference_model(model, "int8")`` and pass it to many calls to prepare the weights
+once)."""
 
 from dikkat.generation.generate import (
     decode_step,
@@ -20,8 +21,8 @@ from dikkat.generation.lookup import (
     iter_lookup_generate,
     lookup_generate,
 )
+from dikkat.layers.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
 
 __all__ = [
@@ -32,11 +33,11 @@ __all__ = [
     "WeightFormat",
     "decode_step",
     "generate",
+    "inference_model",
     "iter_generate",
     "iter_lookup_generate",
     "left_pad",
     "lookup_generate",
-    "packed_for_inference",
     "prefill",
     "sample",
     "sample_loop",

@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dikkat.core.masks import Mask, causal, padding
 from dikkat.generation.prompts import Prompts, left_pad
+from dikkat.layers.inference import inference_model
 from dikkat.layers.inputs import check_token_id
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import packed_for_inference
-from dikkat.layers.quantized import WeightFormat, check_weights
+from dikkat.layers.quantized import WeightFormat
 from dikkat.validate import check_float, check_int
 
 
@@ -172,7 +172,6 @@ Step = Callable[[Tensor, int], Tensor]  # (token (B,), i) → logits (B, V) of t
 
 
 def sample_loop(
-    model: nn.Module,
     start: Callable[[], Tensor],
     step: Step,
     max_new_tokens: int,
@@ -182,7 +181,6 @@ def sample_loop(
     top_p: float | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
-    weights: WeightFormat | None = None,
 ) -> Iterator[Tensor]:
     """The decoding loop of every model: yields the new tokens (B,), one step at a time.
 
@@ -191,50 +189,44 @@ def sample_loop(
     ``step(token, i)`` feeds the i-th new token (B,) (i from 0) and returns the logits of the
     next. A row that has produced ``eos_id`` keeps yielding ``eos_id``; the loop stops when
     every row has (checked once a step, only when ``eos_id`` is given) or after
-    ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The model's linear
-    layers multiply through copies of their weights in the format ``weights`` while the loop
-    runs (:func:`~dikkat.layers.packed_for_inference`: "fp32" packed for oneDNN, "bf16", "int8",
-    "w8a8";
-    None: the format of an enclosing block, else "fp32"). The arguments are checked when it is
-    called; the models' own checks (the vocabulary, the context) are the caller's.
+    ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The functions run
+    whichever model they were built over: build them over an inference copy
+    (:func:`~dikkat.layers.inference_model`) to decode in its weight format. The arguments are
+    checked when it is called; the models' own checks (the vocabulary, the context) are the
+    caller's.
     """
     check_int("max_new_tokens", max_new_tokens, at_least=0)
     check_sampling(temperature, top_k, top_p)
     check_int("eos_id", eos_id, at_least=0, optional=True)
     check_seed(seed)
-    if weights is not None:
-        weights = check_weights("weights", weights)
     sampling = (temperature, top_k, top_p)
-    return _loop(model, start, step, max_new_tokens, sampling, eos_id, seed, weights)
+    return _loop(start, step, max_new_tokens, sampling, eos_id, seed)
 
 
 def _loop(
-    model: nn.Module,
     start: Callable[[], Tensor],
     step: Step,
     max_new_tokens: int,
     sampling: tuple[float, int | None, float | None],
     eos_id: int | None,
     seed: int | None,
-    weights: WeightFormat | None,
 ) -> Iterator[Tensor]:
     if max_new_tokens == 0:
         return
-    with packed_for_inference(model, weights):  # packed or smaller weights: read faster
-        logits = start()
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=logits.device).manual_seed(seed)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        for i in range(max_new_tokens):
-            token = _sample(logits, *sampling, generator)
-            if eos_id is not None:
-                token = token.masked_fill(done, eos_id)
-                done |= token == eos_id
-            yield token
-            if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
-                return
-            logits = step(token, i)
+    logits = start()
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=logits.device).manual_seed(seed)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    for i in range(max_new_tokens):
+        token = _sample(logits, *sampling, generator)
+        if eos_id is not None:
+            token = token.masked_fill(done, eos_id)
+            done |= token == eos_id
+        yield token
+        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+            return
+        logits = step(token, i)
 
 
 def token_rows(tokens: Sequence[Tensor], batch: int, eos_id: int | None) -> list[list[int]]:
@@ -265,10 +257,12 @@ def iter_generate(
     A row that has produced ``eos_id`` keeps yielding ``eos_id``; generation stops when every row
     has, or after ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
     while generating: "fp32" (the weights as they are), "bf16", "int8" (per-channel int8,
-    weight-only), "w8a8" (int8 weights, 8-bit inputs; x86 CPUs), or None for the format of an
-    enclosing ``packed_for_inference`` block, "fp32" when there is none; the model's own
-    parameters are never changed (see :func:`dikkat.layers.packed_for_inference`). The
-    arguments are checked here, when it is called, not at the first ``next``.
+    weight-only), "w8a8" (int8 weights, 8-bit inputs; x86 CPUs), or None: the format of
+    ``model`` if it is an inference copy already, else "fp32". Generation runs on an inference
+    copy of the model made here (:func:`dikkat.layers.inference_model`; a copy given is used as
+    it is): the model's own parameters are never changed, and changes to them after this call
+    do not reach its tokens. The arguments are checked here, when it is called, not at the first
+    ``next``.
     """
     c = model.config
     check_int("max_new_tokens", max_new_tokens, at_least=0)
@@ -278,6 +272,7 @@ def iter_generate(
     ids, valid = left_pad(prompts, pad_id, vocab_size=c.vocab_size)
     B, T = ids.shape
     check_room(T, max_new_tokens, c.max_len)
+    model = inference_model(model, weights)  # type: ignore[arg-type,assignment]
     device = next(iter(model.parameters())).device  # type: ignore[attr-defined]
     ids, valid = ids.to(device), valid.to(device)
     full_valid = None
@@ -287,7 +282,6 @@ def iter_generate(
         full_valid[:, :T] = valid
     cache = model.new_cache(B, T + max_new_tokens) if max_new_tokens else []
     return sample_loop(
-        model,  # type: ignore[arg-type]
         lambda: prefill(model, ids, cache, full_valid),
         lambda token, i: decode_step(model, token, cache, T + i, full_valid),
         max_new_tokens,
@@ -296,7 +290,6 @@ def iter_generate(
         top_p=top_p,
         eos_id=eos_id,
         seed=seed,
-        weights=weights,
     )
 
 

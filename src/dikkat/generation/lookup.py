@@ -34,10 +34,10 @@ from torch import Tensor
 from dikkat.core.masks import causal
 from dikkat.generation.generate import CausalLM, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
+from dikkat.layers.inference import inference_model
 from dikkat.layers.inputs import check_token_id
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.linear import packed_for_inference
-from dikkat.layers.quantized import WeightFormat, check_weights
+from dikkat.layers.quantized import WeightFormat
 from dikkat.validate import check_int
 
 
@@ -124,7 +124,8 @@ def iter_lookup_generate(
     model call checks up to ``k`` tokens guessed by matching the last ``ngram`` tokens (then
     fewer, down to one) against the prompt and the tokens so far. Generation stops after
     ``eos_id`` or ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
-    ("fp32", "bf16", "int8", "w8a8"; see :func:`dikkat.layers.packed_for_inference`).
+    ("fp32", "bf16", "int8", "w8a8", or None, as :func:`~dikkat.generation.iter_generate`
+    takes it): decoding runs on an inference copy made here (:func:`dikkat.layers.inference_model`).
     ``stats``, when given, counts the tokens, model calls, and guessed and accepted tokens. The
     arguments are checked here, when it is called.
     """
@@ -133,8 +134,6 @@ def iter_lookup_generate(
     check_int("k", k)
     check_int("ngram", ngram)
     check_token_id("eos_id", eos_id, c.vocab_size, optional=True)
-    if weights is not None:
-        weights = check_weights("weights", weights)
     if stats is not None and not isinstance(stats, LookupStats):
         raise TypeError(f"stats must be a LookupStats or None, got {type(stats).__name__}")
     ids, _ = left_pad(prompts, 0, vocab_size=c.vocab_size)
@@ -144,9 +143,10 @@ def iter_lookup_generate(
             "from its own text, so call it once per prompt"
         )
     check_room(ids.shape[1], max_new_tokens, c.max_len)
+    model = inference_model(model, weights)  # type: ignore[arg-type,assignment]
     device = next(iter(model.parameters())).device  # type: ignore[attr-defined]
     stats = LookupStats() if stats is None else stats
-    return _lookup(model, ids.to(device), max_new_tokens, k, ngram, eos_id, weights, stats)
+    return _lookup(model, ids.to(device), max_new_tokens, k, ngram, eos_id, stats)
 
 
 def _lookup(
@@ -156,7 +156,6 @@ def _lookup(
     k: int,
     ngram: int,
     eos_id: int | None,
-    weights: WeightFormat | None,
     stats: LookupStats,
 ) -> Iterator[Tensor]:
     if max_new_tokens == 0:
@@ -164,29 +163,28 @@ def _lookup(
     T = ids.shape[1]
     index = NgramIndex(ngram, ids[0].tolist())
     cache = model.new_cache(1, T + max_new_tokens)
-    with packed_for_inference(model, weights):  # type: ignore[arg-type]
-        predicted = [int(prefill(model, ids, cache).argmax(dim=-1))]
+    predicted = [int(prefill(model, ids, cache).argmax(dim=-1))]
+    stats.calls += 1
+    draft: list[int] = []
+    produced = 0
+    while True:
+        # predicted[j] follows draft[: j]: it is greedy's token while every guess before held
+        for j, token in enumerate(predicted):
+            guessed = j < len(draft) and token == draft[j]
+            produced += 1
+            stats.tokens += 1
+            stats.accepted += guessed
+            index.append(token)
+            yield torch.tensor([token], device=ids.device)
+            if produced == max_new_tokens or token == eos_id:
+                return
+            if not guessed:  # the last token predicted from a right context
+                break
+        # no guess past the last new token: its slot would lie outside the cache
+        draft = index.draft(min(k, max_new_tokens - produced - 1))
+        predicted = _check_draft(model, [token, *draft], cache, T + produced - 1)
         stats.calls += 1
-        draft: list[int] = []
-        produced = 0
-        while True:
-            # predicted[j] follows draft[: j]: it is greedy's token while every guess before held
-            for j, token in enumerate(predicted):
-                guessed = j < len(draft) and token == draft[j]
-                produced += 1
-                stats.tokens += 1
-                stats.accepted += guessed
-                index.append(token)
-                yield torch.tensor([token], device=ids.device)
-                if produced == max_new_tokens or token == eos_id:
-                    return
-                if not guessed:  # the last token predicted from a right context
-                    break
-            # no guess past the last new token: its slot would lie outside the cache
-            draft = index.draft(min(k, max_new_tokens - produced - 1))
-            predicted = _check_draft(model, [token, *draft], cache, T + produced - 1)
-            stats.calls += 1
-            stats.drafted += len(draft)
+        stats.drafted += len(draft)
 
 
 @torch.no_grad()

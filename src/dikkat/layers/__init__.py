@@ -2,14 +2,9 @@
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.block import PRESETS, Block, BlockConfig, BlockWeights
+from dikkat.layers.inference import InferenceLinear, inference_model, onednn_linear_available
 from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
-from dikkat.layers.linear import (
-    Linear,
-    LinearRows,
-    onednn_linear_available,
-    packed_for_inference,
-    release_packed,
-)
+from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP, GatedMLP
 from dikkat.layers.norm import LayerNorm, RMSNorm
@@ -42,6 +37,7 @@ __all__ = [
     "BlockConfig",
     "BlockWeights",
     "GatedMLP",
+    "InferenceLinear",
     "Int8Weight",
     "KVCache",
     "LayerNorm",
@@ -58,13 +54,12 @@ __all__ = [
     "WeightFormat",
     "alibi_slopes",
     "dequantize_int8",
+    "inference_model",
     "int8_linear",
     "linear_cross_entropy",
     "onednn_linear_available",
-    "packed_for_inference",
     "quantize_int8",
     "quantize_w8a8",
-    "release_packed",
     "w8a8_available",
     "w8a8_linear",
 ]

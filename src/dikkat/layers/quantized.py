@@ -139,6 +139,12 @@ def quantize_w8a8(weight: Tensor, bias: Tensor | None = None) -> W8A8Weight:
     """``weight`` (N, K) as :func:`quantize_int8`'s int8 values and scales, packed with ``bias``
     for :func:`w8a8_linear`. A ValueError where FBGEMM is missing or the weight is not on the
     CPU."""
+    check_w8a8(weight)
+    return pack_w8a8(quantize_int8(weight), bias)
+
+
+def check_w8a8(weight: Tensor) -> None:
+    """A ValueError unless this PyTorch can pack ``weight`` for w8a8 (FBGEMM, on the CPU)."""
     if not w8a8_available():
         raise ValueError(
             "weights='w8a8' needs PyTorch's FBGEMM quantised linear (x86 CPU builds); this "
@@ -146,7 +152,12 @@ def quantize_w8a8(weight: Tensor, bias: Tensor | None = None) -> W8A8Weight:
         )
     if isinstance(weight, Tensor) and weight.device.type != "cpu":
         raise ValueError(f"weights='w8a8' runs on the CPU only, got a weight on {weight.device}")
-    q = quantize_int8(weight)
+
+
+def pack_w8a8(q: Int8Weight, bias: Tensor | None = None) -> W8A8Weight:
+    """The int8 weight ``q`` (and ``bias``) packed for :func:`w8a8_linear`, as they are (rows of
+    an :class:`Int8Weight` from :func:`rows_of` pack to what their quantised rows would); the
+    caller has checked :func:`check_w8a8`."""
     N, K = q.values.shape
     zero = torch.zeros(N, dtype=torch.long)
     with warnings.catch_warnings():  # PyTorch marks its quantised tensors deprecated (2.13)

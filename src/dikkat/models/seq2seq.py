@@ -30,6 +30,7 @@ from dikkat.generation.generate import (
 )
 from dikkat.generation.prompts import Prompts, check_prompts, left_pad
 from dikkat.layers.block import Block, BlockConfig
+from dikkat.layers.inference import inference_model
 from dikkat.layers.inputs import check_token_id, check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear
@@ -285,7 +286,8 @@ class Seq2Seq(SaveLoad, nn.Module):
         later step. ``bos_id`` and the new tokens must fit in the context: at most
         ``max_len − 1`` new tokens. ``weights`` is the format the linear layers multiply in
         (``"fp32"``, ``"bf16"``, ``"int8"``, ``"w8a8"``; see :meth:`GPT.generate`), the encoder's
-        included; the parameters themselves stay as they are.
+        included: the translation runs on an inference copy of the model
+        (:func:`dikkat.layers.inference_model`), whose parameters stay as they are.
         """
         c = self.config
         check_int("max_new_tokens", max_new_tokens, at_least=0)
@@ -299,25 +301,19 @@ class Seq2Seq(SaveLoad, nn.Module):
         device = self.tgt_emb.weight.device
         ids, valid = (t.to(device) for t in right_pad(src, pad_id))
         src_valid = None if bool(valid.all()) else valid
-        start, step = self._decoder_steps(ids, src_valid, max_new_tokens, bos_id)
-        was_training = self.training
-        self.eval()
-        try:
-            tokens = sample_loop(
-                self,
-                start,
-                step,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_id=eos_id,
-                seed=seed,
-                weights=weights,
-            )
-            return token_rows(list(tokens), ids.shape[0], eos_id)
-        finally:
-            self.train(was_training)
+        model: Seq2Seq = inference_model(self, weights)  # type: ignore[assignment]
+        start, step = model._decoder_steps(ids, src_valid, max_new_tokens, bos_id)
+        tokens = sample_loop(
+            start,
+            step,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos_id,
+            seed=seed,
+        )
+        return token_rows(list(tokens), ids.shape[0], eos_id)
 
     def _decoder_steps(
         self, ids: Tensor, src_valid: Tensor | None, max_new_tokens: int, bos_id: int

@@ -27,13 +27,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from dikkat.layers.linear import packed_for_inference
+from dikkat.layers.inference import inference_model
 from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.models.gpt import GPT
 from dikkat.serving.forward import decode, next_tokens, prefill
@@ -72,14 +71,16 @@ class Engine:
     """Serves many generation requests on one :class:`~dikkat.models.GPT` at once.
 
     Args:
-        model: the model (used as it is: put it in eval mode for dropout to be off).
+        model: the model. The engine serves an inference copy of it made here
+            (:func:`dikkat.layers.inference_model`, in eval mode): the weights as they are now;
+            changes to the model afterwards (training, ``load_state_dict``) do not reach it.
         block_size: slots per cache block.
         num_blocks: blocks in the pool; None: enough for ``max_batch`` sequences of the model's
             whole context.
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
-        weights: the format the linear layers multiply in while the engine has work, "fp32",
-            "bf16", "int8" or "w8a8" (:func:`dikkat.layers.packed_for_inference`); the model's own
+        weights: the format the copy's linear layers hold their weights in, "fp32", "bf16",
+            "int8" or "w8a8" (with ``batched=True`` when ``max_batch > 2``); the model's own
             parameters are not changed.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
@@ -115,6 +116,9 @@ class Engine:
         self.weights: WeightFormat = check_weights("weights", weights)
         c = model.config
         self._model = model
+        # what the steps run: a snapshot, so the prefix cache's blocks always match its weights
+        snapshot = inference_model(model, self.weights, batched=max_batch > 2)
+        self._inference: GPT = snapshot  # type: ignore[assignment]
         self.max_len: int = c.max_len
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         if num_blocks is None:
@@ -141,7 +145,6 @@ class Engine:
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "finished", "aborted", "prefix_hit_tokens"), 0
         )
-        self._packed: ExitStack | None = None  # packed weights, held while there is work
 
     @property
     def model(self) -> GPT:
@@ -281,13 +284,9 @@ class Engine:
         """The model work of a step (outside the lock): the prefills, then one decode forward."""
         if not running:
             return []
-        if self._packed is None:
-            self._packed = ExitStack()
-            block = packed_for_inference(self._model, self.weights, batched=self.max_batch > 2)
-            self._packed.enter_context(block)
         events = []
         for seq in admitted:
-            logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached)
+            logits = prefill(self._inference, self._pool, seq.tokens, seq.blocks, seq.cached)
             seq.cached = seq.prompt_len
             events += self._emit([seq], logits)
         decoding = [s for s in running if s.finish is None and not s.aborted]
@@ -296,7 +295,7 @@ class Engine:
                 for seq in decoding:
                     self._take_block_for(seq)
             logits = decode(
-                self._model,
+                self._inference,
                 self._pool,
                 [s.tokens[-1] for s in decoding],
                 [s.cached for s in decoding],
@@ -339,8 +338,6 @@ class Engine:
         events = [e for e in events if e.request_id not in dropped]
         self._counts["generated_tokens"] += len(events)
         self._in_step = False
-        if not (self._waiting or self._running):
-            self._release_packed()
         return events
 
     def _end(self, seq: _Sequence) -> None:
@@ -361,12 +358,6 @@ class Engine:
         self._blocks = BlockAllocator(self.num_blocks)
         self._reserved = 0
         self._in_step = False
-        self._release_packed()
-
-    def _release_packed(self) -> None:
-        if self._packed is not None:
-            self._packed.close()
-            self._packed = None
 
     def _check_prompt(self, prompt: object) -> list[int]:
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):

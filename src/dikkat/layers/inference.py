@@ -1,0 +1,365 @@
+"""Inference copies of a model: every :class:`~dikkat.layers.Linear` replaced by a layer that
+holds its weight in one format, fp32 packed for oneDNN, bf16, int8 or w8a8.
+
+Notation: ``N`` output features, ``K`` input features.
+
+Decoding one token multiplies a single row by every weight matrix of the model, so its speed is
+the speed of reading the weights from memory. PyTorch's default CPU kernel for ``x @ Wᵀ`` with
+one row reads them well below the memory's bandwidth; the same product through oneDNN with the
+weight reordered into oneDNN's blocked layout comes close to it (BENCHMARKS.md, "Generation").
+A bf16 or an int8 copy of the weights (:mod:`dikkat.layers.quantized`) halves or quarters the
+bytes each token reads.
+
+:func:`inference_model` returns such a copy. The model it is given is never touched: the copy
+is a snapshot, with its own clones of the other parameters and buffers, so writes to the
+model afterwards (an optimizer step, ``load_state_dict``) do not reach it, and nothing of one
+copy reaches another (two generations in two formats, in two threads, on one model).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dikkat.core.tuning import for_device
+from dikkat.layers.linear import Linear, LinearRows
+from dikkat.layers.quantized import (
+    Int8Weight,
+    W8A8Weight,
+    WeightFormat,
+    check_w8a8,
+    check_weights,
+    int8_linear,
+    pack_w8a8,
+    quantize_int8,
+    rows_of,
+    w8a8_linear,
+)
+from dikkat.validate import check_bool
+
+# the rows a batched copy's second packed layout is laid out for (BENCHMARKS.md, Generation, the
+# AVX2-only EPYC: "Batches"; `python benchmarks/generation.py` measures it again)
+_BATCH_ROWS = 8
+
+
+@functools.cache  # asked on every product; the build does not change
+def onednn_linear_available() -> bool:
+    """Whether this PyTorch build has the oneDNN linear ops that the packed fp32 and bf16 copies
+    use; where it has not, those copies multiply with ``F.linear``."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); without
+    them its weight reorder refuses bf16, and a bf16 copy is multiplied by plain ``F.linear``."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        onednn_linear_available()
+        and device.type == "cpu"
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_bf16()))
+    )
+
+
+@dataclass(frozen=True)
+class HeldWeight:
+    """What a layer holding its weight as bf16, int8 or w8a8 shows as its ``weight``: the shape
+    (N, K), and the dtype and device of the inputs it multiplies and the outputs it returns
+    (the model's), which is what the layers' input checks read. It holds no numbers; the
+    product goes through the layer."""
+
+    weights_format: WeightFormat
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+class InferenceLinear(nn.Module):
+    """A :class:`~dikkat.layers.Linear` of an inference copy: its weight held in one format
+    (one subclass per format), multiplied with autograd off, in the input's dtype.
+
+    Its parameters (``bias``; fp32's ``weight``) do not require gradients. It cannot be moved
+    or converted (``.to``, ``.double()``): convert the model, then copy it again. Copies that
+    depend on the rows multiplied (oneDNN's packed layouts, FBGEMM's packed rows) are made on
+    first use, per block of rows: the whole weight for ``forward``, a :class:`LinearRows`'s
+    block for ``forward_rows``.
+    """
+
+    weights_format: ClassVar[WeightFormat]
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.batched = batched
+        self.register_parameter("bias", bias)
+        self._dtype, self._device = weight.dtype, weight.device
+        # copies made on first use, by (start, stop, rows laid out for) rows of the weight
+        self._copies: dict[tuple[int, int, int], Any] = {}
+
+    @property
+    def copies(self) -> frozenset[tuple[int, int, int]]:
+        """The copies made so far on first use, as (start, stop, rows): the block of rows
+        [start, stop) of the weight, laid out for products of ``rows`` input rows."""
+        return frozenset(self._copies)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_rows(x, 0, self.out_features)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Output features [start, stop) alone (a :class:`LinearRows` block)."""
+        raise NotImplementedError
+
+    def _bias(self, start: int, stop: int) -> Tensor | None:
+        b = self.bias
+        return b if b is None or (start, stop) == (0, self.out_features) else b[start:stop]
+
+    def _rows(self, x: Tensor) -> int:
+        """The layout a product of x's rows uses: the batched one for more than two rows."""
+        return _BATCH_ROWS if self.batched and x.numel() > 2 * x.shape[-1] else 1
+
+    def _copy(self, start: int, stop: int, rows: int, make: Any) -> Any:
+        key = (start, stop, rows)
+        kept = self._copies.get(key)
+        if kept is None:  # two threads may both make it: the same numbers, one is kept
+            with torch.no_grad():
+                kept = self._copies[key] = make()
+        return kept
+
+    def _apply(self, fn: Any, recurse: bool = True) -> InferenceLinear:
+        raise TypeError(
+            f"an inference copy's {self.weights_format} layer cannot be moved or converted: "
+            "convert the model, then make a new copy with inference_model"
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weights={self.weights_format!r}, "
+            f"batched={self.batched}"
+        )
+
+
+class Fp32Linear(InferenceLinear):
+    """The weight as it is (a snapshot, in the model's dtype), and oneDNN-packed copies of it.
+
+    On the CPU, where oneDNN serves the dtype, a product of more rows than
+    ``plain_gemv_max_rows`` (:mod:`dikkat.core.tuning`) multiplies a packed copy; fewer rows
+    (decoding one or two sequences), another dtype, or another device multiply the weight
+    itself with ``F.linear``, which is faster there.
+    """
+
+    weights_format = "fp32"
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, batched: bool) -> None:
+        super().__init__(weight, bias, batched)
+        self.weight = weight
+        self._packs = _onednn_packs(weight.device, weight.dtype)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        whole = (start, stop) == (0, self.out_features)
+        bias = self._bias(start, stop)
+        if (
+            x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
+            or x.dtype != self._dtype
+            or not self._packs
+            or (x.requires_grad and torch.is_grad_enabled())  # oneDNN's op has no backward
+        ):
+            return F.linear(x, self.weight if whole else self.weight[start:stop], bias)
+        rows = self._rows(x)
+        packed = self._copy(start, stop, rows, lambda: _reorder(self.weight[start:stop], rows))
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Bf16Linear(InferenceLinear):
+    """The weight and bias rounded to bf16 (packed for oneDNN where it has bf16 kernels); the
+    input is rounded to bf16 for the product, the output comes back in the input's dtype."""
+
+    weights_format = "bf16"
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
+        super().__init__(weight, bias, batched)
+        self._w16 = weight.detach().to(torch.bfloat16).contiguous()  # (N, K)
+        self._b16 = None if bias is None else bias.detach().to(torch.bfloat16)
+        self._packs = _onednn_packs(weight.device, torch.bfloat16)
+
+    @property
+    def weight(self) -> HeldWeight:
+        return HeldWeight("bf16", self._w16.shape, self._dtype, self._device)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        h = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        b = None if self._b16 is None else self._b16[start:stop]
+        w = self._w16[start:stop]
+        if self._packs:
+            rows = self._rows(x)
+            packed = self._copy(start, stop, rows, lambda: _reorder(w, rows))
+            y = torch.ops.mkldnn._linear_pointwise(h, packed, b, "none", [], "")
+        else:
+            y = F.linear(h, w, b)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+class Int8Linear(InferenceLinear):
+    """The weight as per-output-channel int8 with fp32 scales, the bias as it is: the product
+    of :func:`~dikkat.layers.quantized.int8_linear`. A block of rows is a view of the whole
+    (each row has its own scale, so it is what quantising the block alone gives)."""
+
+    weights_format = "int8"
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
+        super().__init__(weight, bias, batched)
+        self._q: Int8Weight = quantize_int8(weight)
+
+    @property
+    def weight(self) -> HeldWeight:
+        return HeldWeight("int8", self._q.values.shape, self._dtype, self._device)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        whole = (start, stop) == (0, self.out_features)
+        q = self._q if whole else rows_of(self._q, start, stop)
+        return int8_linear(x, q, self._bias(start, stop))
+
+
+class W8A8Linear(InferenceLinear):
+    """The int8 weight of :class:`Int8Linear` times inputs rounded to 8 bits on the fly, through
+    FBGEMM (x86 CPUs; :func:`~dikkat.layers.quantized.w8a8_linear`). Each block of rows
+    multiplied is packed, with its bias, on first use."""
+
+    weights_format = "w8a8"
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
+        check_w8a8(weight)  # here, not at the first product
+        super().__init__(weight, bias, batched)
+        self._q: Int8Weight = quantize_int8(weight)
+
+    @property
+    def weight(self) -> HeldWeight:
+        return HeldWeight("w8a8", self._q.values.shape, self._dtype, self._device)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        packed: W8A8Weight = self._copy(start, stop, 1, lambda: self._pack(start, stop))
+        return w8a8_linear(x, packed)
+
+    def _pack(self, start: int, stop: int) -> W8A8Weight:
+        b = self.bias
+        return pack_w8a8(rows_of(self._q, start, stop), None if b is None else b[start:stop])
+
+
+def _reorder(w: Tensor, rows: int) -> Tensor:
+    """``w`` (N, K) in oneDNN's blocked layout for products of ``rows`` input rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+
+LAYERS: dict[WeightFormat, type[InferenceLinear]] = {
+    "fp32": Fp32Linear,
+    "bf16": Bf16Linear,
+    "int8": Int8Linear,
+    "w8a8": W8A8Linear,
+}
+
+
+def inference_model(
+    model: nn.Module, weights: WeightFormat | None = None, *, batched: bool | None = None
+) -> nn.Module:
+    """A copy of ``model`` for inference, its :class:`~dikkat.layers.Linear` layers holding
+    their weights in the format ``weights``:
+
+    - "fp32": the weights as they are, multiplied through copies reordered for oneDNN on the CPU
+      (made on first use); a product of one or two rows (decoding) multiplies the weight itself,
+      which is faster there (``plain_gemv_max_rows`` in :mod:`dikkat.core.tuning`);
+    - "bf16": bf16 copies; the input is rounded to bf16 for the product, the output comes back
+      in the input's dtype;
+    - "int8": per-output-channel int8 weights with fp32 scales (weight-only; see
+      :func:`dikkat.layers.quantized.int8_linear`);
+    - "w8a8": the same int8 weights times 8-bit inputs rounded on the fly, through FBGEMM, on
+      x86 CPUs (see :func:`dikkat.layers.quantized.w8a8_linear`).
+
+    oneDNN lays a packed weight out for a number of input rows. By default every product uses a
+    copy laid out for one row (decoding one sequence; a prompt's prefill makes do with it).
+    ``batched=True`` (a server decoding many sequences at once) adds a second layout, for
+    :data:`_BATCH_ROWS` rows, used by the products of more than two rows: more memory, faster
+    batches.
+
+    The copy is in eval mode, its parameters do not require gradients, and everything but the
+    linear layers' weights (embeddings, norms, attention, a tied output embedding's input side)
+    runs as in the model, in its dtype. It is a snapshot: the model is never changed, and writes
+    to the model afterwards do not reach the copy. A weight tied to another parameter stays
+    tied in an "fp32" copy; in the other formats the linear layer holds its own converted copy.
+    Making it costs a pass over the weights and the memory of the copy; to serve many calls
+    from one model, make it once and hand it to them (``generate(copy, ...)``).
+
+    A model that is already an inference copy is returned as it is when ``weights`` and
+    ``batched`` are None or its own (what ``generate(copy, ...)`` does with its defaults); a
+    ValueError asks for another format of it, which needs the original model.
+
+    >>> copy = inference_model(Linear(32, 8), "int8")
+    >>> copy(torch.randn(2, 32)).shape, copy.weights_format
+    (torch.Size([2, 8]), 'int8')
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if weights is not None:
+        weights = check_weights("weights", weights)
+    if batched is not None:
+        check_bool("batched", batched)
+    held = [m for m in model.modules() if isinstance(m, InferenceLinear)]
+    if held:
+        return _as_it_is(model, held, weights, batched)
+    weights, batched = weights or "fp32", bool(batched)
+    layer = LAYERS[weights]
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for m in _linears(model):
+            if id(m) not in memo:
+                # the parameters through the memo: one tied to another stays tied in the copy
+                bias = None if m.bias is None else copy.deepcopy(m.bias, memo)
+                weight = copy.deepcopy(m.weight, memo) if weights == "fp32" else m.weight.detach()
+                memo[id(m)] = layer(weight, bias, batched)
+        # each Linear met, as a submodule or as a LinearRows' source, becomes its layer
+        out = copy.deepcopy(model, memo)
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out.eval()
+
+
+def _linears(model: nn.Module) -> Iterator[Linear]:
+    """The Linears of ``model``: its submodules, and the sources of its :class:`LinearRows`
+    (registered where they are owned, which may be outside ``model``)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            yield m
+        elif isinstance(m, LinearRows) and isinstance(m.source, Linear):
+            yield m.source
+
+
+def _as_it_is(
+    model: nn.Module,
+    held: list[InferenceLinear],
+    weights: WeightFormat | None,
+    batched: bool | None,
+) -> nn.Module:
+    """``model``, an inference copy already, if it is what ``weights`` and ``batched`` ask."""
+    formats = {(m.weights_format, m.batched) for m in held}
+    (have, was_batched), *others = sorted(formats)
+    if others or weights not in (None, have) or batched not in (None, was_batched):
+        asked = f"weights={weights!r}, batched={batched!r}"
+        raise ValueError(
+            f"model is already an inference copy (weights={have!r}, batched={was_batched}); "
+            f"{asked} needs a copy of the original model"
+        )
+    return model
