@@ -11,9 +11,10 @@ random weights; benchmarks/quantized_quality.py measures a trained model).
 Bandwidth: the same run measures this machine's read bandwidth (a sum over 1 GiB); each
 configuration prints tokens/s, the bytes one token reads (the linear layers' weights in its
 format, the norms, one row of each embedding, and the KV cache at the mean length), the achieved
-GB/s (bytes × tokens/s) and achieved / measured. dikkat's runs hold one ``packed_for_inference``
-block open (the weights are prepared once, as a server holding the model would); "each call
-packs" times fp32 without it. ``kernels`` times one product of the lm_head's shape and the
+GB/s (bytes × tokens/s) and achieved / measured. dikkat's runs generate with one inference copy
+per format (``inference_model(model, weights)``: the weights are prepared once, as a server
+holding the model would); "each call packs" times fp32 generating from the model itself, which
+makes a copy per call. ``kernels`` times one product of the lm_head's shape and the
 MLP's: oneDNN-packed fp32 and bf16, torch's int8 weight-only kernel, dequantise-then-matmul,
 and FBGEMM's dynamic quantised product (w8a8).
 """
@@ -34,8 +35,8 @@ from dikkat.interop import gpt_from_hf
 from dikkat.layers import (
     Linear,
     dequantize_int8,
+    inference_model,
     int8_linear,
-    packed_for_inference,
     quantize_int8,
     quantize_w8a8,
     w8a8_linear,
@@ -124,8 +125,14 @@ def vs_hf(n_new: int, n_prompt: int, repeats: int) -> dict:
     rows = {}
     outs = {}
     for weights in FORMATS:
-        with packed_for_inference(ours, weights):  # prepared once
-            t, outs[weights], _ = time_generate(run_ours, repeats)
+        copy = inference_model(ours, weights)  # prepared once
+
+        def run_copy(copy=copy):
+            with torch.inference_mode():
+                return copy.generate(ids, n_new)
+
+        t, outs[weights], _ = time_generate(run_copy, repeats)
+        del copy
         rows[weights] = _row(n_new / t, bytes_per_token(ours, weights, mean_len), bw)
     rows["hf_fp32"] = _row(n_new / t_hf, bytes_per_token(ours, "fp32", mean_len), bw)
     identical = out_hf.tolist() == outs["fp32"]
@@ -216,7 +223,7 @@ def plain_vs_packed(rows: tuple[int, ...] = (1, 2, 8), repeats: int = 5) -> dict
 def batch_layout(rows: int = 8, repeats: int = 5) -> dict[str, float]:
     """Seconds for GPT-2-small's 49 fp32 weights times one row (the one-row oneDNN layout) and
     times ``rows`` rows in the one-row layout and in the layout for ``rows`` rows
-    (``packed_for_inference(batched=True)``): what a batched decode step costs against one."""
+    (``inference_model(..., batched=True)``): what a batched decode step costs against one."""
     torch.manual_seed(0)
     shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12 + [(50257, 768)]
     ws = [torch.randn(n, k) for n, k in shapes]

@@ -3,10 +3,10 @@
     python benchmarks/quantized_quality.py RUN [--windows 32] [--prompts 8] [--new 125]
 
 RUN is a trained ``lm`` run, e.g. the one ``dikkat demo`` writes (``runs/demo``). For each weight
-format (``packed_for_inference(model, weights)``): the mean next-token loss over ``--windows``
-consecutive validation windows of the run's sequence length (through the model's forward, so
-the lm_head multiplies in that format too; nats/byte as the run reports it), its relative
-difference to fp32, and the fraction of greedy tokens equal to fp32's over ``--prompts`` ×
+format (an inference copy, ``inference_model(model, weights)``): the mean next-token loss over
+``--windows`` consecutive validation windows of the run's sequence length (through the copy's
+forward, so the lm_head multiplies in that format too; nats/byte as the run reports it), its
+relative difference to fp32, and the fraction of greedy tokens equal to fp32's over ``--prompts`` ×
 ``--new`` generated tokens (each prompt 32 validation bytes; a token counts when it equals
 fp32's at the same step, so one early divergence costs the rest of that row).
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from common import save_json
 from dikkat import runs
-from dikkat.generation import packed_for_inference
+from dikkat.generation import inference_model
 from dikkat.models import GPT
 from dikkat.tasks import TaskSpec
 from dikkat.tasks.base import build_task
@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"run": args.run, "args": vars(args), "formats": {}}
     fp32_tokens = None
     for weights in FORMATS:
-        with packed_for_inference(model, weights):
-            loss = validation_loss(model, val, seq, args.windows, task.report_scale)
-            with torch.inference_mode():
-                new = torch.tensor(model.generate(prompts, args.new))[:, PROMPT:]
+        copy = inference_model(model, weights)
+        loss = validation_loss(copy, val, seq, args.windows, task.report_scale)
+        with torch.inference_mode():
+            new = torch.tensor(copy.generate(prompts, args.new))[:, PROMPT:]
         fp32_tokens = new if fp32_tokens is None else fp32_tokens
         result["formats"][weights] = {
             "val_loss": loss,

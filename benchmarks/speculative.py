@@ -10,9 +10,9 @@ trainer on this interpreter's standard library, for ``--steps`` steps of 16 wind
 already holds a run is reused as it is, or trained on if it stopped short of ``--steps``. The
 prompts are ``--prompts`` stretches of ``--prompt`` bytes (line start to mid-line) from the
 standard-library files the split held out of training; each is completed by ``--new`` greedy
-tokens, plain (one model call a token) and by prompt lookup with each ``--k``, inside one
-``packed_for_inference`` block (the weights prepared once). The times are the best of
-``--repeats`` passes over all prompts, after a warm-up. Training and decoding run on
+tokens, plain (one model call a token) and by prompt lookup with each ``--k``, on one fp32
+inference copy of the model (``inference_model``: the weights prepared once). The times are the
+best of ``--repeats`` passes over all prompts, after a warm-up. Training and decoding run on
 ``--threads`` threads.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from common import save_json
 from dikkat import runs
-from dikkat.generation import LookupStats, generate, lookup_generate, packed_for_inference
+from dikkat.generation import LookupStats, generate, inference_model, lookup_generate
 from dikkat.models import GPT
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.tasks.corpus import load_corpus
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, spec, trained = trained_run(args.run, args.steps, args.seq_len)
     prompts = code_prompts(spec, args.prompts, min(args.prompt, model.config.max_len - args.new))
     new = args.new * len(prompts)
+    model = inference_model(model, "fp32")  # prepared once, used by every call below
 
     def plain() -> list[list[int]]:
         return [generate(model, [p], args.new)[0] for p in prompts]
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         ]
 
     rows = []
-    with torch.inference_mode(), packed_for_inference(model, "fp32"):
+    with torch.inference_mode():
         generate(model, [prompts[0]], 8)  # warm-up
         lookup(4)()
         seconds, expected = best_time(plain, args.repeats)
