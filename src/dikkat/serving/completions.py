@@ -81,7 +81,7 @@ def sampling_params(
             code="context_length_exceeded",
         )
     return SamplingParams(
-        max_tokens=request.max_tokens,
+        max_new_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=None if request.top_p == 1.0 else request.top_p,
         seed=request.seed,
