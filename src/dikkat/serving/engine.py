@@ -48,6 +48,9 @@ from dikkat.serving.requests import EngineFull, EngineStats, FinishReason, Token
 from dikkat.validate import check_int, is_int
 
 
+DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
+
+
 @dataclass(eq=False)
 class _Sequence:
     """One request inside the engine."""
@@ -81,7 +84,8 @@ class Engine:
             ``dikkat.models.Decoder``), used as it is: put it in eval mode for dropout to be off.
         block_size: slots per cache block.
         num_blocks: blocks in the pool; None: enough for ``max_batch`` sequences of the model's
-            whole context.
+            whole context, or what fits in :data:`DEFAULT_CACHE_BYTES` if that is less (a real
+            model's context of thousands of tokens would otherwise take many GiB).
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
         weights: the format the linear layers multiply in while the engine has work, "fp32",
@@ -128,7 +132,10 @@ class Engine:
         self.vocab_size: int = model.config.vocab_size
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         if num_blocks is None:
-            num_blocks = max_batch * self._blocks_for(layout.context)
+            slot_bytes = 2 * layout.n_layers * layout.kv_heads * layout.head_dim
+            slot_bytes *= layout.dtype.itemsize
+            fits = DEFAULT_CACHE_BYTES // (slot_bytes * block_size)
+            num_blocks = max(1, min(max_batch * self._blocks_for(layout.context), fits))
         self._pool = PagedKVPool(
             layout.n_layers,
             num_blocks,
