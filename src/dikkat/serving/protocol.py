@@ -176,7 +176,8 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
         return None
     no_tools = "no dikkat model calls tools"
     if body.tools or body.functions:
-        return ("tools" if body.tools else "functions"), f"tools are not supported: {no_tools}"
+        name = "tools" if body.tools else "functions"
+        return name, f"{name} are not supported: {no_tools}"
     for name in ("tool_choice", "function_call"):
         choice = getattr(body, name)
         if choice not in (None, "none", "auto"):
@@ -184,10 +185,12 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
     kind = (body.response_format or {}).get("type", "text")
     if kind != "text":
         return "response_format", f"response_format {kind!r} is not supported: only 'text'"
-    if body.audio is not None or any(m != "text" for m in body.modalities or []):
-        return ("audio" if body.audio is not None else "modalities"), "only text comes out"
+    if body.audio is not None:
+        return "audio", "audio output is not supported: only text comes out"
+    if any(m != "text" for m in body.modalities or []):
+        return "modalities", f"modalities={body.modalities}: only text comes out"
     if body.web_search_options is not None:
-        return "web_search_options", "web search is not supported"
+        return "web_search_options", "web_search_options is not supported: no web search"
     if body.top_logprobs and not body.logprobs:
         return "top_logprobs", "top_logprobs needs logprobs: true"
     both = (body.max_tokens, body.max_completion_tokens)
@@ -196,13 +199,14 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
             f"{both[1]} disagree; give one"  # fmt: skip
     for i, m in enumerate(body.messages):
         if m.tool_calls or m.function_call is not None:
-            return f"messages[{i}].tool_calls", f"messages[{i}] holds a tool call: {no_tools}"
+            where = f"messages[{i}].tool_calls"
+            return where, f"{where}: a tool call in the conversation; {no_tools}"
         if m.audio is not None:
-            return f"messages[{i}].audio", f"messages[{i}] holds audio: only text goes in"
+            return f"messages[{i}].audio", f"messages[{i}].audio: only text goes in"
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type not in ("text", "refusal"):
-                where = f"messages[{i}].content[{j}]"
-                return f"{where}.type", f"{where} is {part.type!r}: only text goes in"
+                where = f"messages[{i}].content[{j}].type"
+                return where, f"{where} is {part.type!r}: only text goes in"
     return None
 
 
