@@ -13,9 +13,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 import torch  # noqa: E402
-from conftest import chatml  # noqa: E402
 from live_server import WAIT, request, serving, settled  # noqa: E402
 
+from conftest import chatml  # noqa: E402
 from dikkat.generation import SamplingParams, generate  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
 from dikkat.text import ByteTokenizer  # noqa: E402
@@ -158,9 +158,7 @@ def test_tokenize_and_detokenize_speak_vllm_s_shapes(url):
     status, answer = request(url, "POST", "/tokenize", {"messages": MESSAGES})
     assert answer["tokens"] == BYTES.encode(chatml(MESSAGES))
     assert answer["count"] == len(answer["tokens"])
-    status, answer = request(
-        url, "POST", "/tokenize", {"prompt": "é", "return_token_strs": True}
-    )
+    status, answer = request(url, "POST", "/tokenize", {"prompt": "é", "return_token_strs": True})
     assert answer["token_strs"] == ["bytes:\\xc3", "bytes:\\xa9"]
     assert request(url, "POST", "/detokenize", {"tokens": list("wörld".encode())}) == (
         200, {"prompt": "wörld"},

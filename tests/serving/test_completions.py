@@ -96,7 +96,8 @@ def test_echo_with_logprobs_scores_the_prompt_teacher_forced(url, tiny_gpt):
         for k in range(1, len(prompt)):
             expected = reference[k - 1, prompt[k]].item()
             assert abs(c.logprobs.token_logprobs[k] - expected) < 1e-4
-        assert c.logprobs.text_offset[: len(prompt)] == [0, 1, 2, 3, 3, 4, 5]  # ö: 2 tokens, 1 character
+        # ö is 2 tokens and 1 character: the second begins where the first does
+        assert c.logprobs.text_offset[: len(prompt)] == [0, 1, 2, 3, 3, 4, 5]
         assert r.usage.completion_tokens == max_tokens
     assert c.logprobs.token_logprobs[-1] == pytest.approx(reference[-1].max().item(), abs=1e-4)
     # no logprobs: the text only

@@ -133,10 +133,10 @@ def test_n_seeded_choices_repeat_and_choice_0_is_n_1(url):
 def test_16_streams_4_left_each_answer_is_the_request_alone_no_block_leaked(url):
     topics = ["cats", "the sea", "Paris", "bread", "rain", "music", "chess", "tea"]
     asks = [  # 8 requests of mixed lengths, each sent twice
-        dict(messages=[{"role": "user", "content": f"Write about {topics[i]}." + " Be brief."
-                        * (i % 3)}], max_tokens=3 + (5 * i) % 7)  # fmt: skip
-        for i in range(8)
-    ]
+        dict(messages=[{"role": "user", "content": f"About {topic}." + " Be brief." * (i % 3)}],
+             max_tokens=3 + (5 * i) % 7)
+        for i, topic in enumerate(topics)
+    ]  # fmt: skip
     requests = [asks[i % 8] for i in range(16)]
     leave = {1, 6, 11, 15}  # these close their stream after 2 chunks (their twins finish)
     c = client(url)

@@ -18,6 +18,7 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 from live_server import WAIT, metrics, request, serving, settled, wait_for  # noqa: E402
 
+from conftest import chatml  # noqa: E402
 from dikkat.generation import generate  # noqa: E402
 from dikkat.models import GPT, GPTConfig  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
@@ -327,7 +328,9 @@ def test_the_documented_client_example_runs(model, page, capsys):
         if "openai.OpenAI" in b
     ]  # fmt: skip
     key = re.search(r'api_key="([^"]+)"', block).group(1)
-    with serving(create_app(engine_for(model), TOKENIZER, "gpt", api_key=key)) as base:
+    name = re.search(r'model="([^"]+)"', block).group(1)
+    app = create_app(engine_for(model), TOKENIZER, name, api_key=key, chat_prompt=chatml)
+    with serving(app) as base:
         exec(compile(block.replace("http://127.0.0.1:8000", base), page, "exec"), {})
     assert capsys.readouterr().out.strip()
 

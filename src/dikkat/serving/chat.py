@@ -107,9 +107,7 @@ class ChatCompletion:
             yield sse(last)
         yield "data: [DONE]\n\n"
 
-    def _chunk(
-        self, index: int, delta: dict[str, Any], piece: Piece | None, logprobs: Any
-    ) -> str:
+    def _chunk(self, index: int, delta: dict[str, Any], piece: Piece | None, logprobs: Any) -> str:
         choice = {
             "index": index,
             "delta": delta,

@@ -237,7 +237,7 @@ class Served:
         """Refuse a request of more choices than the engine's queue holds at all."""
         if self.max_queue is not None and count > self.max_queue:
             raise RequestError(
-                f"{what} make {count} choices; this server queues at most {self.max_queue} "
-                "at once (dikkat serve --max-queue)",
+                f"{what} is {count} choices; this server queues at most {self.max_queue} "
+                "requests at once (dikkat serve --max-queue)",
                 param=param,
             )

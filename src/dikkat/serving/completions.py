@@ -39,9 +39,9 @@ class Completion:
         self.n = body.n
         self.best_of = body.best_of or body.n
         self.top = body.logprobs  # None: no log-probabilities
-        many = "prompt" if len(self.prompts) > 1 else "n"
-        served.check_count(len(self.prompts) * self.best_of, many, f"{len(self.prompts)} "
-                           f"prompt(s) × {self.best_of} choices")  # fmt: skip
+        count, many = len(self.prompts) * self.best_of, len(self.prompts) > 1
+        what = f"{len(self.prompts)} prompts × {self.best_of}" if many else f"n={self.best_of}"
+        served.check_count(count, "prompt" if many else "n", what)
         stops = stops_of(body)
         ranked = self.best_of > self.n  # choosing the best needs every token's log-probability
         jobs = []
@@ -101,8 +101,8 @@ class Completion:
             lp = CompletionLogprobs(self.served.vocab, self.top, len(prompt_text))
             parts.append(lp.part(result.logprobs, [e.token for e in result.logprobs]))
             logprobs = CompletionLogprobs.join(parts)
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": result.finish_reason}  # fmt: skip
+        finish = result.finish_reason
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _prompt_part(self, p: int, entries: Any) -> dict[str, Any]:
         prompt = self.prompts[p]
@@ -134,9 +134,10 @@ class Completion:
                     logprobs = CompletionLogprobs.join(parts)
                 if not text and piece.finish_reason is None and not (logprobs or {}).get("tokens"):
                     continue
-                choice = {"index": index, "text": text, "logprobs": logprobs,
-                          "finish_reason": piece.finish_reason}  # fmt: skip
-                chunk = self._object([choice])
+                finish = piece.finish_reason
+                chunk = self._object(
+                    [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+                )
                 if include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)

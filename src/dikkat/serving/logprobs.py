@@ -47,9 +47,7 @@ class CompletionLogprobs:
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(finite(entry.logprob))
-            alternatives = {
-                self.vocab.token_text(t): finite(lp) for t, lp in entry.top[: self.top]
-            }
+            alternatives = {self.vocab.token_text(t): finite(lp) for t, lp in entry.top[: self.top]}
             alternatives.setdefault(self.vocab.token_text(entry.token), finite(entry.logprob))
             out["top_logprobs"].append(alternatives)
         return out

@@ -85,7 +85,9 @@ def chat_text(messages: Sequence[Message], chat_prompt: ChatPrompt | None, model
     try:
         return chat_prompt(chat_messages(messages))
     except Exception as e:  # a template's own raise_exception, or a jinja error on odd input
-        raise RequestError(f"the chat template refused the messages: {e}", param="messages") from None
+        raise RequestError(
+            f"the chat template refused the messages: {e}", param="messages"
+        ) from None
 
 
 def chat_prompt_ids(

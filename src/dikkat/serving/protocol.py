@@ -195,8 +195,8 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
         return "top_logprobs", "top_logprobs needs logprobs: true"
     both = (body.max_tokens, body.max_completion_tokens)
     if None not in both and both[0] != both[1]:
-        return "max_completion_tokens", f"max_tokens={both[0]} and max_completion_tokens=" \
-            f"{both[1]} disagree; give one"  # fmt: skip
+        why = f"max_tokens={both[0]} and max_completion_tokens={both[1]} disagree; give one"
+        return "max_completion_tokens", why
     for i, m in enumerate(body.messages):
         if m.tool_calls or m.function_call is not None:
             where = f"messages[{i}].tool_calls"

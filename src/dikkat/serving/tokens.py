@@ -157,7 +157,9 @@ class Offsets:
         return offset
 
 
-def offsets(decode: Callable[[Sequence[int]], str], ids: Sequence[int], start: int = 0) -> list[int]:
+def offsets(
+    decode: Callable[[Sequence[int]], str], ids: Sequence[int], start: int = 0
+) -> list[int]:
     """Each token's :class:`Offsets` offset, counted from ``start``."""
     tracker = Offsets(decode, start)
     return [tracker.push(t) for t in ids]
