@@ -40,7 +40,6 @@ class Request(BaseModel):
 
 
 class StreamOptions(Request):
-
     include_usage: bool = False  # one last chunk with the request's token counts
     include_obfuscation: Ignored = None  # padding against side channels: nothing to hide here
     continuous_usage_stats: Ignored = None  # vLLM's: not given
