@@ -87,7 +87,7 @@ SHRINK: dict[str, tuple[str, str]] = {
     ),
     "dikkat serve --model smollm2 --max-model-len 2048": (
         "--dry-run --num-blocks 8",
-        "it serves until interrupted, with a KV cache of 2 GB",
+        "it serves until interrupted, with a KV cache of 1.5 GB",
     ),
     "dikkat serve runs/gpt": ("--dry-run", "it serves until interrupted"),
     "dikkat serve --hf-gpt2 ./gpt2 --port 8080 --api-key sesame": (
