@@ -144,6 +144,7 @@ def test_stop_strings_cut_the_text(url, model):
     text = TOKENIZER.decode(new_tokens(model, prompt, 20))
     assert text.startswith("d++g")  # what this model continues with
     c = client(url)
+    before = settled(url)
     for stream in (False, True):
         r = c.completions.create(
             model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stop=["zz", "+g"],
@@ -154,7 +155,9 @@ def test_stop_strings_cut_the_text(url, model):
         assert chunks[-1].choices[0].finish_reason == "stop"
     r = c.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stop="Q")
     assert (r.choices[0].text, r.choices[0].finish_reason) == (text, "length")
-    settled(url)  # a request ended by a stop string gave its blocks back
+    after = settled(url)  # a request ended by a stop string gave its blocks back
+    counts = ("dikkat_requests_finished_total", "dikkat_requests_aborted_total")
+    assert [after[k] - before[k] for k in counts] == [3, 0]  # ended by its text: finished
 
 
 def test_the_end_of_text_token_stops_and_is_not_shown(model):

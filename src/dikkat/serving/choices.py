@@ -101,7 +101,9 @@ class Choice:
                 logprobs = () if event.logprob is None else (event.logprob,)
         if self.text.stopped:
             finish = "stop"
-            self.abort()  # frees its blocks now
+            if not self.finished:
+                self.finished = True
+                self.runner.finish(self.request_id)  # frees its blocks now
         if finish is not None:
             self.finished = True
             self.runner.done(self.request_id)

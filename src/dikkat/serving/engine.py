@@ -33,47 +33,17 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
 
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from dikkat.generation.sampling import Sampler, SamplingParams
 from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WeightFormat, check_weights
-from dikkat.serving.forward import decode, prefill
+from dikkat.serving.forward import decode, emit, first_events
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
-from dikkat.serving.requests import EngineFull, EngineStats, FinishReason, TokenEvent
+from dikkat.serving.requests import EngineFull, EngineSequence, EngineStats, TokenEvent
 from dikkat.validate import check_int, is_int
 
-
 DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One request inside the engine."""
-
-    id: int
-    tokens: list[int]  # the prompt, then the tokens generated so far
-    prompt_len: int
-    params: SamplingParams
-    sampler: Sampler
-    blocks: list[int] = field(default_factory=list)  # block table
-    cached: int = 0  # tokens whose keys and values are in the blocks
-    reserved: int = 0  # blocks promised for later tokens, not yet taken
-    finish: FinishReason | None = None
-    aborted: bool = False
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def slots(self) -> int:
-        """Cache slots the request needs in all: its last token is never fed back."""
-        return self.prompt_len + max(self.params.max_new_tokens, 1) - 1
 
 
 class Engine:
@@ -148,8 +118,8 @@ class Engine:
         self._blocks = BlockAllocator(num_blocks)
         self._lock = threading.Lock()  # queues, allocator, counters
         self._step_lock = threading.Lock()  # one step at a time
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        self._waiting: deque[EngineSequence] = deque()
+        self._running: list[EngineSequence] = []
         self._reserved = 0  # blocks promised to running sequences, not yet taken
         self._in_step = False
         self._next_id = 0
@@ -202,21 +172,29 @@ class Engine:
                     f"{self.max_queue}); try again later"
                 )
             rid, self._next_id = self._next_id, self._next_id + 1
-            self._waiting.append(_Sequence(rid, tokens, n, params, sampler))
+            self._waiting.append(EngineSequence(rid, tokens, n, params, sampler))
         return rid
 
     def abort(self, request_id: int) -> None:
         """Drop a waiting or running request and free its blocks; any other id is ignored."""
+        self._drop(request_id, "aborted")
+
+    def finish(self, request_id: int) -> None:
+        """End a request early as :meth:`abort` does, counted as finished rather than aborted:
+        whoever reads its text found a stop string in it."""
+        self._drop(request_id, "finished")
+
+    def _drop(self, request_id: int, counter: str) -> None:
         with self._lock:
             for seq in self._waiting:
                 if seq.id == request_id:
                     self._waiting.remove(seq)
-                    self._counts["aborted"] += 1
+                    self._counts[counter] += 1
                     return
             for seq in self._running:
                 if seq.id == request_id and not seq.aborted:
-                    seq.aborted = True
-                    self._counts["aborted"] += 1
+                    seq.aborted = True  # no more events; counted here, not when it ends
+                    self._counts[counter] += 1
                     if not self._in_step:
                         self._end(seq)
                     return
@@ -258,7 +236,7 @@ class Engine:
 
     # --- inside a step ---------------------------------------------------------------------------
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[EngineSequence]:
         """Move the waiting requests that fit (in order, stopping at the first that does not)
         to the running batch, with their prompt blocks: shared prefix blocks, then new ones."""
         admitted = []
@@ -294,7 +272,9 @@ class Engine:
             admitted.append(seq)
         return admitted
 
-    def _run(self, admitted: list[_Sequence], running: list[_Sequence]) -> list[TokenEvent]:
+    def _run(
+        self, admitted: list[EngineSequence], running: list[EngineSequence]
+    ) -> list[TokenEvent]:
         """The model work of a step (outside the lock): the prefills, then one decode forward."""
         if not running:
             return []
@@ -304,7 +284,7 @@ class Engine:
             self._packed.enter_context(block)
         events = []
         for seq in admitted:
-            events += self._prefill(seq)
+            events += first_events(self._model, self._pool, seq)
         decoding = [s for s in running if s.finish is None and not s.aborted]
         if decoding:
             with self._lock:
@@ -319,65 +299,16 @@ class Engine:
             )
             for seq in decoding:
                 seq.cached += 1
-            events += self._emit(decoding, logits)
+            events += emit(decoding, logits)
         return events
 
-    def _take_block_for(self, seq: _Sequence) -> None:
+    def _take_block_for(self, seq: EngineSequence) -> None:
         """A block for the slot the next token's keys go to, if the table has none (taken from
         the sequence's promised blocks)."""
         if seq.cached == len(seq.blocks) * self.block_size:
             seq.blocks.append(self._blocks.allocate())
             seq.reserved -= 1
             self._reserved -= 1
-
-    def _prefill(self, seq: _Sequence) -> list[TokenEvent]:
-        """Run a new request's prompt (after its shared prefix); its first event."""
-        every = seq.params.prompt_logprobs  # then nothing was shared: seq.cached == 0
-        logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached, every=every)
-        seq.cached = seq.prompt_len
-        prompt = None
-        if every:  # row i of the logits predicts prompt token i + 1
-            following = torch.tensor(seq.tokens[1:], device=logits.device)
-            prompt = (None, *token_logprobs(logits[:-1], following, seq.params.top_logprobs))
-            logits = logits[-1:]
-        if seq.params.max_new_tokens == 0:
-            seq.finish = "length"
-            return [TokenEvent(seq.id, None, "length", prompt_logprobs=prompt)]
-        return self._emit([seq], logits, prompt)
-
-    def _emit(
-        self,
-        seqs: list[_Sequence],
-        logits: Tensor,
-        prompt: tuple[TokenLogprob | None, ...] | None = None,
-    ) -> list[TokenEvent]:
-        """Each sequence's next token from its row of ``logits`` (B, V), recorded as an event
-        (the first carries ``prompt``, the prompt's log-probabilities, when given)."""
-        picked = self._pick(seqs, logits)
-        events = []
-        for b, (seq, token) in enumerate(zip(seqs, picked, strict=True)):
-            p = seq.params
-            logprob = None
-            if p.logprobs:
-                chosen = torch.tensor([token], device=logits.device)
-                logprob = token_logprobs(logits[b : b + 1], chosen, p.top_logprobs)[0]
-            seq.tokens.append(token)
-            if token in p.stop_ids:
-                seq.finish = "stop"
-            elif seq.generated == p.max_new_tokens:
-                seq.finish = "length"
-            events.append(TokenEvent(seq.id, token, seq.finish, logprob, prompt))
-        return events
-
-    @staticmethod
-    def _pick(seqs: list[_Sequence], logits: Tensor) -> list[int]:
-        """Row b's next token: the plain greedy rows in one argmax, every other row by its own
-        sampler, the draw :func:`dikkat.generation.generate` makes for one prompt."""
-        picked = logits.argmax(dim=-1).tolist()
-        for b, seq in enumerate(seqs):
-            if not seq.params.greedy or seq.params.adjusts_logits:
-                picked[b] = int(seq.sampler.pick(logits[b : b + 1]))
-        return picked
 
     def _finish_step(self, events: list[TokenEvent]) -> list[TokenEvent]:
         """Under the lock: end what finished or was aborted, drop the aborted's events."""
@@ -394,7 +325,7 @@ class Engine:
             self._release_packed()
         return events
 
-    def _end(self, seq: _Sequence) -> None:
+    def _end(self, seq: EngineSequence) -> None:
         """Remove a running sequence and give back its blocks (the last first: a cached prefix
         is evicted from its end, so its beginning stays reusable longer)."""
         self._running.remove(seq)

@@ -1,5 +1,6 @@
 """The model work of an engine step: a prompt's prefill and the batched decode forward over the
-paged pool, for any decoder of :class:`dikkat.generation.DecoderLM`.
+paged pool, for any decoder of :class:`dikkat.generation.DecoderLM`, and the events of each
+sequence's next token.
 
 Notation: ``B`` sequences, ``T`` new tokens, ``S`` slots attended, ``V`` vocabulary.
 """
@@ -13,7 +14,9 @@ from torch import Tensor
 
 from dikkat.core.masks import causal, padding
 from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.sampling import TokenLogprob, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
+from dikkat.serving.requests import EngineSequence, TokenEvent
 
 
 @torch.no_grad()
@@ -70,3 +73,53 @@ def decode(
         last_only=True,
     )
     return logits[:, -1]
+
+
+def first_events(model: DecoderLM, pool: PagedKVPool, seq: EngineSequence) -> list[TokenEvent]:
+    """Run a new request's prompt (after its shared prefix); its first event."""
+    every = seq.params.prompt_logprobs  # then nothing was shared: seq.cached == 0
+    logits = prefill(model, pool, seq.tokens, seq.blocks, seq.cached, every=every)
+    seq.cached = seq.prompt_len
+    prompt = None
+    if every:  # row i of the logits predicts prompt token i + 1
+        following = torch.tensor(seq.tokens[1:], device=logits.device)
+        prompt = (None, *token_logprobs(logits[:-1], following, seq.params.top_logprobs))
+        logits = logits[-1:]
+    if seq.params.max_new_tokens == 0:
+        seq.finish = "length"
+        return [TokenEvent(seq.id, None, "length", prompt_logprobs=prompt)]
+    return emit([seq], logits, prompt)
+
+
+def emit(
+    seqs: list[EngineSequence],
+    logits: Tensor,
+    prompt: tuple[TokenLogprob | None, ...] | None = None,
+) -> list[TokenEvent]:
+    """Each sequence's next token from its row of ``logits`` (B, V), recorded as an event
+    (the first carries ``prompt``, the prompt's log-probabilities, when given)."""
+    picked = _pick(seqs, logits)
+    events = []
+    for b, (seq, token) in enumerate(zip(seqs, picked, strict=True)):
+        p = seq.params
+        logprob = None
+        if p.logprobs:
+            chosen = torch.tensor([token], device=logits.device)
+            logprob = token_logprobs(logits[b : b + 1], chosen, p.top_logprobs)[0]
+        seq.tokens.append(token)
+        if token in p.stop_ids:
+            seq.finish = "stop"
+        elif seq.generated == p.max_new_tokens:
+            seq.finish = "length"
+        events.append(TokenEvent(seq.id, token, seq.finish, logprob, prompt))
+    return events
+
+
+def _pick(seqs: list[EngineSequence], logits: Tensor) -> list[int]:
+    """Row b's next token: the plain greedy rows in one argmax, every other row by its own
+    sampler, the draw :func:`dikkat.generation.generate` makes for one prompt."""
+    picked = logits.argmax(dim=-1).tolist()
+    for b, seq in enumerate(seqs):
+        if not seq.params.greedy or seq.params.adjusts_logits:
+            picked[b] = int(seq.sampler.pick(logits[b : b + 1]))
+    return picked

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from dikkat.generation.sampling import SamplingParams, TokenLogprob
+from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob
 
 __all__ = ["EngineFull", "EngineStats", "FinishReason", "SamplingParams", "TokenEvent"]
 
@@ -43,7 +43,8 @@ class EngineStats:
     ``free_blocks`` counts the blocks a new sequence can take: free ones and *evictable* ones,
     cached prompt prefixes that no running sequence uses (kept for reuse until a block is needed).
     When nothing runs it equals ``total_blocks``. The token counts and the request counts
-    (``finished``: ended by a stop token or ``max_tokens``; ``aborted``) are totals since the
+    (``finished``: ended by a stop token, by ``max_new_tokens`` or by
+    :meth:`~dikkat.serving.Engine.finish`, a stop string; ``aborted``) are totals since the
     engine was built; ``prefix_hit_tokens`` counts prompt tokens whose keys and values were
     found in the cache instead of computed.
     """
@@ -58,3 +59,28 @@ class EngineStats:
     finished: int
     aborted: int
     prefix_hit_tokens: int
+
+
+@dataclass(eq=False)
+class EngineSequence:
+    """One request inside the engine: its tokens, its sampler, its block table."""
+
+    id: int
+    tokens: list[int]  # the prompt, then the tokens generated so far
+    prompt_len: int
+    params: SamplingParams
+    sampler: Sampler
+    blocks: list[int] = field(default_factory=list)  # block table
+    cached: int = 0  # tokens whose keys and values are in the blocks
+    reserved: int = 0  # blocks promised for later tokens, not yet taken
+    finish: FinishReason | None = None
+    aborted: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def slots(self) -> int:
+        """Cache slots the request needs in all: its last token is never fed back."""
+        return self.prompt_len + max(self.params.max_new_tokens, 1) - 1
