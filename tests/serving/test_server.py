@@ -18,6 +18,7 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 from live_server import WAIT, metrics, request, serving, settled, wait_for  # noqa: E402
 
+from conftest import chatml  # noqa: E402
 from dikkat.generation import generate  # noqa: E402
 from dikkat.models import GPT, GPTConfig  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
@@ -168,16 +169,6 @@ def test_the_end_of_text_token_stops_and_is_not_shown(model):
         assert r.usage.completion_tokens == first + 1  # the end-of-text token counts
 
 
-def test_chat_answers_404_with_an_openai_error(url):
-    with pytest.raises(openai.NotFoundError) as e:
-        client(url).chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "hi"}]
-        )
-    error = e.value.body
-    assert set(error) == {"message", "type", "param", "code"}
-    assert "chat format" in error["message"]
-
-
 GOOD = {"model": NAME, "prompt": "hi", "max_tokens": 4}
 
 
@@ -191,13 +182,13 @@ GOOD = {"model": NAME, "prompt": "hi", "max_tokens": 4}
         ({**GOOD, "temperature": "hot"}, "temperature", "number"),
         ({**GOOD, "prompt": 5}, "prompt", "wrong type"),
         ({**GOOD, "stream": "yes"}, "stream", "boolean"),
-        ({**GOOD, "logit_bias": {}}, "logit_bias", "unknown field"),
+        ({**GOOD, "colour": "blue"}, "colour", "unknown field"),
         ({**GOOD, "max_tokens": 63}, "max_tokens", "context of 64"),
         ({**GOOD, "prompt": "x" * 64}, "prompt", "context is 64"),
         ({**GOOD, "prompt": []}, "prompt", "no tokens"),
         ({**GOOD, "prompt": [1, 256]}, "prompt", "vocabulary of 256"),
-        ({**GOOD, "n": 2}, "n", "n=1"),
-        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({**GOOD, "n": 0}, "n", "greater than or equal to 1"),
+        ({**GOOD, "stop": list("abcdefghijklmnopq")}, "stop", "at most 16"),
         ({**GOOD, "temperature": 3.0}, "temperature", "less than or equal to 2"),
     ],
 )
@@ -337,7 +328,9 @@ def test_the_documented_client_example_runs(model, page, capsys):
         if "openai.OpenAI" in b
     ]  # fmt: skip
     key = re.search(r'api_key="([^"]+)"', block).group(1)
-    with serving(create_app(engine_for(model), TOKENIZER, "gpt", api_key=key)) as base:
+    name = re.search(r'model="([^"]+)"', block).group(1)
+    app = create_app(engine_for(model), TOKENIZER, name, api_key=key, chat_prompt=chatml)
+    with serving(app) as base:
         exec(compile(block.replace("http://127.0.0.1:8000", base), page, "exec"), {})
     assert capsys.readouterr().out.strip()
 
