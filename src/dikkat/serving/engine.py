@@ -1,4 +1,4 @@
-"""The engine: iteration-level continuous batching of a GPT over a paged KV cache.
+"""The engine: iteration-level continuous batching of a decoder over a paged KV cache.
 
 Notation: ``B`` running sequences, ``S`` slots attended, ``V`` vocabulary.
 
@@ -11,10 +11,15 @@ position, against its own cached keys (gathered from the paged pool into one lef
 behind a padding mask, :mod:`dikkat.serving.paged`). Decoding is bound by reading the weights,
 and that forward reads them once for the whole batch.
 
+The model is any decoder of :class:`dikkat.generation.DecoderLM` (``dikkat.models.GPT``, the
+Llama / Gemma family of ``dikkat.models.Decoder``): the engine reads its cache layout and calls
+its forward, nothing else.
+
 Exactness: nothing of one row reaches another (the padding mask hides the other rows' slots,
-the positions are each row's own), each request samples with its own generator, so its tokens
-are those of :func:`dikkat.generation.generate` for its prompt alone, up to rounding (a batched
-product may round differently from a one-row product).
+the positions are each row's own), each request picks its tokens with its own
+:class:`~dikkat.generation.Sampler` (generator, penalty counts), so its tokens are those of
+:func:`dikkat.generation.generate` for its prompt alone, up to rounding (a batched product may
+round differently from a one-row product).
 
 Memory: a request is admitted only when the blocks for its whole length (prompt + ``max_tokens``
 − 1 slots, less the prefix blocks it shares) can be promised to it; it takes them as it grows and
@@ -33,18 +38,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WeightFormat, check_weights
-from dikkat.models.gpt import GPT
-from dikkat.serving.forward import decode, next_tokens, prefill
+from dikkat.serving.forward import decode, prefill
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
-from dikkat.serving.requests import (
-    EngineFull,
-    EngineStats,
-    FinishReason,
-    SamplingParams,
-    TokenEvent,
-)
+from dikkat.serving.requests import EngineFull, EngineStats, FinishReason, TokenEvent
 from dikkat.validate import check_int, is_int
 
 
@@ -56,7 +56,7 @@ class _Sequence:
     tokens: list[int]  # the prompt, then the tokens generated so far
     prompt_len: int
     params: SamplingParams
-    generator: torch.Generator | None
+    sampler: Sampler
     blocks: list[int] = field(default_factory=list)  # block table
     cached: int = 0  # tokens whose keys and values are in the blocks
     reserved: int = 0  # blocks promised for later tokens, not yet taken
@@ -67,12 +67,18 @@ class _Sequence:
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
+    @property
+    def slots(self) -> int:
+        """Cache slots the request needs in all: its last token is never fed back."""
+        return self.prompt_len + max(self.params.max_new_tokens, 1) - 1
+
 
 class Engine:
-    """Serves many generation requests on one :class:`~dikkat.models.GPT` at once.
+    """Serves many generation requests on one decoder at once.
 
     Args:
-        model: the model (used as it is: put it in eval mode for dropout to be off).
+        model: a decoder of :class:`~dikkat.generation.DecoderLM` (``dikkat.models.GPT``,
+            ``dikkat.models.Decoder``), used as it is: put it in eval mode for dropout to be off.
         block_size: slots per cache block.
         num_blocks: blocks in the pool; None: enough for ``max_batch`` sequences of the model's
             whole context.
@@ -88,9 +94,9 @@ class Engine:
     Aborting a running request while a step runs frees its blocks when that step ends, and that
     step returns no event of it.
 
-    >>> from dikkat.models import GPTConfig
+    >>> from dikkat.models import GPT, GPTConfig
     >>> engine = Engine(GPT(GPTConfig(max_len=32)).eval(), block_size=4)
-    >>> rid = engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    >>> rid = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
     >>> events = [e for _ in range(2) for e in engine.step()]
     >>> [e.finish_reason for e in events], engine.has_work()
     ([None, 'length'], False)
@@ -98,7 +104,7 @@ class Engine:
 
     def __init__(
         self,
-        model: GPT,
+        model: DecoderLM,
         *,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -106,29 +112,31 @@ class Engine:
         max_queue: int = 64,
         weights: WeightFormat = "fp32",
     ) -> None:
-        if not isinstance(model, GPT):
-            raise TypeError(f"model must be a dikkat GPT, got {type(model).__name__}")
+        if not isinstance(model, DecoderLM):
+            raise TypeError(
+                f"model must be a decoder (dikkat.generation.DecoderLM: a GPT, a Decoder), got "
+                f"{type(model).__name__}"
+            )
         check_int("block_size", block_size)
         check_int("num_blocks", num_blocks, optional=True)
         check_int("max_batch", max_batch)
         check_int("max_queue", max_queue)
         self.weights: WeightFormat = check_weights("weights", weights)
-        c = model.config
+        layout = model.cache_layout()
         self._model = model
-        self.max_len: int = c.max_len
+        self.max_len: int = layout.context
+        self.vocab_size: int = model.config.vocab_size
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         if num_blocks is None:
-            num_blocks = max_batch * self._blocks_for(c.max_len)
-        weight = model.tok_emb.weight
-        self._device = weight.device
+            num_blocks = max_batch * self._blocks_for(layout.context)
         self._pool = PagedKVPool(
-            c.n_layers,
+            layout.n_layers,
             num_blocks,
             block_size,
-            c.block().kv_heads,
-            c.d_model // c.n_heads,
-            dtype=weight.dtype,
-            device=weight.device,
+            layout.kv_heads,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=layout.device,
         )
         self._blocks = BlockAllocator(num_blocks)
         self._lock = threading.Lock()  # queues, allocator, counters
@@ -144,7 +152,7 @@ class Engine:
         self._packed: ExitStack | None = None  # packed weights, held while there is work
 
     @property
-    def model(self) -> GPT:
+    def model(self) -> DecoderLM:
         return self._model
 
     @property
@@ -157,29 +165,29 @@ class Engine:
     # --- the public calls ----------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Queue a request; returns its id (the ``request_id`` of its events)."""
+        """Queue a request; returns its id (the ``request_id`` of its events).
+
+        ``params.n`` must be 1 (submit each of ``params.choices()``) and ``params.stop`` empty
+        (the engine works in token ids: whoever decodes the text matches stop strings).
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.refuse("the engine", "n", "stop")
         tokens = self._check_prompt(prompt)
-        n, m = len(tokens), params.max_tokens
+        params.check_vocab(self.vocab_size)
+        n, m = len(tokens), params.max_new_tokens
         if n + m > self.max_len:
             raise ValueError(
-                f"the prompt has {n} tokens and max_tokens={m}: {n + m} positions, past the "
-                f"model's context of {self.max_len}"
+                f"the prompt has {n} tokens and max_new_tokens={m}: {n + m} positions, past "
+                f"the model's context of {self.max_len}"
             )
-        V = self._model.config.vocab_size
-        for token in params.stop_ids:
-            if token >= V:
-                raise ValueError(f"stop_ids holds {token}, outside the vocabulary of {V}")
-        need = self._blocks_for(n + m - 1)
+        need = self._blocks_for(n + max(m, 1) - 1)
         if need > self.num_blocks:
             raise ValueError(
-                f"the prompt ({n} tokens) and max_tokens={m} need {need} blocks of "
+                f"the prompt ({n} tokens) and max_new_tokens={m} need {need} blocks of "
                 f"{self.block_size} slots, more than the engine's num_blocks={self.num_blocks}"
             )
-        generator = None
-        if params.seed is not None:  # as generate() seeds it: on the logits' device
-            generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        sampler = Sampler(params, 1)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineFull(
@@ -187,7 +195,7 @@ class Engine:
                     f"{self.max_queue}); try again later"
                 )
             rid, self._next_id = self._next_id, self._next_id + 1
-            self._waiting.append(_Sequence(rid, tokens, n, params, generator))
+            self._waiting.append(_Sequence(rid, tokens, n, params, sampler))
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -252,12 +260,14 @@ class Engine:
             seq = self._waiting[0]
             keys = prefix_hashes(seq.tokens, P)
             shared = []
-            for key in keys[: (seq.prompt_len - 1) // P]:  # the last token is always computed
+            # the last token is always computed; every one, when its log-probability is asked
+            reusable = 0 if seq.params.prompt_logprobs else (seq.prompt_len - 1) // P
+            for key in keys[:reusable]:
                 block = alloc.lookup(key)
                 if block is None:
                     break
                 shared.append(block)
-            total = self._blocks_for(seq.prompt_len + seq.params.max_tokens - 1)
+            total = self._blocks_for(seq.slots)
             revived = sum(alloc.is_evictable(b) for b in shared)  # they stop counting as free
             if alloc.free_count - revived - self._reserved < total - len(shared):
                 break
@@ -287,9 +297,7 @@ class Engine:
             self._packed.enter_context(block)
         events = []
         for seq in admitted:
-            logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached)
-            seq.cached = seq.prompt_len
-            events += self._emit([seq], logits)
+            events += self._prefill(seq)
         decoding = [s for s in running if s.finish is None and not s.aborted]
         if decoding:
             with self._lock:
@@ -315,18 +323,54 @@ class Engine:
             seq.reserved -= 1
             self._reserved -= 1
 
-    def _emit(self, seqs: list[_Sequence], logits: Tensor) -> list[TokenEvent]:
-        """Each sequence's next token from its row of ``logits``, recorded as an event."""
-        picked = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def _prefill(self, seq: _Sequence) -> list[TokenEvent]:
+        """Run a new request's prompt (after its shared prefix); its first event."""
+        every = seq.params.prompt_logprobs  # then nothing was shared: seq.cached == 0
+        logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached, every=every)
+        seq.cached = seq.prompt_len
+        prompt = None
+        if every:  # row i of the logits predicts prompt token i + 1
+            following = torch.tensor(seq.tokens[1:], device=logits.device)
+            prompt = (None, *token_logprobs(logits[:-1], following, seq.params.top_logprobs))
+            logits = logits[-1:]
+        if seq.params.max_new_tokens == 0:
+            seq.finish = "length"
+            return [TokenEvent(seq.id, None, "length", prompt_logprobs=prompt)]
+        return self._emit([seq], logits, prompt)
+
+    def _emit(
+        self,
+        seqs: list[_Sequence],
+        logits: Tensor,
+        prompt: tuple[TokenLogprob | None, ...] | None = None,
+    ) -> list[TokenEvent]:
+        """Each sequence's next token from its row of ``logits`` (B, V), recorded as an event
+        (the first carries ``prompt``, the prompt's log-probabilities, when given)."""
+        picked = self._pick(seqs, logits)
         events = []
-        for seq, token in zip(seqs, picked, strict=True):
+        for b, (seq, token) in enumerate(zip(seqs, picked, strict=True)):
+            p = seq.params
+            logprob = None
+            if p.logprobs:
+                chosen = torch.tensor([token], device=logits.device)
+                logprob = token_logprobs(logits[b : b + 1], chosen, p.top_logprobs)[0]
             seq.tokens.append(token)
-            if token in seq.params.stop_ids:
+            if token in p.stop_ids:
                 seq.finish = "stop"
-            elif seq.generated == seq.params.max_tokens:
+            elif seq.generated == p.max_new_tokens:
                 seq.finish = "length"
-            events.append(TokenEvent(seq.id, token, seq.finish))
+            events.append(TokenEvent(seq.id, token, seq.finish, logprob, prompt))
         return events
+
+    @staticmethod
+    def _pick(seqs: list[_Sequence], logits: Tensor) -> list[int]:
+        """Row b's next token: the plain greedy rows in one argmax, every other row by its own
+        sampler, the draw :func:`dikkat.generation.generate` makes for one prompt."""
+        picked = logits.argmax(dim=-1).tolist()
+        for b, seq in enumerate(seqs):
+            if not seq.params.greedy or seq.params.adjusts_logits:
+                picked[b] = int(seq.sampler.pick(logits[b : b + 1]))
+        return picked
 
     def _finish_step(self, events: list[TokenEvent]) -> list[TokenEvent]:
         """Under the lock: end what finished or was aborted, drop the aborted's events."""
