@@ -82,6 +82,21 @@ def test_fields_that_change_nothing_are_taken(url):
     assert answer["tokens"] == list(b"<system>be brief\n<user>hi\n<assistant>")
 
 
+def test_a_field_sent_as_null_is_a_field_not_sent(url):
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stop", "stream", "stream_options",
+                           "seed", "logit_bias", "user", "frequency_penalty"])  # fmt: skip
+    for path, body, more in [
+        ("/v1/chat/completions", CHAT, ["logprobs", "top_logprobs", "tools", "tool_choice",
+                                        "response_format", "max_completion_tokens"]),
+        ("/v1/completions", TEXT, ["echo", "logprobs", "best_of", "suffix"]),
+    ]:  # fmt: skip
+        status, answer = request(url, "POST", path, {**body, **nulls, **dict.fromkeys(more)})
+        assert status == 200, answer
+        assert answer["choices"][0]["finish_reason"] == "length"
+    status, answer = request(url, "POST", path, {**body, "model": None})
+    assert (status, answer["error"]["param"]) == (400, "model")
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

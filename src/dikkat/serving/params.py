@@ -128,8 +128,8 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ``{id: bias}``."""
     out = {}
     for key, value in (bias or {}).items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
-        if token is None or not 0 <= token < vocab_size:
+        token = int(key) if key.isascii() and key.isdecimal() else None
+        if token is None or token >= vocab_size:
             raise RequestError(
                 f"logit_bias names {key!r}, not a token id of the vocabulary of {vocab_size}",
                 param="logit_bias",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOPS = 16  # OpenAI allows 4; lm-evaluation-harness sends its task's stops and the EOS
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (5 for completions; vLLM allows 20 for both)
@@ -25,18 +25,28 @@ Ignored = Any  # a field taken and ignored: any JSON value
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # a negative seed is taken mod 2**64
 
 
-class StreamOptions(BaseModel):
+class Request(BaseModel):
+    """A request object: strict types, no unknown field, and a field sent as ``null`` is a field
+    not sent (OpenAI's fields are nullable; many clients send every one)."""
+
     model_config = Strict
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(Request):
     include_usage: bool = False  # one last chunk with the request's token counts
     include_obfuscation: Ignored = None  # padding against side channels: nothing to hide here
     continuous_usage_stats: Ignored = None  # vLLM's: not given
 
 
-class Sampling(BaseModel):
+class Sampling(Request):
     """The fields both endpoints share."""
-
-    model_config = Strict
 
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # 0 = greedy
@@ -127,10 +137,8 @@ class ChatRequest(Sampling):
     moderation: Ignored = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Request):
     """``POST /tokenize`` (vLLM's): a prompt, or messages in the chat template."""
-
-    model_config = Strict
 
     model: str | None = None
     prompt: str | None = None
@@ -140,9 +148,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = Strict
-
+class DetokenizeRequest(Request):
     model: str | None = None
     tokens: list[int]
 
