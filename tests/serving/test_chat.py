@@ -173,3 +173,17 @@ def test_tokenize_and_detokenize_speak_vllm_s_shapes(url):
         assert status in (400, 404) and answer["error"]["param"] == param, answer
     models = client(url).models.list().data
     assert [m.id for m in models] == [NAME] and models[0].model_extra["max_model_len"] == 64
+
+
+def test_max_model_len_caps_the_context_an_answer_may_run_to(tiny_gpt):
+    app = create_app(Engine(tiny_gpt), BYTES, NAME, chat_prompt=chatml, max_model_len=48)
+    with serving(app) as base:
+        assert client(base).models.list().data[0].model_extra["max_model_len"] == 48
+        r = client(base).chat.completions.create(model=NAME, messages=MESSAGES, temperature=0)
+        prompt_len = len(BYTES.encode(chatml(MESSAGES)))
+        assert r.usage.completion_tokens + prompt_len == 48  # no max_tokens: to the context's end
+        with pytest.raises(openai.BadRequestError) as e:
+            client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20)
+        assert "context of 48" in e.value.body["message"]
+    with pytest.raises(ValueError, match="max_model_len must be in"):
+        create_app(Engine(tiny_gpt), BYTES, NAME, max_model_len=65)

@@ -46,10 +46,16 @@ def build_app(args: argparse.Namespace) -> Any:
             f"{model.config.vocab_size:,}: they do not belong together"
         )
     model.to(device).eval()
+    context = model.cache_layout().context
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"--max-model-len {args.max_model_len} is past the model's context of "
+                         f"{context}")  # fmt: skip
+    served_len = args.max_model_len or context
+    num_blocks = args.num_blocks or args.max_batch * -(-served_len // args.block_size)
     engine = Engine(
         model,
         block_size=args.block_size,
-        num_blocks=args.num_blocks,
+        num_blocks=num_blocks,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         weights=args.weights,
@@ -60,13 +66,18 @@ def build_app(args: argparse.Namespace) -> Any:
     chat = "chat and completions" if chat_prompt is not None else "completions (no chat template)"
     print(
         f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "
-        f"{engine.max_len}) on http://{args.host}:{args.port}/v1: {chat}; {stats.total_blocks} "
+        f"{served_len}) on http://{args.host}:{args.port}/v1: {chat}; {stats.total_blocks} "
         f"KV cache blocks of {stats.block_size} tokens, batches of up to {args.max_batch}, "
         f"{args.weights} weights",
         flush=True,
     )
     return create_app(
-        engine, tokenizer, args.name or name, api_key=args.api_key, chat_prompt=chat_prompt
+        engine,
+        tokenizer,
+        args.name or name,
+        api_key=args.api_key,
+        chat_prompt=chat_prompt,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -93,7 +104,7 @@ def add_commands(sub: Any) -> None:
         "/v1/completions, /tokenize, /detokenize, /v1/models, /health, /metrics. Requests are "
         "batched by an engine with a paged KV cache (docs/server.md).",
         examples=[
-            ("dikkat serve --model smollm2", "on http://127.0.0.1:8000"),
+            ("dikkat serve --model smollm2 --max-model-len 2048", "on http://127.0.0.1:8000"),
             ("dikkat serve runs/gpt", "a GPT of dikkat train"),
             ("dikkat serve --hf-gpt2 ./gpt2 --port 8080 --api-key sesame", ""),
         ],
@@ -112,11 +123,18 @@ def add_commands(sub: Any) -> None:
     engine = serve.add_argument_group("the engine")
     engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     engine.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="the context a request may use, prompt and answer (default: the model's); a chat "
+        "answer without max_tokens runs to it",
+    )
+    engine.add_argument(
         "--num-blocks",
         type=positive_int,
         default=None,
-        help="KV cache blocks in all (default: enough for --max-batch requests of the whole "
-        "context)",
+        help="KV cache blocks in all (default: enough for --max-batch requests of "
+        "--max-model-len tokens)",
     )
     engine.add_argument("--max-batch", type=positive_int, default=16, help="decoded together")
     engine.add_argument("--max-queue", type=positive_int, default=64, help="may wait (then 503)")

@@ -101,6 +101,7 @@ def create_app(
     api_key: str | None = None,
     stop_ids: tuple[int, ...] | None = None,
     chat_prompt: ChatPrompt | None = None,
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """The server's ASGI app over ``engine`` (``uvicorn.run(app)`` serves it).
 
@@ -111,7 +112,9 @@ def create_app(
     any); ``chat_prompt`` renders a conversation (a list of ``{"role", "content"}``) in the
     model's chat template, ready for the assistant's turn (``Pretrained.chat_prompt``; None: the
     model has no chat template and ``/v1/chat/completions`` answers 400). The engine is stepped
-    by a worker thread from the app's startup to its shutdown.
+    by a worker thread from the app's startup to its shutdown. ``max_model_len`` caps the
+    context a request may use (prompt and answer; default: the model's, ``engine.max_len``),
+    as vLLM's flag does: the engine promises a request the blocks of its whole length.
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
@@ -119,13 +122,21 @@ def create_app(
         raise ValueError("api_key must be a non-empty string or None")
     if chat_prompt is not None and not callable(chat_prompt):
         raise TypeError(f"chat_prompt must be callable or None, got {type(chat_prompt).__name__}")
+    context = int(engine.max_len)
+    if max_model_len is not None:
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+            raise TypeError(f"max_model_len must be an int or None, got {max_model_len!r}")
+        if not 1 <= max_model_len <= context:
+            raise ValueError(
+                f"max_model_len must be in [1, {context}] (the model's context), "
+                f"got {max_model_len}"
+            )
+        context = max_model_len
     vocab_size = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
     vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
     runner = EngineRunner(engine)
-    served = Served(
-        runner, vocab, model_name, int(engine.max_len), getattr(engine, "max_queue", None),
-        chat_prompt,
-    )  # fmt: skip
+    queue = getattr(engine, "max_queue", None)
+    served = Served(runner, vocab, model_name, context, queue, chat_prompt)
     counter = RequestCounter()
     started = int(time.time())
 
