@@ -1,7 +1,7 @@
 """The shape of the source tree: imports between packages flow one way, files stay small.
 
-The order (README, "Layout"): core → layers → generation → models → interop / vision / hf →
-pretrained → tasks / audit / maps → training → cli, with bench beside (only the command line
+The order (README, "Layout"): core → layers → generation → models / serving → interop / vision /
+hf → pretrained → tasks / audit / maps → training → cli, with bench beside (only the command line
 imports it), viz a leaf that draws (it imports nothing of the model stack, only files), and the
 one-file utilities (files, runs, validate, presets, seeds, text) where their imports put them
 (:data:`TIERS`). A
@@ -26,11 +26,11 @@ TIERS: tuple[frozenset[str], ...] = tuple(
         "core runs viz",
         "masks layers text",
         "generation seeds distributed",
-        "models",
+        "models serving",  # the engine and the server need the decoder protocol, no model class
         "interop vision hf",
         "pretrained",
         "tasks audit maps",
-        "training bench serving",
+        "training bench",
         "cli",
         "dikkat __main__",
     )

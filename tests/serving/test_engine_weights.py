@@ -28,7 +28,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def serve(engine: Engine, tokens: list[int], n: int) -> list[int]:
     """One request served to its end: its tokens."""
-    rid = engine.submit(tokens, SamplingParams(max_tokens=n))
+    rid = engine.submit(tokens, SamplingParams(max_new_tokens=n))
     events: list[TokenEvent] = []
     for _ in range(n + 1):
         events += [e for e in engine.step() if e.request_id == rid]
@@ -47,8 +47,8 @@ def test_the_model_multiplies_its_own_weights_after_the_engine_is_done(last):
     with torch.no_grad():
         before = model(ids)
     engine = Engine(model, block_size=4, weights="int8")
-    engine.submit(prompt(6, seed=3), SamplingParams(max_tokens=3))
-    second = engine.submit(prompt(9, seed=4), SamplingParams(max_tokens=8))
+    engine.submit(prompt(6, seed=3), SamplingParams(max_new_tokens=3))
+    second = engine.submit(prompt(9, seed=4), SamplingParams(max_new_tokens=8))
     for _ in range(3):
         engine.step()  # the first request ends, the second runs on
     if last == "aborted":

@@ -1,8 +1,10 @@
-"""Inference: the preallocated KV cache, prefill and one-token decode, sampling, the decoding
-loop that every model shares, prompt-lookup decoding (greedy, a whole guessed draft checked per
-model call), and the weight formats it decodes in (``inference_model``, re-exported from
-:mod:`dikkat.layers`: each call decodes with an inference copy of the model in its format; make
-one with ``inference_model(model, "int8")`` and pass it to many calls to prepare the weights
+"""Inference: how to decode (:class:`SamplingParams`, what every entry point takes), what a
+model must offer to be generated from and served (:class:`DecoderLM`), the preallocated KV
+cache, prefill and one-token decode, sampling, the decoding loop that every model shares,
+prompt-lookup decoding (greedy, a whole guessed draft checked per model call), and the weight
+formats it decodes in (``inference_model``, re-exported from :mod:`dikkat.layers`: each call
+decodes on an inference copy of the model in its format; make one with
+``inference_model(model, "int8")`` and pass it to many calls to prepare the weights
 once)."""
 
 from dikkat.generation.generate import (
@@ -21,15 +23,22 @@ from dikkat.generation.lookup import (
     iter_lookup_generate,
     lookup_generate,
 )
+from dikkat.generation.protocol import CacheLayout, DecoderLM
+from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from dikkat.layers.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
 
 __all__ = [
     "WEIGHT_FORMATS",
+    "CacheLayout",
+    "DecoderLM",
     "KVCache",
     "LookupStats",
     "NgramIndex",
+    "Sampler",
+    "SamplingParams",
+    "TokenLogprob",
     "WeightFormat",
     "decode_step",
     "generate",
@@ -41,5 +50,6 @@ __all__ = [
     "prefill",
     "sample",
     "sample_loop",
+    "token_logprobs",
     "token_rows",
 ]
