@@ -16,6 +16,7 @@ from dikkat.interop import load_hf_gpt2_dir
 from dikkat.layers import WEIGHT_FORMATS
 from dikkat.models import GPT
 from dikkat.serving import Engine
+from dikkat.serving.engine import default_num_blocks
 from dikkat.text import load_tokenizer
 
 
@@ -51,7 +52,9 @@ def build_app(args: argparse.Namespace) -> Any:
         raise ValueError(f"--max-model-len {args.max_model_len} is past the model's context of "
                          f"{context}")  # fmt: skip
     served_len = args.max_model_len or context
-    num_blocks = args.num_blocks or args.max_batch * -(-served_len // args.block_size)
+    num_blocks = args.num_blocks or default_num_blocks(
+        model.cache_layout(), args.block_size, args.max_batch, served_len
+    )
     engine = Engine(
         model,
         block_size=args.block_size,
