@@ -13,7 +13,6 @@ from dikkat.cli.generate import _tokenizer_of
 from dikkat.interop import load_hf_gpt2_dir
 from dikkat.layers import WEIGHT_FORMATS
 from dikkat.models import GPT
-from dikkat.serving import Engine
 from dikkat.text import load_tokenizer
 
 
@@ -22,6 +21,8 @@ def build_app(args: argparse.Namespace) -> Any:
     if (args.checkpoint is None) == (args.hf_gpt2 is None):
         raise ValueError("give either a run or model folder, or --hf-gpt2 PATH")
     require_extra("serve", "serve")  # before the model is loaded: fastapi and uvicorn
+    from dikkat.serving import Engine  # loaded when a command runs (see dikkat.cli)
+
     device = device_of(args)
     if args.hf_gpt2 is not None:
         model = load_hf_gpt2_dir(args.hf_gpt2)
