@@ -36,10 +36,6 @@ NOT_ON_IMPORT = (
     "uvicorn",
 )
 
-# names whose module is built in parallel (the SamplingParams contract of dikkat.generation);
-# checked like the others as soon as dikkat.generation defines them
-PENDING = {"SamplingParams": "dikkat.generation", "TokenLogprob": "dikkat.generation"}
-
 
 def run_python(code: str) -> str:
     done = subprocess.run(
@@ -61,21 +57,17 @@ def test_every_public_name_resolves_by_attribute_and_by_from_import():
     """Walk ``dikkat.__all__`` in a fresh process: ``from dikkat import NAME`` (the lazy path
     for a name not yet loaded), then ``dikkat.NAME`` gives the same object, which is the one its
     own module defines; ``dir(dikkat)`` lists every name, and ``from dikkat import *`` works."""
-    code = f"""
+    code = """
 import importlib, json
 import dikkat
 
-pending = {PENDING!r}
-out = {{"missing": [], "pending": [], "differ": [], "not_in_dir": []}}
+out = {"missing": [], "differ": [], "not_in_dir": []}
 for name in dikkat.__all__:
-    if name in pending and not hasattr(importlib.import_module(pending[name]), name):
-        out["pending"].append(name)
-        continue
-    space = {{}}
+    space = {}
     try:
-        exec(f"from dikkat import {{name}}", space)
+        exec(f"from dikkat import {name}", space)
     except ImportError as e:
-        out["missing"].append(f"{{name}}: {{e}}")
+        out["missing"].append(f"{name}: {e}")
         continue
     value = getattr(dikkat, name)
     home = dikkat._LAZY_NAMES.get(name)
@@ -84,14 +76,11 @@ for name in dikkat.__all__:
         out["differ"].append(name)
     if name not in dir(dikkat):
         out["not_in_dir"].append(name)
-if not out["pending"]:
-    exec("from dikkat import *", {{}})
+exec("from dikkat import *", {})
 print(json.dumps(out))
 """
     out = json.loads(run_python(code))
-    assert out["missing"] == [] and out["differ"] == [] and out["not_in_dir"] == [], out
-    # only the names of the parallel contract may wait for their module, and only before it lands
-    assert set(out["pending"]) <= set(PENDING), out["pending"]
+    assert out == {"missing": [], "differ": [], "not_in_dir": []}, out
 
 
 def test_every_part_of_dikkat_is_an_attribute_once_asked_for():

@@ -33,6 +33,8 @@ from dikkat.core import (
 from dikkat.generation import (
     KVCache,
     LookupStats,
+    SamplingParams,
+    TokenLogprob,
     generate,
     iter_generate,
     iter_lookup_generate,
@@ -66,7 +68,6 @@ from dikkat.version import __version__
 
 if TYPE_CHECKING:
     from dikkat import audit, distributed, hf, maps, pretrained, serving
-    from dikkat.generation import SamplingParams, TokenLogprob
     from dikkat.tasks import TaskSpec
     from dikkat.training.trainer import TrainConfig, Trainer, train
 
@@ -89,9 +90,7 @@ _LAZY_MODULES = (
     "viz",
 )
 _LAZY_NAMES = {
-    "SamplingParams": "dikkat.generation",
     "TaskSpec": "dikkat.tasks",
-    "TokenLogprob": "dikkat.generation",
     "TrainConfig": "dikkat.training.trainer",
     "Trainer": "dikkat.training.trainer",
     "train": "dikkat.training.trainer",

@@ -85,6 +85,10 @@ SHRINK: dict[str, tuple[str, str]] = {
         "--sizes 256 --min-time 0.001",
         "n = 4096 and 8192 through the reference, 8 heads of n² scores, for 0.3 s a row",
     ),
+    "dikkat serve --model smollm2 --max-model-len 2048": (
+        "--dry-run --num-blocks 8",
+        "it serves until interrupted, with a KV cache of 1.5 GB",
+    ),
     "dikkat serve runs/gpt": ("--dry-run", "it serves until interrupted"),
     "dikkat serve --hf-gpt2 ./gpt2 --port 8080 --api-key sesame": (
         "--dry-run",

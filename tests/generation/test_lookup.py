@@ -181,7 +181,7 @@ def test_ngram_index_grows_with_append() -> None:
         (dict(max_new_tokens=100), ValueError, "past the model's context of 48"),
         (dict(weights="fp8"), ValueError, "weights"),
         (dict(stats={}), TypeError, "stats must be a LookupStats"),
-        (dict(temperature=0.8), TypeError, "temperature"),  # greedy only: no such argument
+        (dict(temperature=0.8), ValueError, "temperature=0.8: it decodes greedily"),
     ],
 )
 def test_bad_arguments_are_refused_at_the_call(kwargs, error, message) -> None:

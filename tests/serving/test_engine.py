@@ -44,18 +44,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def alone(model: GPT, tokens: list[int], p: SamplingParams) -> list[int]:
     """The request's tokens from generate() on its prompt alone."""
-    eos = p.stop_ids[0] if p.stop_ids else None
-    out = generate(
-        model,
-        [tokens],
-        p.max_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        eos_id=eos,
-        seed=p.seed,
-    )[0]
-    return out[len(tokens) :]
+    return generate(model, [tokens], p)[0][len(tokens) :]
 
 
 def drain(engine: Engine, streams: dict[int, list[TokenEvent]], submit_at=None) -> int:
@@ -86,12 +75,12 @@ def test_requests_joining_and_leaving_equal_generate_alone(variant):
     model = make_gpt(variant, seed=1)
     engine = Engine(model, block_size=4, max_batch=3)
     requests = [
-        (prompt(9, 1), SamplingParams(max_tokens=10)),
-        (prompt(2, 2), SamplingParams(max_tokens=6, temperature=1.0, seed=3)),
-        (prompt(13, 3), SamplingParams(max_tokens=12)),
-        (prompt(5, 4), SamplingParams(max_tokens=5, temperature=0.8, top_k=5, seed=9)),
-        (prompt(1, 5), SamplingParams(max_tokens=15, temperature=1.2, top_p=0.9, seed=1)),
-        (prompt(20, 6), SamplingParams(max_tokens=3)),
+        (prompt(9, 1), SamplingParams(max_new_tokens=10)),
+        (prompt(2, 2), SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)),
+        (prompt(13, 3), SamplingParams(max_new_tokens=12)),
+        (prompt(5, 4), SamplingParams(max_new_tokens=5, temperature=0.8, top_k=5, seed=9)),
+        (prompt(1, 5), SamplingParams(max_new_tokens=15, temperature=1.2, top_p=0.9, seed=1)),
+        (prompt(20, 6), SamplingParams(max_new_tokens=3)),
     ]
     ids: dict[int, int] = {}
 
@@ -114,23 +103,23 @@ def test_requests_joining_and_leaving_equal_generate_alone(variant):
     stats = engine.stats()
     assert stats.free_blocks == stats.total_blocks
     assert (stats.finished, stats.aborted, stats.running, stats.waiting) == (6, 0, 0, 0)
-    assert stats.generated_tokens == sum(p.max_tokens for _, p in requests)
+    assert stats.generated_tokens == sum(p.max_new_tokens for _, p in requests)
     assert stats.prompt_tokens == sum(len(t) for t, _ in requests)
 
 
 def test_a_stop_token_ends_the_request_and_is_sent():
     model = make_gpt(seed=2)
     tokens = prompt(6, 7)
-    free_run = alone(model, tokens, SamplingParams(max_tokens=12))
+    free_run = alone(model, tokens, SamplingParams(max_new_tokens=12))
     stop = free_run[3]
-    params = SamplingParams(max_tokens=12, stop_ids=(V - 1, stop))
+    params = SamplingParams(max_new_tokens=12, stop_ids=(V - 1, stop))
     engine = Engine(model, block_size=4)
     rid = engine.submit(tokens, params)
     streams: dict[int, list[TokenEvent]] = {}
     drain(engine, streams)
     got = tokens_of(streams[rid])
     assert got == free_run[: free_run.index(stop) + 1]
-    assert got == alone(model, tokens, SamplingParams(max_tokens=12, stop_ids=(stop,)))
+    assert got == alone(model, tokens, SamplingParams(max_new_tokens=12, stop_ids=(stop,)))
     assert streams[rid][-1].finish_reason == "stop"
     assert_finished_once(streams[rid])
 
@@ -140,7 +129,7 @@ def test_a_shared_prompt_prefix_is_computed_once_and_changes_no_token():
     common = prompt(14, 8)
     a, b = common + prompt(3, 9), common + prompt(5, 10)
     engine = Engine(model, block_size=4, max_batch=4)
-    greedy, sampled = SamplingParams(max_tokens=8), SamplingParams(8, temperature=1.0, seed=5)
+    greedy, sampled = SamplingParams(max_new_tokens=8), SamplingParams(8, temperature=1.0, seed=5)
     streams: dict[int, list[TokenEvent]] = {}
     ra = engine.submit(a, greedy)
     rb = engine.submit(b, sampled)  # admitted in the same step as a, after it
@@ -161,21 +150,21 @@ def test_an_identical_prompt_that_fills_its_blocks_still_computes_its_last_token
     tokens = prompt(8, 11)  # exactly two blocks
     engine = Engine(model, block_size=4)
     streams: dict[int, list[TokenEvent]] = {}
-    first = engine.submit(tokens, SamplingParams(max_tokens=4))
+    first = engine.submit(tokens, SamplingParams(max_new_tokens=4))
     drain(engine, streams)
-    second = engine.submit(tokens, SamplingParams(max_tokens=4))
+    second = engine.submit(tokens, SamplingParams(max_new_tokens=4))
     drain(engine, streams)
     assert engine.stats().prefix_hit_tokens == 4  # the first block; the second holds the last
     assert tokens_of(streams[second]) == tokens_of(streams[first])
-    assert tokens_of(streams[first]) == alone(model, tokens, SamplingParams(max_tokens=4))
+    assert tokens_of(streams[first]) == alone(model, tokens, SamplingParams(max_new_tokens=4))
 
 
 def test_abort_frees_the_blocks_of_waiting_and_running_requests():
     model = make_gpt(seed=5)
     engine = Engine(model, block_size=4, max_batch=2)
-    keep = engine.submit(prompt(5, 12), SamplingParams(max_tokens=10))
-    running = engine.submit(prompt(9, 13), SamplingParams(max_tokens=10))
-    waiting = engine.submit(prompt(3, 14), SamplingParams(max_tokens=10))
+    keep = engine.submit(prompt(5, 12), SamplingParams(max_new_tokens=10))
+    running = engine.submit(prompt(9, 13), SamplingParams(max_new_tokens=10))
+    waiting = engine.submit(prompt(3, 14), SamplingParams(max_new_tokens=10))
     streams: dict[int, list[TokenEvent]] = {}
     for _ in range(3):
         for e in engine.step():
@@ -193,7 +182,9 @@ def test_abort_frees_the_blocks_of_waiting_and_running_requests():
     drain(engine, streams)
     assert len(streams[running]) == sent  # nothing more of it
     assert waiting not in streams
-    assert tokens_of(streams[keep]) == alone(model, prompt(5, 12), SamplingParams(max_tokens=10))
+    assert tokens_of(streams[keep]) == alone(
+        model, prompt(5, 12), SamplingParams(max_new_tokens=10)
+    )
     engine.abort(keep)  # finished: no error, not counted
     stats = engine.stats()
     assert stats.free_blocks == stats.total_blocks
@@ -203,8 +194,8 @@ def test_abort_frees_the_blocks_of_waiting_and_running_requests():
 def test_abort_from_another_thread_during_a_step_drops_its_events():
     model = make_gpt(seed=6)
     engine = Engine(model, block_size=4)
-    victim = engine.submit(prompt(4, 15), SamplingParams(max_tokens=20))
-    other = engine.submit(prompt(4, 16), SamplingParams(max_tokens=20))
+    victim = engine.submit(prompt(4, 15), SamplingParams(max_new_tokens=20))
+    other = engine.submit(prompt(4, 16), SamplingParams(max_new_tokens=20))
     engine.step()
     # abort while the model runs: from inside the first layer's forward, on another thread
     hook_fired = []
@@ -230,7 +221,7 @@ def test_abort_from_another_thread_during_a_step_drops_its_events():
 
 def test_submit_raises_engine_full_at_max_queue():
     engine = Engine(make_gpt(), block_size=4, max_batch=1, max_queue=2)
-    params = SamplingParams(max_tokens=3)
+    params = SamplingParams(max_new_tokens=3)
     engine.submit([1, 2], params)
     engine.submit([3], params)
     with pytest.raises(EngineFull, match="max_queue=2"):
@@ -244,8 +235,8 @@ def test_a_request_that_finds_no_blocks_waits_for_them():
     model = make_gpt(seed=7)
     # 6 blocks of 4 slots: the first request needs 5 (8 + 12 − 1 slots), the second 3
     engine = Engine(model, block_size=4, num_blocks=6, max_batch=4)
-    first = (prompt(8, 17), SamplingParams(max_tokens=12, temperature=1.0, seed=2))
-    second = (prompt(6, 18), SamplingParams(max_tokens=5))
+    first = (prompt(8, 17), SamplingParams(max_new_tokens=12, temperature=1.0, seed=2))
+    second = (prompt(6, 18), SamplingParams(max_new_tokens=5))
     r1, r2 = engine.submit(*first), engine.submit(*second)
     streams: dict[int, list[TokenEvent]] = {r1: engine.step()}
     assert (engine.stats().running, engine.stats().waiting) == (1, 1)
@@ -259,7 +250,7 @@ def test_a_request_that_finds_no_blocks_waits_for_them():
 def test_submit_from_another_thread_while_stepping():
     model = make_gpt(seed=8)
     engine = Engine(model, block_size=4, max_batch=3)
-    requests = [(prompt(3 + i, 20 + i), SamplingParams(max_tokens=6)) for i in range(6)]
+    requests = [(prompt(3 + i, 20 + i), SamplingParams(max_new_tokens=6)) for i in range(6)]
     ids: dict[int, int] = {}
 
     def client():
@@ -279,7 +270,7 @@ def test_submit_from_another_thread_while_stepping():
 
 def test_bad_requests_name_the_argument():
     engine = Engine(make_gpt(), block_size=4)
-    ok = SamplingParams(max_tokens=2)
+    ok = SamplingParams(max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.submit([], ok)
     with pytest.raises(ValueError, match=r"prompt\[1\] is 61, outside the vocabulary of 61"):
@@ -289,13 +280,13 @@ def test_bad_requests_name_the_argument():
     with pytest.raises(TypeError, match="prompt must be a list"):
         engine.submit("hello", ok)
     with pytest.raises(
-        ValueError, match=r"40 tokens and max_tokens=9: 49 positions.*context of 48"
+        ValueError, match=r"40 tokens and max_new_tokens=9: 49 positions.*context of 48"
     ):
-        engine.submit([1] * 40, SamplingParams(max_tokens=9))
-    with pytest.raises(ValueError, match="stop_ids holds 61"):
-        engine.submit([1], SamplingParams(max_tokens=2, stop_ids=(61,)))
+        engine.submit([1] * 40, SamplingParams(max_new_tokens=9))
+    with pytest.raises(ValueError, match=r"eos_id=61, in stop_ids=\(61,\)\) is outside"):
+        engine.submit([1], SamplingParams(max_new_tokens=2, stop_ids=(61,)))
     with pytest.raises(TypeError, match="params must be a SamplingParams"):
-        engine.submit([1], {"max_tokens": 2})
+        engine.submit([1], {"max_new_tokens": 2})
     with pytest.raises(ValueError, match="num_blocks=2"):
         Engine(make_gpt(), block_size=4, num_blocks=2).submit([1] * 8, ok)
     assert engine.stats().waiting == 0
@@ -304,14 +295,14 @@ def test_bad_requests_name_the_argument():
 @pytest.mark.parametrize(
     ("kwargs", "error", "name"),
     [
-        (dict(max_tokens=0), ValueError, "max_tokens"),
-        (dict(max_tokens=1.5), TypeError, "max_tokens"),
-        (dict(max_tokens=2, temperature=-1.0), ValueError, "temperature"),
-        (dict(max_tokens=2, top_p=0.0), ValueError, "top_p"),
-        (dict(max_tokens=2, top_k=0), ValueError, "top_k"),
-        (dict(max_tokens=2, seed=-1), ValueError, "seed"),
-        (dict(max_tokens=2, stop_ids=(-1,)), ValueError, "stop_ids"),
-        (dict(max_tokens=2, stop_ids=3), TypeError, "stop_ids"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=1.5), TypeError, "max_new_tokens"),
+        (dict(max_new_tokens=2, temperature=-1.0), ValueError, "temperature"),
+        (dict(max_new_tokens=2, top_p=0.0), ValueError, "top_p"),
+        (dict(max_new_tokens=2, top_k=0), ValueError, "top_k"),
+        (dict(max_new_tokens=2, seed=-1), ValueError, "seed"),
+        (dict(max_new_tokens=2, stop_ids=(-1,)), ValueError, "stop_ids"),
+        (dict(max_new_tokens=2, stop_ids=3), TypeError, "stop_ids"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, error, name):
@@ -320,7 +311,7 @@ def test_bad_sampling_params_name_the_field(kwargs, error, name):
 
 
 def test_bad_engine_arguments_name_the_argument():
-    with pytest.raises(TypeError, match="model must be a dikkat GPT"):
+    with pytest.raises(TypeError, match="model must be a decoder"):
         Engine(torch.nn.Linear(2, 2))
     for name in ("block_size", "num_blocks", "max_batch", "max_queue"):
         with pytest.raises(ValueError, match=name):
@@ -335,7 +326,7 @@ def test_a_weight_format_serves_what_generate_gives_in_it(weights):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = Engine(model, block_size=4, weights=weights)
     prompts = [prompt(n, seed) for seed, n in enumerate((5, 11, 3))]
-    params = SamplingParams(max_tokens=6)
+    params = SamplingParams(max_new_tokens=6)
     ids = [engine.submit(p, params) for p in prompts]
     streams: dict[int, list[TokenEvent]] = {}
     seen = []  # the format each linear layer multiplied in, at every call during the steps
@@ -364,8 +355,8 @@ def test_default_pool_holds_max_batch_whole_contexts():
 def test_a_step_whose_model_raises_drops_every_request_and_the_engine_goes_on():
     model = make_gpt(seed=9)
     engine = Engine(model, block_size=4, max_batch=1)
-    first = engine.submit(prompt(9, 30), SamplingParams(max_tokens=4))
-    engine.submit(prompt(9, 31), SamplingParams(max_tokens=4))
+    first = engine.submit(prompt(9, 30), SamplingParams(max_new_tokens=4))
+    engine.submit(prompt(9, 31), SamplingParams(max_new_tokens=4))
 
     def fail(module, args):
         raise RuntimeError("out of memory, say")
@@ -380,8 +371,10 @@ def test_a_step_whose_model_raises_drops_every_request_and_the_engine_goes_on():
     assert (stats.running, stats.waiting, stats.aborted) == (0, 0, 2)
     assert stats.free_blocks == stats.total_blocks and not engine.has_work()
     engine.abort(first)  # gone: no error
-    again = engine.submit(prompt(9, 30), SamplingParams(max_tokens=4))
+    again = engine.submit(prompt(9, 30), SamplingParams(max_new_tokens=4))
     streams: dict[int, list[TokenEvent]] = {}
     drain(engine, streams)
     assert engine.stats().prefix_hit_tokens == 0  # nothing indexed by the failed step is trusted
-    assert tokens_of(streams[again]) == alone(model, prompt(9, 30), SamplingParams(max_tokens=4))
+    assert tokens_of(streams[again]) == alone(
+        model, prompt(9, 30), SamplingParams(max_new_tokens=4)
+    )

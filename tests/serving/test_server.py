@@ -18,6 +18,7 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 from live_server import WAIT, metrics, request, serving, settled, wait_for  # noqa: E402
 
+from conftest import chatml  # noqa: E402
 from dikkat.generation import generate  # noqa: E402
 from dikkat.models import GPT, GPTConfig  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
@@ -143,6 +144,7 @@ def test_stop_strings_cut_the_text(url, model):
     text = TOKENIZER.decode(new_tokens(model, prompt, 20))
     assert text.startswith("d++g")  # what this model continues with
     c = client(url)
+    before = settled(url)
     for stream in (False, True):
         r = c.completions.create(
             model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stop=["zz", "+g"],
@@ -153,7 +155,9 @@ def test_stop_strings_cut_the_text(url, model):
         assert chunks[-1].choices[0].finish_reason == "stop"
     r = c.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stop="Q")
     assert (r.choices[0].text, r.choices[0].finish_reason) == (text, "length")
-    settled(url)  # a request ended by a stop string gave its blocks back
+    after = settled(url)  # a request ended by a stop string gave its blocks back
+    counts = ("dikkat_requests_finished_total", "dikkat_requests_aborted_total")
+    assert [after[k] - before[k] for k in counts] == [3, 0]  # ended by its text: finished
 
 
 def test_the_end_of_text_token_stops_and_is_not_shown(model):
@@ -166,16 +170,6 @@ def test_the_end_of_text_token_stops_and_is_not_shown(model):
         assert r.choices[0].text == TOKENIZER.decode(tokens[:first])
         assert r.choices[0].finish_reason == "stop"
         assert r.usage.completion_tokens == first + 1  # the end-of-text token counts
-
-
-def test_chat_answers_404_with_an_openai_error(url):
-    with pytest.raises(openai.NotFoundError) as e:
-        client(url).chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "hi"}]
-        )
-    error = e.value.body
-    assert set(error) == {"message", "type", "param", "code"}
-    assert "chat format" in error["message"]
 
 
 GOOD = {"model": NAME, "prompt": "hi", "max_tokens": 4}
@@ -191,13 +185,13 @@ GOOD = {"model": NAME, "prompt": "hi", "max_tokens": 4}
         ({**GOOD, "temperature": "hot"}, "temperature", "number"),
         ({**GOOD, "prompt": 5}, "prompt", "wrong type"),
         ({**GOOD, "stream": "yes"}, "stream", "boolean"),
-        ({**GOOD, "logit_bias": {}}, "logit_bias", "unknown field"),
+        ({**GOOD, "colour": "blue"}, "colour", "unknown field"),
         ({**GOOD, "max_tokens": 63}, "max_tokens", "context of 64"),
         ({**GOOD, "prompt": "x" * 64}, "prompt", "context is 64"),
         ({**GOOD, "prompt": []}, "prompt", "no tokens"),
         ({**GOOD, "prompt": [1, 256]}, "prompt", "vocabulary of 256"),
-        ({**GOOD, "n": 2}, "n", "n=1"),
-        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({**GOOD, "n": 0}, "n", "greater than or equal to 1"),
+        ({**GOOD, "stop": list("abcdefghijklmnopq")}, "stop", "at most 16"),
         ({**GOOD, "temperature": 3.0}, "temperature", "less than or equal to 2"),
     ],
 )
@@ -337,7 +331,9 @@ def test_the_documented_client_example_runs(model, page, capsys):
         if "openai.OpenAI" in b
     ]  # fmt: skip
     key = re.search(r'api_key="([^"]+)"', block).group(1)
-    with serving(create_app(engine_for(model), TOKENIZER, "gpt", api_key=key)) as base:
+    name = re.search(r'model="([^"]+)"', block).group(1)
+    app = create_app(engine_for(model), TOKENIZER, name, api_key=key, chat_prompt=chatml)
+    with serving(app) as base:
         exec(compile(block.replace("http://127.0.0.1:8000", base), page, "exec"), {})
     assert capsys.readouterr().out.strip()
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from dikkat.cli.args import non_negative_float, positive_int, probability
 from dikkat.cli.common import add_command, add_device, device_of
-from dikkat.generation import WEIGHT_FORMATS
+from dikkat.generation import WEIGHT_FORMATS, SamplingParams
 
 if TYPE_CHECKING:
     from dikkat.pretrained import Pretrained
@@ -35,14 +35,15 @@ def load_pretrained(args: argparse.Namespace) -> Pretrained:
 
 
 def sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+    """The decoding settings of the command line: ``params`` and ``weights`` keywords."""
+    params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        weights=args.weights,
     )
+    return dict(params=params, weights=args.weights)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""``dikkat serve``: an OpenAI-compatible HTTP server over a GPT (docs/server.md)."""
+"""``dikkat serve``: an OpenAI-compatible HTTP server over a GPT or a pretrained decoder
+(docs/server.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dikkat.cli.args import add_no_verify, positive_int
+from dikkat.cli.chat import load_pretrained
 from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import load_model
 from dikkat.cli.generate import _tokenizer_of
@@ -18,13 +20,20 @@ from dikkat.text import load_tokenizer
 
 def build_app(args: argparse.Namespace) -> Any:
     """The app ``dikkat serve`` would serve: the model and its tokenizer, an engine over them."""
-    if (args.checkpoint is None) == (args.hf_gpt2 is None):
-        raise ValueError("give either a run or model folder, or --hf-gpt2 PATH")
+    sources = [s for s in (args.checkpoint, args.hf_gpt2, args.model) if s is not None]
+    if len(sources) != 1:
+        raise ValueError("give one of a run or model folder, --hf-gpt2 PATH or --model MODEL")
     require_extra("serve", "serve")  # before the model is loaded: fastapi and uvicorn
     from dikkat.serving import Engine  # loaded when a command runs (see dikkat.cli)
 
     device = device_of(args)
-    if args.hf_gpt2 is not None:
+    chat_prompt = None
+    if args.model is not None:
+        lm = load_pretrained(args)
+        model, tokenizer, name = lm.model, lm.tokenizer, lm.name
+        if lm.chat_template is not None:
+            chat_prompt = lm.chat_prompt
+    elif args.hf_gpt2 is not None:
         model = load_hf_gpt2_dir(args.hf_gpt2)
         tokenizer = load_tokenizer(args.hf_gpt2)
         name = Path(args.hf_gpt2).resolve().name
@@ -38,9 +47,16 @@ def build_app(args: argparse.Namespace) -> Any:
             f"{model.config.vocab_size:,}: they do not belong together"
         )
     model.to(device).eval()
+    context = model.cache_layout().context
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"--max-model-len {args.max_model_len} is past the model's context of "
+                         f"{context}")  # fmt: skip
+    served_len = args.max_model_len or context
+    num_blocks = args.num_blocks or args.max_batch * -(-served_len // args.block_size)
     engine = Engine(
         model,
         block_size=args.block_size,
+        num_blocks=num_blocks,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         weights=args.weights,
@@ -48,14 +64,22 @@ def build_app(args: argparse.Namespace) -> Any:
     from dikkat.serving.server import create_app  # needs fastapi (checked above)
 
     stats = engine.stats()
+    chat = "chat and completions" if chat_prompt is not None else "completions (no chat template)"
     print(
         f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "
-        f"{engine.max_len}) on http://{args.host}:{args.port}/v1 — {stats.total_blocks} KV cache "
-        f"blocks of {stats.block_size} tokens, batches of up to {args.max_batch}, "
+        f"{served_len}) on http://{args.host}:{args.port}/v1: {chat}; {stats.total_blocks} "
+        f"KV cache blocks of {stats.block_size} tokens, batches of up to {args.max_batch}, "
         f"{args.weights} weights",
         flush=True,
     )
-    return create_app(engine, tokenizer, args.name or name, api_key=args.api_key)
+    return create_app(
+        engine,
+        tokenizer,
+        args.name or name,
+        api_key=args.api_key,
+        chat_prompt=chat_prompt,
+        max_model_len=args.max_model_len,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -74,23 +98,45 @@ def add_commands(sub: Any) -> None:
         sub,
         "serve",
         cmd_serve,
-        help="an OpenAI-compatible HTTP server over a GPT",
-        description="Serve a dikkat GPT run or model folder, or a locally saved Hugging Face "
-        "GPT-2, over HTTP: /v1/completions (streamed or whole), /v1/models, /health, /metrics. "
-        "Requests are batched by an engine with a paged KV cache (docs/server.md).",
+        help="an OpenAI-compatible HTTP server over a GPT or a pretrained decoder",
+        description="Serve a dikkat GPT run or model folder, a locally saved Hugging Face GPT-2, "
+        "or a pretrained decoder (--model: SmolLM2, Gemma 3, any Llama-family GGUF or HF "
+        "folder) over HTTP: /v1/chat/completions (a model with a chat template), "
+        "/v1/completions, /tokenize, /detokenize, /v1/models, /health, /metrics. Requests are "
+        "batched by an engine with a paged KV cache (docs/server.md).",
         examples=[
-            ("dikkat serve runs/gpt", "on http://127.0.0.1:8000"),
+            ("dikkat serve --model smollm2 --max-model-len 2048", "on http://127.0.0.1:8000"),
+            ("dikkat serve runs/gpt", "a GPT of dikkat train"),
             ("dikkat serve --hf-gpt2 ./gpt2 --port 8080 --api-key sesame", ""),
         ],
     )
     serve.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
     serve.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
+    serve.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a pretrained decoder: a name (smollm2, gemma3-270m), a .gguf file or an HF folder",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--name", help="the model's name in the API (default: the folder's)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
     engine = serve.add_argument_group("the engine")
     engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    engine.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="the context a request may use, prompt and answer (default: the model's); a chat "
+        "answer without max_tokens runs to it",
+    )
+    engine.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV cache blocks in all (default: enough for --max-batch requests of "
+        "--max-model-len tokens)",
+    )
     engine.add_argument("--max-batch", type=positive_int, default=16, help="decoded together")
     engine.add_argument("--max-queue", type=positive_int, default=64, help="may wait (then 503)")
     engine.add_argument(

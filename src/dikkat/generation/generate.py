@@ -15,61 +15,18 @@ self- and cross-attention caches, ``dikkat.models.Seq2Seq``) decode through the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from dikkat.core.masks import Mask, causal, padding
+from dikkat.core.masks import causal, padding
 from dikkat.generation.prompts import Prompts, left_pad
-from dikkat.layers.inputs import check_token_id
+from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.sampling import Sampler, Sampling, SamplingParams, as_params, draw
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WeightFormat, check_weights
-from dikkat.validate import check_float, check_int
-
-
-class LMConfig(Protocol):
-    """The sizes generation checks its arguments against."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def max_len(self) -> int: ...
-
-
-class CausalLM(Protocol):
-    """What generation needs of a model (``dikkat.models.GPT`` is one)."""
-
-    @property
-    def config(self) -> LMConfig: ...
-
-    def new_cache(self, batch: int, max_len: int | None = None) -> list[KVCache]: ...
-
-    def __call__(
-        self,
-        ids: Tensor,
-        mask: Mask | Tensor | None = None,
-        *,
-        valid: Tensor | None = None,
-        offset: int = 0,
-        positions: Tensor | None = None,
-        cache: list[KVCache] | None = None,
-        last_only: bool = False,
-    ) -> Tensor: ...
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Reject bad sampling arguments, also where greedy decoding (temperature 0) ignores them."""
-    check_float("temperature", temperature, low=0.0)
-    check_int("top_k", top_k, optional=True)
-    check_float("top_p", top_p, low=0.0, high=1.0, low_open=True, optional=True)
-
-
-def check_seed(seed: int | None) -> None:
-    """None, or a seed ``torch.Generator.manual_seed`` takes as itself (it wraps negatives)."""
-    check_int("seed", seed, at_least=0, at_most=2**64 - 1, optional=True)
 
 
 def check_room(
@@ -101,39 +58,17 @@ def sample(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
-    check_sampling(temperature, top_k, top_p)
-    return _sample(logits, temperature, top_k, top_p, generator)
-
-
-def _sample(
-    logits: Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """:func:`sample` on checked arguments (the decoding loop checks them once, not per token)."""
-    if temperature == 0:
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else top-k / top-p sampling
+    (the picks of :class:`~dikkat.generation.SamplingParams` without its penalties)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if params.greedy:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(logits, temperature, top_k, top_p, generator)
 
 
 @torch.no_grad()
 def prefill(
-    model: CausalLM, ids: Tensor, cache: list[KVCache], valid: Tensor | None = None
+    model: DecoderLM, ids: Tensor, cache: list[KVCache], valid: Tensor | None = None
 ) -> Tensor:
     """Run the prompts ids (B, T) through the model, filling the cache; last-slot logits (B, V).
 
@@ -146,7 +81,7 @@ def prefill(
 
 @torch.no_grad()
 def decode_step(
-    model: CausalLM,
+    model: DecoderLM,
     tokens: Tensor,
     cache: list[KVCache],
     offset: int,
@@ -170,18 +105,15 @@ def decode_step(
 
 Step = Callable[[Tensor, int], Tensor]  # (token (B,), i) → logits (B, V) of the next token
 
+TOKEN_LEVEL = ("stop", "logprobs", "top_logprobs", "prompt_logprobs")  # what the loop cannot do
+
 
 def sample_loop(
     model: nn.Module,
     start: Callable[[], Tensor],
     step: Step,
-    max_new_tokens: int,
+    params: SamplingParams,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    seed: int | None = None,
     weights: WeightFormat | None = None,
 ) -> Iterator[Tensor]:
     """The decoding loop of every model: yields the new tokens (B,), one step at a time.
@@ -189,149 +121,144 @@ def sample_loop(
     ``start()`` runs the model over what it is given (a prompt's prefill; or a source's encoding
     and the decoder's first step) and returns the logits (B, V) of the first new token;
     ``step(token, i)`` feeds the i-th new token (B,) (i from 0) and returns the logits of the
-    next. A row that has produced ``eos_id`` keeps yielding ``eos_id``; the loop stops when
-    every row has (checked once a step, only when ``eos_id`` is given) or after
-    ``max_new_tokens``. ``seed`` seeds the sampling on the logits' device. The model's linear
+    next. The tokens are picked as ``params`` says (:class:`~dikkat.generation.Sampler`); a
+    row that has produced one of ``params.stop_ids`` keeps yielding it; the loop stops when
+    every row has (checked once a step) or after ``params.max_new_tokens``. The model's linear
     layers multiply through copies of their weights in the format ``weights`` while the loop
     runs (:func:`~dikkat.layers.packed_for_inference`: "fp32" packed for oneDNN, "bf16", "int8",
-    "w8a8";
-    None: the format of an enclosing block, else "fp32"). The arguments are checked when it is
-    called; the models' own checks (the vocabulary, the context) are the caller's.
+    "w8a8"; None: the format of an enclosing block, else "fp32"). ``params.n`` is the caller's
+    (each prompt a row per choice); the models' own checks (the vocabulary, the context) are
+    the caller's too.
     """
-    check_int("max_new_tokens", max_new_tokens, at_least=0)
-    check_sampling(temperature, top_k, top_p)
-    check_int("eos_id", eos_id, at_least=0, optional=True)
-    check_seed(seed)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.refuse("the decoding loop", *TOKEN_LEVEL)
     if weights is not None:
         weights = check_weights("weights", weights)
-    sampling = (temperature, top_k, top_p)
-    return _loop(model, start, step, max_new_tokens, sampling, eos_id, seed, weights)
+    return _loop(model, start, step, params, weights)
 
 
 def _loop(
     model: nn.Module,
     start: Callable[[], Tensor],
     step: Step,
-    max_new_tokens: int,
-    sampling: tuple[float, int | None, float | None],
-    eos_id: int | None,
-    seed: int | None,
+    params: SamplingParams,
     weights: WeightFormat | None,
 ) -> Iterator[Tensor]:
-    if max_new_tokens == 0:
+    if params.max_new_tokens == 0:
         return
+    stops = params.stop_ids
     with packed_for_inference(model, weights):  # packed or smaller weights: read faster
         logits = start()
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=logits.device).manual_seed(seed)
+        sampler = Sampler(params, logits.shape[0])
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        for i in range(max_new_tokens):
-            token = _sample(logits, *sampling, generator)
-            if eos_id is not None:
-                token = token.masked_fill(done, eos_id)
-                done |= token == eos_id
+        last = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        stop_ids = torch.tensor(stops, dtype=torch.long, device=logits.device) if stops else None
+        for i in range(params.max_new_tokens):
+            token = sampler.pick(logits)
+            if stop_ids is not None:
+                token = torch.where(done, last, token)  # a finished row repeats its stop token
+                done |= torch.isin(token, stop_ids)
+                last = token
             yield token
-            if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+            if i + 1 == params.max_new_tokens or (stop_ids is not None and bool(done.all())):
                 return
             logits = step(token, i)
 
 
-def token_rows(tokens: Sequence[Tensor], batch: int, eos_id: int | None) -> list[list[int]]:
-    """The tokens (B,) of each step → one list per row, cut after its first ``eos_id``."""
+def token_rows(tokens: Sequence[Tensor], batch: int, stop_ids: Sequence[int]) -> list[list[int]]:
+    """The tokens (B,) of each step → one list per row, cut after its first stop token."""
     if not tokens:
         return [[] for _ in range(batch)]
     rows = torch.stack(list(tokens), dim=1).tolist()  # (B, steps)
-    if eos_id is None:
+    if not stop_ids:
         return rows
-    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+    stops = set(stop_ids)
+    return [_cut(row, stops) for row in rows]
+
+
+def _cut(row: list[int], stops: set[int]) -> list[int]:
+    for i, token in enumerate(row):
+        if token in stops:
+            return row[: i + 1]
+    return row
 
 
 def iter_generate(
-    model: CausalLM,
+    model: DecoderLM,
     prompts: Prompts,
-    max_new_tokens: int,
+    params: SamplingParams | int | None = None,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    seed: int | None = None,
     pad_id: int = 0,
     weights: WeightFormat | None = None,
+    **sampling: Unpack[Sampling],
 ) -> Iterator[Tensor]:
-    """Yield the next token of every row, (B,), one step at a time (for streaming).
+    """Yield the next token of every row, (B · n,), one step at a time (for streaming).
 
-    A row that has produced ``eos_id`` keeps yielding ``eos_id``; generation stops when every row
-    has, or after ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
-    while generating: "fp32" (the weights as they are), "bf16", "int8" (per-channel int8,
-    weight-only), "w8a8" (int8 weights, 8-bit inputs; x86 CPUs), or None for the format of an
-    enclosing ``packed_for_inference`` block, "fp32" when there is none; the model's own
-    parameters are never changed (see :func:`dikkat.layers.packed_for_inference`). The
-    arguments are checked here, when it is called, not at the first ``next``.
+    ``params`` says how to decode (:class:`~dikkat.generation.SamplingParams`); an int is
+    ``max_new_tokens``, the other fields then come as keywords (``temperature=0.8, top_k=50,
+    seed=0, eos_id=2``). With ``n > 1`` each prompt is decoded ``n`` times, rows
+    ``p · n … p · n + n − 1``. A row that has produced a stop token keeps yielding it;
+    generation stops when every row has, or after ``max_new_tokens``. ``weights`` is the format
+    the linear layers multiply in while generating: "fp32" (the weights as they are), "bf16",
+    "int8" (per-channel int8, weight-only), "w8a8" (int8 weights, 8-bit inputs; x86 CPUs), or
+    None for the format of an enclosing ``packed_for_inference`` block, "fp32" when there is
+    none; the model's own parameters are never changed (see
+    :func:`dikkat.layers.packed_for_inference`). The arguments are checked here, when it is
+    called, not at the first ``next``.
     """
+    params = as_params(params, sampling)
+    params.refuse("iter_generate", *TOKEN_LEVEL)
     c = model.config
-    check_int("max_new_tokens", max_new_tokens, at_least=0)
-    check_sampling(temperature, top_k, top_p)
-    check_token_id("eos_id", eos_id, c.vocab_size, optional=True)
-    check_seed(seed)
+    params.check_vocab(c.vocab_size)
     ids, valid = left_pad(prompts, pad_id, vocab_size=c.vocab_size)
+    if params.n > 1:
+        ids, valid = ids.repeat_interleave(params.n, 0), valid.repeat_interleave(params.n, 0)
     B, T = ids.shape
-    check_room(T, max_new_tokens, c.max_len)
-    device = next(iter(model.parameters())).device  # type: ignore[attr-defined]
-    ids, valid = ids.to(device), valid.to(device)
+    max_new = params.max_new_tokens
+    check_room(T, max_new, c.max_len)
+    layout = model.cache_layout()
+    ids, valid = ids.to(layout.device), valid.to(layout.device)
     full_valid = None
     if not bool(valid.all()):
         # pad slots stay invalid; every generated slot is valid
-        full_valid = torch.ones(B, T + max_new_tokens, dtype=torch.bool, device=device)
+        full_valid = torch.ones(B, T + max_new, dtype=torch.bool, device=layout.device)
         full_valid[:, :T] = valid
-    cache = model.new_cache(B, T + max_new_tokens) if max_new_tokens else []
+    cache = model.new_cache(B, T + max_new) if max_new else []
     return sample_loop(
         model,  # type: ignore[arg-type]
         lambda: prefill(model, ids, cache, full_valid),
         lambda token, i: decode_step(model, token, cache, T + i, full_valid),
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        seed=seed,
+        params,
         weights=weights,
     )
 
 
 def generate(
-    model: CausalLM,
+    model: DecoderLM,
     prompts: Prompts,
-    max_new_tokens: int,
+    params: SamplingParams | int | None = None,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    seed: int | None = None,
     pad_id: int = 0,
     weights: WeightFormat | None = None,
+    **sampling: Unpack[Sampling],
 ) -> list[list[int]]:
-    """Each prompt followed by its new tokens, cut after ``eos_id``: one list per prompt, for a
-    (B, T) tensor or a list of prompts alike. The arguments are those of :func:`iter_generate`.
+    """Each prompt followed by its new tokens, cut after its first stop token: one list per
+    prompt (``n`` per prompt with ``n > 1``, a prompt's choices together), for a (B, T)
+    tensor or a list of prompts alike. The arguments are those of :func:`iter_generate`.
+
+    >>> from dikkat.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=16, d_model=16, n_heads=2, n_layers=1, max_len=16))
+    >>> generate(model.eval(), [[1, 2, 3]], SamplingParams(max_new_tokens=2)) == generate(
+    ...     model, [[1, 2, 3]], 2
+    ... )
+    True
     """
-    tokens = list(
-        iter_generate(
-            model,
-            prompts,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=eos_id,
-            seed=seed,
-            pad_id=pad_id,
-            weights=weights,
-        )
-    )
-    rows = token_rows(tokens, len(prompts), eos_id)
-    return [_as_list(p) + row for p, row in zip(prompts, rows, strict=True)]
+    params = as_params(params, sampling)
+    tokens = list(iter_generate(model, prompts, params, pad_id=pad_id, weights=weights))
+    rows = token_rows(tokens, len(prompts) * params.n, params.stop_ids)
+    starts = [_as_list(p) for p in prompts for _ in range(params.n)]
+    return [p + row for p, row in zip(starts, rows, strict=True)]
 
 
 def _as_list(prompt: Sequence[int] | Tensor) -> list[int]:

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from dikkat.core.masks import causal
-from dikkat.generation.generate import CausalLM, check_room, prefill
+from dikkat.generation.generate import TOKEN_LEVEL, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
-from dikkat.layers.inputs import check_token_id
+from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WeightFormat, check_weights
@@ -105,16 +107,23 @@ class NgramIndex:
         return []
 
 
+# lookup decoding checks guesses against the model's greedy tokens, one choice per prompt
+GREEDY_ONLY = (
+    "temperature", "top_k", "top_p", "seed", "n",
+    "frequency_penalty", "presence_penalty", "logit_bias", *TOKEN_LEVEL,
+)  # fmt: skip
+
+
 def iter_lookup_generate(
-    model: CausalLM,
+    model: DecoderLM,
     prompts: Prompts,
-    max_new_tokens: int,
+    params: SamplingParams | int | None = None,
     *,
     k: int = 8,
     ngram: int = 3,
-    eos_id: int | None = None,
     weights: WeightFormat | None = None,
     stats: LookupStats | None = None,
+    **sampling: Unpack[Sampling],
 ) -> Iterator[Tensor]:
     """Greedy decoding of one prompt by prompt lookup: yields the new tokens, (1,) each, as
     :func:`~dikkat.generation.iter_generate` does at temperature 0 (and equal to its tokens).
@@ -122,17 +131,20 @@ def iter_lookup_generate(
     ``prompts`` is one prompt in the forms ``iter_generate`` takes (``[[1, 2, 3]]`` or a (1, T)
     tensor): the guesses come from a row's own text, so rows are decoded one at a time. Each
     model call checks up to ``k`` tokens guessed by matching the last ``ngram`` tokens (then
-    fewer, down to one) against the prompt and the tokens so far. Generation stops after
-    ``eos_id`` or ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
+    fewer, down to one) against the prompt and the tokens so far. ``params`` (or an int
+    ``max_new_tokens`` and keywords, as ``iter_generate`` takes them) must ask for greedy
+    decoding; generation stops after a stop token (``stop_ids``, ``eos_id=``) or
+    ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
     ("fp32", "bf16", "int8", "w8a8"; see :func:`dikkat.layers.packed_for_inference`).
     ``stats``, when given, counts the tokens, model calls, and guessed and accepted tokens. The
     arguments are checked here, when it is called.
     """
     c = model.config
-    check_int("max_new_tokens", max_new_tokens, at_least=0)
+    params = as_params(params, sampling)
+    params.refuse("lookup decoding", *GREEDY_ONLY)
+    params.check_vocab(c.vocab_size)
     check_int("k", k)
     check_int("ngram", ngram)
-    check_token_id("eos_id", eos_id, c.vocab_size, optional=True)
     if weights is not None:
         weights = check_weights("weights", weights)
     if stats is not None and not isinstance(stats, LookupStats):
@@ -143,19 +155,20 @@ def iter_lookup_generate(
             f"lookup decoding takes one prompt (batch 1), got {ids.shape[0]}: each row guesses "
             "from its own text, so call it once per prompt"
         )
-    check_room(ids.shape[1], max_new_tokens, c.max_len)
-    device = next(iter(model.parameters())).device  # type: ignore[attr-defined]
+    check_room(ids.shape[1], params.max_new_tokens, c.max_len)
+    device = model.cache_layout().device
     stats = LookupStats() if stats is None else stats
-    return _lookup(model, ids.to(device), max_new_tokens, k, ngram, eos_id, weights, stats)
+    stops = frozenset(params.stop_ids)
+    return _lookup(model, ids.to(device), params.max_new_tokens, k, ngram, stops, weights, stats)
 
 
 def _lookup(
-    model: CausalLM,
+    model: DecoderLM,
     ids: Tensor,
     max_new_tokens: int,
     k: int,
     ngram: int,
-    eos_id: int | None,
+    stops: frozenset[int],
     weights: WeightFormat | None,
     stats: LookupStats,
 ) -> Iterator[Tensor]:
@@ -178,7 +191,7 @@ def _lookup(
                 stats.accepted += guessed
                 index.append(token)
                 yield torch.tensor([token], device=ids.device)
-                if produced == max_new_tokens or token == eos_id:
+                if produced == max_new_tokens or token in stops:
                     return
                 if not guessed:  # the last token predicted from a right context
                     break
@@ -190,7 +203,7 @@ def _lookup(
 
 
 @torch.no_grad()
-def _check_draft(model: CausalLM, tokens: list[int], cache: list[KVCache], slot: int) -> list[int]:
+def _check_draft(model: DecoderLM, tokens: list[int], cache: list[KVCache], slot: int) -> list[int]:
     """Feed ``tokens`` at cache slots ``slot`` … (the last real token, then the guesses); the
     greedy next token after each, k + 1 of them."""
     device = cache[0].k.device
@@ -199,17 +212,17 @@ def _check_draft(model: CausalLM, tokens: list[int], cache: list[KVCache], slot:
 
 
 def lookup_generate(
-    model: CausalLM,
+    model: DecoderLM,
     prompts: Prompts,
-    max_new_tokens: int,
+    params: SamplingParams | int | None = None,
     *,
     k: int = 8,
     ngram: int = 3,
-    eos_id: int | None = None,
     weights: WeightFormat | None = None,
     stats: LookupStats | None = None,
+    **sampling: Unpack[Sampling],
 ) -> list[list[int]]:
-    """The prompt followed by its new tokens, cut after ``eos_id``, as one list in a list (what
+    """The prompt followed by its new tokens, cut after its stop token, as one list in a list (what
     greedy :func:`~dikkat.generation.generate` returns for it), in fewer model calls. The
     arguments are those of :func:`iter_lookup_generate`.
 
@@ -221,15 +234,9 @@ def lookup_generate(
     >>> out == generate(model, [[1, 2, 3, 1, 2]], 10), stats.tokens
     (True, 10)
     """
+    params = as_params(params, sampling)
     tokens = iter_lookup_generate(
-        model,
-        prompts,
-        max_new_tokens,
-        k=k,
-        ngram=ngram,
-        eos_id=eos_id,
-        weights=weights,
-        stats=stats,
+        model, prompts, params, k=k, ngram=ngram, weights=weights, stats=stats
     )
     new = [int(t) for t in tokens]
     prompt = prompts[0]

@@ -39,15 +39,15 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from dikkat.core.masks import Mask, as_mask, causal, padding, sliding_window
+from dikkat.core.masks import Mask, as_mask, sliding_window
+from dikkat.generation.protocol import CacheLayout
 from dikkat.layers.attention import MultiHeadAttention
-from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
 from dikkat.layers.norm import RMSNorm
-from dikkat.layers.positional import RotaryEmbedding, resolve_positions, valid_positions
-from dikkat.models.generating import CacheLayout, Generates
+from dikkat.layers.positional import RotaryEmbedding, resolve_positions
+from dikkat.models.generating import Generates
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
@@ -290,7 +290,8 @@ class Decoder(Generates, SaveLoad, nn.Module):
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
-        return CacheLayout(c.n_layers, c.kv_heads, c.dim, c.max_len)
+        w = self.tok_emb.weight
+        return CacheLayout(c.n_layers, c.kv_heads, c.dim, c.max_len, w.dtype, w.device)
 
     def forward(
         self,

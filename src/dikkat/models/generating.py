@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from dikkat.core.masks import Mask, as_mask, causal, padding
 from dikkat.generation.generate import Prompts, generate
+from dikkat.generation.protocol import CacheLayout
+from dikkat.generation.sampling import Sampling, SamplingParams
 from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.positional import valid_positions
@@ -19,19 +21,9 @@ from dikkat.layers.quantized import WeightFormat
 from dikkat.validate import check_int
 
 
-@dataclass(frozen=True)
-class CacheLayout:
-    """What each layer's KV cache holds: (B, kv_heads, ≤ context, head_dim) keys and values."""
-
-    n_layers: int
-    kv_heads: int
-    head_dim: int
-    context: int  # the longest sequence the model's positions allow
-
-
 class Generates:
     """Mixin for an ``nn.Module`` decoder (``GPT``, ``Decoder``) that meets
-    :class:`dikkat.generation.generate.CausalLM`: it has ``config`` (with ``tie_embeddings``),
+    :class:`dikkat.generation.DecoderLM`: it has ``config`` (with ``tie_embeddings``),
     ``tok_emb`` and :meth:`cache_layout`."""
 
     config: Any
@@ -92,30 +84,25 @@ class Generates:
         check_int("max_len", max_len)
         if max_len > layout.context:
             raise ValueError(f"max_len={max_len} exceeds the model's context of {layout.context}")
-        weight = self.tok_emb.weight
-        return [
-            KVCache(batch, layout.kv_heads, max_len, layout.head_dim,
-                    dtype=dtype or weight.dtype, device=weight.device)  # fmt: skip
-            for _ in range(layout.n_layers)
-        ]
+        shape = (batch, layout.kv_heads, max_len, layout.head_dim)
+        dtype = dtype or layout.dtype
+        return [KVCache(*shape, dtype=dtype, device=layout.device) for _ in range(layout.n_layers)]
 
     @torch.no_grad()
     def generate(
         self,
         ids: Prompts,
-        max_new_tokens: int,
+        params: SamplingParams | int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        seed: int | None = None,
         weights: WeightFormat | None = None,
+        **sampling: Unpack[Sampling],
     ) -> list[list[int]]:
-        """Continue each prompt by up to ``max_new_tokens`` tokens (greedy at temperature 0).
+        """Continue each prompt as ``params`` says (a :class:`~dikkat.generation.SamplingParams`,
+        or an int ``max_new_tokens`` and the other fields as keywords: ``temperature=0.8,
+        eos_id=2``), greedy by default.
 
         ``ids`` is a (B, T) tensor or a list of prompts of any lengths; either way the result is
-        one list per prompt: the prompt, then its new tokens, cut after the first ``eos_id``.
+        one list per prompt: the prompt, then its new tokens, cut after the first stop token.
         Uses a KV cache: one prefill pass, then one-token decode steps (see
         :func:`dikkat.generation.generate`), the linear layers multiplying in the format
         ``weights`` ("fp32", "bf16", "int8", "w8a8"; the parameters themselves stay as they are).
@@ -123,16 +110,6 @@ class Generates:
         was_training = self.training
         self.eval()
         try:
-            return generate(
-                self,  # type: ignore[arg-type]
-                ids,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_id=eos_id,
-                seed=seed,
-                weights=weights,
-            )
+            return generate(self, ids, params, weights=weights, **sampling)  # type: ignore[arg-type]
         finally:
             self.train(was_training)

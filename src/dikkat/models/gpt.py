@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import Tensor, nn
 
-from dikkat.core.masks import Mask, as_mask, causal, padding
+from dikkat.core.masks import Mask
+from dikkat.generation.protocol import CacheLayout
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.inputs import check_token_ids, check_valid
+from dikkat.layers.inputs import check_token_ids
 from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.loss import Scratch, linear_cross_entropy
@@ -28,13 +28,12 @@ from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
-    valid_positions,
 )
-from dikkat.models.generating import CacheLayout, Generates
+from dikkat.models.generating import Generates
 from dikkat.models.init import init_normal_
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
-from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
+from dikkat.validate import check_bool, check_choice, check_float, check_sizes
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,9 @@ class GPT(Generates, SaveLoad, nn.Module):
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
-        return CacheLayout(c.n_layers, c.block().kv_heads, c.d_model // c.n_heads, c.max_len)
+        w = self.tok_emb.weight
+        kv_heads, head_dim = c.block().kv_heads, c.d_model // c.n_heads
+        return CacheLayout(c.n_layers, kv_heads, head_dim, c.max_len, w.dtype, w.device)
 
     def forward(
         self,

@@ -18,17 +18,12 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from dikkat.core.masks import Mask, causal, padding
-from dikkat.generation.generate import (
-    Step,
-    check_room,
-    check_sampling,
-    check_seed,
-    sample_loop,
-    token_rows,
-)
+from dikkat.generation.generate import TOKEN_LEVEL, Step, check_room, sample_loop, token_rows
 from dikkat.generation.prompts import Prompts, check_prompts, left_pad
+from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_id, check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
@@ -39,7 +34,7 @@ from dikkat.layers.positional import SinusoidalPositionalEncoding
 from dikkat.layers.quantized import WeightFormat
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
-from dikkat.validate import check_bool, check_int, check_sizes
+from dikkat.validate import check_bool, check_sizes
 
 
 def right_pad(src: Prompts, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -263,36 +258,34 @@ class Seq2Seq(SaveLoad, nn.Module):
     def generate(
         self,
         src: Prompts,
-        max_new_tokens: int,
+        params: SamplingParams | int | None = None,
         *,
         bos_id: int,
-        eos_id: int | None = None,
         pad_id: int = 0,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
         weights: WeightFormat | None = None,
+        **sampling: Unpack[Sampling],
     ) -> list[list[int]]:
         """Translate: encode the sources once, then decode token by token from ``bos_id``.
 
         ``src`` is a (B, S) tensor or a list of sources of any lengths (right-padded with
         ``pad_id``, a source id, and masked). Returns one list per source: its target tokens
-        after ``bos_id`` (which is not included), cut after the first ``eos_id``. Sampling
-        (``temperature``, ``top_k``, ``top_p``, ``seed``) is that of :meth:`GPT.generate`, through
-        the same loop (:func:`dikkat.generation.sample_loop`). The cross-attention keys/values of
-        the sources are projected on the first step and reused from the cross caches at every
-        later step. ``bos_id`` and the new tokens must fit in the context: at most
-        ``max_len − 1`` new tokens. ``weights`` is the format the linear layers multiply in
-        (``"fp32"``, ``"bf16"``, ``"int8"``, ``"w8a8"``; see :meth:`GPT.generate`), the encoder's
-        included; the parameters themselves stay as they are.
+        after ``bos_id`` (which is not included), cut after the first stop token. ``params``
+        (a :class:`~dikkat.generation.SamplingParams`, or an int ``max_new_tokens`` and keywords:
+        ``eos_id=2, temperature=0.8``) decodes as in :meth:`GPT.generate`, through the same
+        loop (:func:`dikkat.generation.sample_loop`); one choice per source (``n = 1``). The
+        cross-attention keys/values of the sources are projected on the first step and reused
+        from the cross caches at every later step. ``bos_id`` and the new tokens must fit in
+        the context: at most ``max_len − 1`` new tokens. ``weights`` is the format the linear
+        layers multiply in (``"fp32"``, ``"bf16"``, ``"int8"``, ``"w8a8"``; see
+        :meth:`GPT.generate`), the encoder's included; the parameters themselves stay as they
+        are.
         """
         c = self.config
-        check_int("max_new_tokens", max_new_tokens, at_least=0)
+        params = as_params(params, sampling)
+        params.refuse("Seq2Seq.generate", "n", *TOKEN_LEVEL)
+        params.check_vocab(c.tgt_vocab_size)
+        max_new_tokens = params.max_new_tokens
         check_token_id("bos_id", bos_id, c.tgt_vocab_size)
-        check_token_id("eos_id", eos_id, c.tgt_vocab_size, optional=True)
-        check_sampling(temperature, top_k, top_p)
-        check_seed(seed)
         check_prompts(src, c.src_vocab_size)  # before the rows are reversed for padding
         check_token_id("pad_id", pad_id, c.src_vocab_size)
         check_room(1, max_new_tokens, c.max_len, prompt="the target (bos_id)")
@@ -303,19 +296,8 @@ class Seq2Seq(SaveLoad, nn.Module):
         was_training = self.training
         self.eval()
         try:
-            tokens = sample_loop(
-                self,
-                start,
-                step,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_id=eos_id,
-                seed=seed,
-                weights=weights,
-            )
-            return token_rows(list(tokens), ids.shape[0], eos_id)
+            tokens = sample_loop(self, start, step, params, weights=weights)
+            return token_rows(list(tokens), ids.shape[0], params.stop_ids)
         finally:
             self.train(was_training)
 

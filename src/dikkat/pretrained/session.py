@@ -2,24 +2,26 @@
 
 Generation runs :func:`dikkat.iter_generate` (the KV cache, the sampling, the weight formats of
 every dikkat decoder); a row ends at any of the tokenizer's end-of-generation ids (EOS, and the
-end-of-turn token of a chat format), which is not part of the text returned.
+end-of-turn token of a chat format), which is not part of the text returned, or at a ``stop``
+string of its :class:`~dikkat.generation.SamplingParams` (the text is cut before it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from dikkat.generation.generate import iter_generate
+from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.quantized import WeightFormat
 from dikkat.models.decoder import Decoder
 from dikkat.pretrained.chat_template import render_chat
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.text.stream import TextStream
-from dikkat.validate import check_int
 
 __all__ = ["Pretrained"]
 
@@ -44,7 +46,6 @@ class Pretrained:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.name, self.path = name, path
         self._text = _TextOf(tokenizer)
-        self._decode = self._text.decode
 
     def __repr__(self) -> str:
         c = self.model.config
@@ -56,43 +57,53 @@ class Pretrained:
     def generate(
         self,
         text: str | Sequence[str],
-        max_new_tokens: int = 128,
+        params: SamplingParams | int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
         weights: WeightFormat | None = None,
+        **sampling: Unpack[Sampling],
     ) -> str | list[str]:
         """The continuation of ``text`` (a str → a str; a list of str → a list, one per text,
-        decoded together in one batch), greedy at temperature 0."""
+        decoded together in one batch), greedy by default.
+
+        ``params`` is a :class:`~dikkat.generation.SamplingParams`, or an int
+        ``max_new_tokens`` (default 128; 256 for chat) with the other fields as keywords
+        (``temperature=0.7, seed=0``); its ``stop`` strings end a text (cut before them)."""
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError("text must be a str or a non-empty list of str")
+        params = self._params(params, sampling)
         prompts = [self.tokenizer.encode(t) for t in texts]
-        settings = _settings(temperature, top_k, top_p, seed, weights)
-        rows = self._generate_ids(prompts, max_new_tokens, settings)
-        out = [self._decode(row) for row in rows]
+        streams = [TextStream(self._text, params.stop) for _ in prompts]
+        pieces: list[list[str]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for tokens in self._steps(prompts, params, weights):
+            for i, token in enumerate(tokens.tolist()):
+                if done[i]:
+                    continue
+                if token in self.tokenizer.eos_ids:
+                    done[i] = True
+                    continue
+                pieces[i].append(streams[i].push(token))
+                done[i] = streams[i].stopped
+            if all(done):
+                break
+        out = ["".join(p) + stream.finish() for p, stream in zip(pieces, streams, strict=True)]
         return out[0] if isinstance(text, str) else out
 
     def stream(
         self,
         text: str,
-        max_new_tokens: int = 128,
+        params: SamplingParams | int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
         weights: WeightFormat | None = None,
+        **sampling: Unpack[Sampling],
     ) -> Iterator[str]:
         """The continuation of one ``text``, piece by piece as it is generated (whole characters
-        only)."""
+        only); the arguments are those of :meth:`generate`."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = self.tokenizer.encode(text)
-        settings = _settings(temperature, top_k, top_p, seed, weights)
-        yield from self._stream_ids(ids, max_new_tokens, settings)
+        params = self._params(params, sampling)
+        yield from self._stream_ids(self.tokenizer.encode(text), params, weights)
 
     def chat_prompt(self, messages: Sequence[dict]) -> str:
         """``messages`` rendered in the model's chat template, ready for the assistant's turn."""
@@ -108,97 +119,73 @@ class Pretrained:
             eos_token=self.tokenizer.eos_token or "",
         )
 
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The token ids of :meth:`chat_prompt`: the template writes the special tokens (BOS
+        included) itself, as transformers' ``apply_chat_template(tokenize=True)`` encodes
+        without adding them."""
+        return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
+
     def chat(
         self,
         messages: Sequence[dict],
-        max_new_tokens: int = 256,
+        params: SamplingParams | int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
         weights: WeightFormat | None = None,
+        **sampling: Unpack[Sampling],
     ) -> str:
-        """The assistant's answer to ``messages`` (``[{"role": "user", "content": ...}, …]``)."""
-        pieces = self.chat_stream(
-            messages,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            weights=weights,
-        )
-        return "".join(pieces)
+        """The assistant's answer to ``messages`` (``[{"role": "user", "content": ...}, …]``);
+        the other arguments are those of :meth:`generate`."""
+        params = self._params(params, sampling, default=256)
+        return "".join(self.chat_stream(messages, params, weights=weights))
 
     def chat_stream(
         self,
         messages: Sequence[dict],
-        max_new_tokens: int = 256,
+        params: SamplingParams | int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
         weights: WeightFormat | None = None,
+        **sampling: Unpack[Sampling],
     ) -> Iterator[str]:
         """:meth:`chat`'s answer, piece by piece as it is generated."""
-        # the template writes the special tokens (BOS included) itself, as transformers'
-        # apply_chat_template(tokenize=True) encodes without adding them
-        ids = self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
-        settings = _settings(temperature, top_k, top_p, seed, weights)
-        yield from self._stream_ids(ids, max_new_tokens, settings)
+        params = self._params(params, sampling, default=256)
+        yield from self._stream_ids(self.chat_ids(messages), params, weights)
+
+    @staticmethod
+    def _params(
+        params: SamplingParams | int | None, sampling: Sampling, default: int = 128
+    ) -> SamplingParams:
+        if params is None and "max_new_tokens" not in sampling:
+            sampling = {**sampling, "max_new_tokens": default}
+        params = as_params(params, sampling)
+        params.refuse("Pretrained", "n")  # one text per prompt
+        return params
 
     def _stream_ids(
-        self, ids: list[int], max_new_tokens: int, settings: dict[str, Any]
+        self, ids: list[int], params: SamplingParams, weights: WeightFormat | None
     ) -> Iterator[str]:
-        stream = TextStream(self._text)
-        for tokens in self._steps([ids], max_new_tokens, settings):
+        stream = TextStream(self._text, params.stop)
+        for tokens in self._steps([ids], params, weights):
             token = int(tokens[0])
             if token in self.tokenizer.eos_ids:
                 break
             if piece := stream.push(token):
                 yield piece
+            if stream.stopped:
+                break
         if rest := stream.finish():
             yield rest
 
-    def _generate_ids(
-        self, prompts: list[list[int]], max_new_tokens: int, settings: dict[str, Any]
-    ) -> list[list[int]]:
-        """The new tokens of each prompt, each row cut before its first end-of-generation id."""
-        rows: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        for tokens in self._steps(prompts, max_new_tokens, settings):
-            for i, token in enumerate(tokens.tolist()):
-                if done[i]:
-                    continue
-                if token in self.tokenizer.eos_ids:
-                    done[i] = True
-                else:
-                    rows[i].append(token)
-            if all(done):
-                break
-        return rows
-
     def _steps(
-        self, prompts: list[list[int]], max_new_tokens: int, settings: dict[str, Any]
+        self, prompts: list[list[int]], params: SamplingParams, weights: WeightFormat | None
     ) -> Iterator[torch.Tensor]:
-        check_int("max_new_tokens", max_new_tokens, at_least=0)
         if any(not p for p in prompts):
             raise ValueError("a prompt encodes to no tokens: give some text")
         pad = self.tokenizer.pad_id or 0
-        return iter_generate(self.model, prompts, max_new_tokens, pad_id=pad, **settings)
-
-
-def _settings(
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int | None,
-    weights: WeightFormat | None,
-) -> dict[str, Any]:
-    """The sampling keywords of :func:`dikkat.iter_generate`, checked by it."""
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, weights=weights)
+        # the end-of-generation ids stop the rows; stop strings are matched on the text here
+        params = dataclasses.replace(
+            params, stop=(), stop_ids=(*params.stop_ids, *sorted(self.tokenizer.eos_ids))
+        )
+        return iter_generate(self.model, prompts, params, pad_id=pad, weights=weights)
 
 
 class _TextOf:

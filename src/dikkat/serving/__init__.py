@@ -1,6 +1,7 @@
-"""Serving: many generation requests on one GPT at once — an engine with iteration-level
+"""Serving: many generation requests on one decoder at once — an engine with iteration-level
 continuous batching over a paged KV cache, with prefix reuse (docs/engine.md) — and an
-OpenAI-compatible HTTP server over it, ``create_app`` (docs/server.md)."""
+OpenAI-compatible HTTP server over it, ``create_app``: chat completions, completions,
+tokenize (docs/server.md). Nothing here loads a model: the caller (``dikkat serve``) does."""
 
 from typing import Any
 

@@ -1,148 +1,155 @@
-"""One completion request, from its checked fields to text pieces: the engine's tokens decoded
-(:class:`~dikkat.text.stream.TextStream`), cut at a stop string, ended by the model's
-end-of-text token (which is counted but not shown), and aborted when nobody reads it any more."""
+"""``POST /v1/completions``: continue prompts, whole or streamed (docs/server.md).
+
+The prompt is a string, a list of strings, a list of token ids or a list of lists of ids; each
+prompt gets ``n`` choices (``best_of`` of them generated, the ``n`` with the highest mean
+log-probability per token kept). ``echo`` puts the prompt before its completion, and with
+``logprobs`` the prompt's tokens and their log-probabilities before the completion's, so that
+``max_tokens: 0, echo: true, logprobs: 1`` scores a text (what lm-evaluation-harness's
+``local-completions`` sends, with ``max_tokens: 1``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+import time
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
-from dikkat.serving import SamplingParams
-from dikkat.serving.protocol import CompletionRequest, stop_list
-from dikkat.serving.runner import EngineRunner, Failure
-from dikkat.text.stream import TextStream
-
-
-class RequestError(ValueError):
-    """A request the server refuses: the HTTP status, and the OpenAI ``param`` and ``code``."""
-
-    def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-
-class EngineFailedError(RuntimeError):
-    """The engine's step raised while this request was running."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    text: str
-    finish_reason: str | None  # "stop" | "length" on the last piece
-
-
-def end_of_text_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The token that ends a text, if the tokenizer has one (GPT-2's ``<|endoftext|>``);
-    dikkat's byte-level tokenizer has none."""
-    token_to_id = getattr(getattr(tokenizer, "inner", None), "token_to_id", None)
-    eos = token_to_id("<|endoftext|>") if token_to_id is not None else None
-    return () if eos is None else (int(eos),)
-
-
-def prompt_ids(request: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[int]:
-    """The prompt as token ids, refused (naming ``prompt``) when empty or outside the vocabulary."""
-    if isinstance(request.prompt, str):
-        ids = tokenizer.encode(request.prompt)
-    else:
-        ids = list(request.prompt)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(
-                f"prompt holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}",
-                param="prompt",
-            )
-    if not ids:
-        raise RequestError("the prompt encodes to no tokens; give at least one", param="prompt")
-    return ids
-
-
-def sampling_params(
-    request: CompletionRequest, prompt_len: int, max_len: int, stop_ids: Sequence[int]
-) -> SamplingParams:
-    """The engine's parameters for a request, once its sizes fit the model's context."""
-    if request.n != 1:
-        raise RequestError(f"n={request.n}: this server returns one choice (n=1)", param="n")
-    if prompt_len >= max_len:
-        raise RequestError(
-            f"the prompt has {prompt_len} tokens; the model's context is {max_len} tokens, "
-            f"so at most {max_len - 1} prompt tokens leave room for one new token",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    if prompt_len + request.max_tokens > max_len:
-        raise RequestError(
-            f"max_tokens={request.max_tokens} with a prompt of {_tokens(prompt_len)} needs "
-            f"{prompt_len + request.max_tokens} positions, past the model's context of "
-            f"{max_len}; at most {max_len - prompt_len} new tokens fit",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return SamplingParams(
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=None if request.top_p == 1.0 else request.top_p,
-        seed=request.seed,
-        stop_ids=tuple(stop_ids),
-    )
-
-
-def _tokens(n: int) -> str:
-    return f"{n} token" + ("" if n == 1 else "s")
-
-
-def stops_of(request: CompletionRequest) -> list[str]:
-    try:
-        return stop_list(request.stop)
-    except ValueError as e:
-        raise RequestError(str(e), param="stop") from None
+from dikkat.serving.choices import Choices, EngineFailedError, Result, Served, sse, usage
+from dikkat.serving.logprobs import CompletionLogprobs
+from dikkat.serving.params import (
+    RequestError,
+    completion_prompts,
+    room,
+    sampling_params,
+    stops_of,
+)
+from dikkat.serving.protocol import CompletionRequest, error_body, refusal
 
 
 class Completion:
-    """A submitted request: iterate :meth:`pieces` once; :attr:`tokens` counts what it got."""
+    """A submitted completions request: :meth:`whole` or :meth:`events`, once."""
 
-    def __init__(
-        self,
-        runner: EngineRunner,
-        tokenizer: Any,
-        prompt: list[int],
-        params: SamplingParams,
-        stops: Sequence[str],
-    ) -> None:
-        self.runner = runner
-        self.prompt_tokens = len(prompt)
-        self.tokens = 0  # tokens the engine generated for it, a stop token included
-        self.stop_ids = frozenset(params.stop_ids)
-        self.text = TextStream(tokenizer, stops)
-        # raises ValueError or EngineFull, for the caller to answer
-        self.request_id, self.queue = runner.submit(prompt, params)
+    def __init__(self, body: CompletionRequest, served: Served) -> None:
+        refused = refusal(body)
+        if refused is not None:
+            raise RequestError(refused[1], param=refused[0])
+        self.body, self.served, vocab = body, served, served.vocab
+        self.prompts = completion_prompts(body, vocab)
+        self.n = body.n
+        self.best_of = body.best_of or body.n
+        self.top = body.logprobs  # None: no log-probabilities
+        count, many = len(self.prompts) * self.best_of, len(self.prompts) > 1
+        what = f"{len(self.prompts)} prompts × {self.best_of}" if many else f"n={self.best_of}"
+        served.check_count(count, "prompt" if many else "n", what)
+        stops = stops_of(body)
+        ranked = self.best_of > self.n  # choosing the best needs every token's log-probability
+        jobs = []
+        for i, prompt in enumerate(self.prompts):
+            where = "the prompt" if len(self.prompts) == 1 else f"prompt[{i}]"
+            new = room(len(prompt), body.max_tokens, served.max_len, "max_tokens", where)
+            params = sampling_params(
+                body.model_copy(update={"n": self.best_of}),
+                vocab,
+                new,
+                logprobs=self.top is not None or ranked,
+                top_logprobs=self.top or 0,
+                prompt_logprobs=body.echo and self.top is not None,
+            )
+            jobs.append((prompt, params))
+        self.prompt_texts = [vocab.decode(p) for p in self.prompts]
+        self.choices = Choices(served.runner, vocab, jobs, stops)  # EngineFull, ValueError
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
 
-    async def pieces(self) -> AsyncIterator[Piece]:
-        """The text as it comes; the last piece has a finish reason. Leaving the loop early (a
-        client gone, a cancelled task) aborts the request, which frees its cache blocks."""
-        finished = False
+    def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.served.name,
+            "choices": choices,
+        }
+
+    def _usage(self) -> dict[str, int]:
+        return usage(self.choices.prompt_tokens, self.choices.completion_tokens)
+
+    def abort(self) -> None:
+        self.choices.abort()
+
+    async def whole(self) -> dict[str, Any]:
+        """The answer, once every choice has ended (raises :class:`EngineFailedError`)."""
+        results = await self.choices.whole()
+        kept = []
+        for p in range(len(self.prompts)):
+            group = results[p * self.best_of : (p + 1) * self.best_of]
+            if self.best_of > self.n:  # OpenAI: "the highest log probability per token"
+                group = sorted(group, key=_mean_logprob, reverse=True)[: self.n]
+            kept += [(p * self.n + j, p, r) for j, r in enumerate(group)]
+        body = self._object([self._choice(i, p, r) for i, p, r in kept])
+        body["usage"] = self._usage()
+        return body
+
+    def _choice(self, index: int, p: int, result: Result) -> dict[str, Any]:
+        prompt_text = self.prompt_texts[p]
+        text = prompt_text + result.text if self.body.echo else result.text
+        logprobs = None
+        if self.top is not None:
+            parts = []
+            if self.body.echo:
+                parts.append(self._prompt_part(p, result.prompt_logprobs))
+            lp = CompletionLogprobs(self.served.vocab, self.top, len(prompt_text))
+            parts.append(lp.part(result.logprobs, [e.token for e in result.logprobs]))
+            logprobs = CompletionLogprobs.join(parts)
+        finish = result.finish_reason
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _prompt_part(self, p: int, entries: Any) -> dict[str, Any]:
+        prompt = self.prompts[p]
+        if entries is None:  # not asked for: the tokens, without numbers
+            entries = (None,) * len(prompt)
+        return CompletionLogprobs(self.served.vocab, self.top or 0).part(entries, prompt)
+
+    async def events(self) -> AsyncIterator[str]:
+        """``data: {chunk}`` per piece of a choice's text (the first of a choice with ``echo``
+        holds the prompt), the last of a choice with its finish reason; with ``include_usage``
+        every chunk has ``"usage": null`` and one more chunk (no choices) carries the counts;
+        then ``data: [DONE]``."""
+        include_usage = self.body.include_usage
+        trackers: dict[int, CompletionLogprobs] = {}
         try:
-            while not finished:
-                event = await self.queue.get()
-                if isinstance(event, Failure):
-                    finished = True  # the runner already aborted it
-                    raise EngineFailedError(event.message)
-                self.tokens += 1
-                finish = event.finish_reason
-                if finish == "stop" and event.token in self.stop_ids:
-                    piece = ""  # the end-of-text token: counted, not shown
-                else:
-                    piece = self.text.push(event.token)
-                if self.text.stopped:
-                    finish = "stop"
-                    self.runner.abort(self.request_id)  # frees its blocks now
-                if finish is not None:
-                    finished = True
-                    self.runner.done(self.request_id)
-                    piece += self.text.finish()
-                yield Piece(piece, finish)
-        finally:
-            if not finished:
-                self.runner.abort(self.request_id)
+            async for index, piece in self.choices.stream():
+                p = index // self.best_of
+                text, logprobs, first = piece.text, None, index not in trackers
+                if first:
+                    start = len(self.prompt_texts[p])
+                    trackers[index] = CompletionLogprobs(self.served.vocab, self.top or 0, start)
+                    if self.body.echo:
+                        text = self.prompt_texts[p] + text
+                if self.top is not None:
+                    tokens = [e.token for e in piece.logprobs]
+                    parts = [trackers[index].part(piece.logprobs, tokens)]
+                    if first and self.body.echo:
+                        parts.insert(0, self._prompt_part(p, piece.prompt_logprobs))
+                    logprobs = CompletionLogprobs.join(parts)
+                if not text and piece.finish_reason is None and not (logprobs or {}).get("tokens"):
+                    continue
+                finish = piece.finish_reason
+                chunk = self._object(
+                    [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+                )
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        except EngineFailedError as e:
+            yield sse(error_body(f"the engine failed: {e}", "server_error"))
+            return
+        if include_usage:
+            last = self._object([])
+            last["usage"] = self._usage()
+            yield sse(last)
+        yield "data: [DONE]\n\n"
+
+
+def _mean_logprob(result: Result) -> float:
+    return sum(e.logprob for e in result.logprobs) / max(len(result.logprobs), 1)

@@ -1,4 +1,4 @@
-"""The engine: iteration-level continuous batching of a GPT over a paged KV cache.
+"""The engine: iteration-level continuous batching of a decoder over a paged KV cache.
 
 Notation: ``B`` running sequences, ``S`` slots attended, ``V`` vocabulary.
 
@@ -11,10 +11,15 @@ position, against its own cached keys (gathered from the paged pool into one lef
 behind a padding mask, :mod:`dikkat.serving.paged`). Decoding is bound by reading the weights,
 and that forward reads them once for the whole batch.
 
+The model is any decoder of :class:`dikkat.generation.DecoderLM` (``dikkat.models.GPT``, the
+Llama / Gemma family of ``dikkat.models.Decoder``): the engine reads its cache layout and calls
+its forward, nothing else.
+
 Exactness: nothing of one row reaches another (the padding mask hides the other rows' slots,
-the positions are each row's own), each request samples with its own generator, so its tokens
-are those of :func:`dikkat.generation.generate` for its prompt alone, up to rounding (a batched
-product may round differently from a one-row product).
+the positions are each row's own), each request picks its tokens with its own
+:class:`~dikkat.generation.Sampler` (generator, penalty counts), so its tokens are those of
+:func:`dikkat.generation.generate` for its prompt alone, up to rounding (a batched product may
+round differently from a one-row product).
 
 Memory: a request is admitted only when the blocks for its whole length (prompt + ``max_tokens``
 − 1 slots, less the prefix blocks it shares) can be promised to it; it takes them as it grows and
@@ -28,54 +33,29 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 
-import torch
-from torch import Tensor
-
+from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.sampling import Sampler, SamplingParams
 from dikkat.layers.linear import packed_for_inference
 from dikkat.layers.quantized import WeightFormat, check_weights
-from dikkat.models.gpt import GPT
-from dikkat.serving.forward import decode, next_tokens, prefill
+from dikkat.serving.forward import decode, emit, first_events
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
-from dikkat.serving.requests import (
-    EngineFull,
-    EngineStats,
-    FinishReason,
-    SamplingParams,
-    TokenEvent,
-)
+from dikkat.serving.requests import EngineFull, EngineSequence, EngineStats, TokenEvent
 from dikkat.validate import check_int, is_int
 
-
-@dataclass(eq=False)
-class _Sequence:
-    """One request inside the engine."""
-
-    id: int
-    tokens: list[int]  # the prompt, then the tokens generated so far
-    prompt_len: int
-    params: SamplingParams
-    generator: torch.Generator | None
-    blocks: list[int] = field(default_factory=list)  # block table
-    cached: int = 0  # tokens whose keys and values are in the blocks
-    reserved: int = 0  # blocks promised for later tokens, not yet taken
-    finish: FinishReason | None = None
-    aborted: bool = False
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
 
 
 class Engine:
-    """Serves many generation requests on one :class:`~dikkat.models.GPT` at once.
+    """Serves many generation requests on one decoder at once.
 
     Args:
-        model: the model (used as it is: put it in eval mode for dropout to be off).
+        model: a decoder of :class:`~dikkat.generation.DecoderLM` (``dikkat.models.GPT``,
+            ``dikkat.models.Decoder``), used as it is: put it in eval mode for dropout to be off.
         block_size: slots per cache block.
         num_blocks: blocks in the pool; None: enough for ``max_batch`` sequences of the model's
-            whole context.
+            whole context, or what fits in :data:`DEFAULT_CACHE_BYTES` if that is less (a real
+            model's context of thousands of tokens would otherwise take many GiB).
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
         weights: the format the linear layers multiply in while the engine has work, "fp32",
@@ -88,9 +68,9 @@ class Engine:
     Aborting a running request while a step runs frees its blocks when that step ends, and that
     step returns no event of it.
 
-    >>> from dikkat.models import GPTConfig
+    >>> from dikkat.models import GPT, GPTConfig
     >>> engine = Engine(GPT(GPTConfig(max_len=32)).eval(), block_size=4)
-    >>> rid = engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    >>> rid = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
     >>> events = [e for _ in range(2) for e in engine.step()]
     >>> [e.finish_reason for e in events], engine.has_work()
     ([None, 'length'], False)
@@ -98,7 +78,7 @@ class Engine:
 
     def __init__(
         self,
-        model: GPT,
+        model: DecoderLM,
         *,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -106,35 +86,40 @@ class Engine:
         max_queue: int = 64,
         weights: WeightFormat = "fp32",
     ) -> None:
-        if not isinstance(model, GPT):
-            raise TypeError(f"model must be a dikkat GPT, got {type(model).__name__}")
+        if not isinstance(model, DecoderLM):
+            raise TypeError(
+                f"model must be a decoder (dikkat.generation.DecoderLM: a GPT, a Decoder), got "
+                f"{type(model).__name__}"
+            )
         check_int("block_size", block_size)
         check_int("num_blocks", num_blocks, optional=True)
         check_int("max_batch", max_batch)
         check_int("max_queue", max_queue)
         self.weights: WeightFormat = check_weights("weights", weights)
-        c = model.config
+        layout = model.cache_layout()
         self._model = model
-        self.max_len: int = c.max_len
+        self.max_len: int = layout.context
+        self.vocab_size: int = model.config.vocab_size
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         if num_blocks is None:
-            num_blocks = max_batch * self._blocks_for(c.max_len)
-        weight = model.tok_emb.weight
-        self._device = weight.device
+            slot_bytes = 2 * layout.n_layers * layout.kv_heads * layout.head_dim
+            slot_bytes *= layout.dtype.itemsize
+            fits = DEFAULT_CACHE_BYTES // (slot_bytes * block_size)
+            num_blocks = max(1, min(max_batch * self._blocks_for(layout.context), fits))
         self._pool = PagedKVPool(
-            c.n_layers,
+            layout.n_layers,
             num_blocks,
             block_size,
-            c.block().kv_heads,
-            c.d_model // c.n_heads,
-            dtype=weight.dtype,
-            device=weight.device,
+            layout.kv_heads,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=layout.device,
         )
         self._blocks = BlockAllocator(num_blocks)
         self._lock = threading.Lock()  # queues, allocator, counters
         self._step_lock = threading.Lock()  # one step at a time
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        self._waiting: deque[EngineSequence] = deque()
+        self._running: list[EngineSequence] = []
         self._reserved = 0  # blocks promised to running sequences, not yet taken
         self._in_step = False
         self._next_id = 0
@@ -144,7 +129,7 @@ class Engine:
         self._packed: ExitStack | None = None  # packed weights, held while there is work
 
     @property
-    def model(self) -> GPT:
+    def model(self) -> DecoderLM:
         return self._model
 
     @property
@@ -157,29 +142,29 @@ class Engine:
     # --- the public calls ----------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Queue a request; returns its id (the ``request_id`` of its events)."""
+        """Queue a request; returns its id (the ``request_id`` of its events).
+
+        ``params.n`` must be 1 (submit each of ``params.choices()``) and ``params.stop`` empty
+        (the engine works in token ids: whoever decodes the text matches stop strings).
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.refuse("the engine", "n", "stop")
         tokens = self._check_prompt(prompt)
-        n, m = len(tokens), params.max_tokens
+        params.check_vocab(self.vocab_size)
+        n, m = len(tokens), params.max_new_tokens
         if n + m > self.max_len:
             raise ValueError(
-                f"the prompt has {n} tokens and max_tokens={m}: {n + m} positions, past the "
-                f"model's context of {self.max_len}"
+                f"the prompt has {n} tokens and max_new_tokens={m}: {n + m} positions, past "
+                f"the model's context of {self.max_len}"
             )
-        V = self._model.config.vocab_size
-        for token in params.stop_ids:
-            if token >= V:
-                raise ValueError(f"stop_ids holds {token}, outside the vocabulary of {V}")
-        need = self._blocks_for(n + m - 1)
+        need = self._blocks_for(n + max(m, 1) - 1)
         if need > self.num_blocks:
             raise ValueError(
-                f"the prompt ({n} tokens) and max_tokens={m} need {need} blocks of "
+                f"the prompt ({n} tokens) and max_new_tokens={m} need {need} blocks of "
                 f"{self.block_size} slots, more than the engine's num_blocks={self.num_blocks}"
             )
-        generator = None
-        if params.seed is not None:  # as generate() seeds it: on the logits' device
-            generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        sampler = Sampler(params, 1)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineFull(
@@ -187,21 +172,29 @@ class Engine:
                     f"{self.max_queue}); try again later"
                 )
             rid, self._next_id = self._next_id, self._next_id + 1
-            self._waiting.append(_Sequence(rid, tokens, n, params, generator))
+            self._waiting.append(EngineSequence(rid, tokens, n, params, sampler))
         return rid
 
     def abort(self, request_id: int) -> None:
         """Drop a waiting or running request and free its blocks; any other id is ignored."""
+        self._drop(request_id, "aborted")
+
+    def finish(self, request_id: int) -> None:
+        """End a request early as :meth:`abort` does, counted as finished rather than aborted:
+        whoever reads its text found a stop string in it."""
+        self._drop(request_id, "finished")
+
+    def _drop(self, request_id: int, counter: str) -> None:
         with self._lock:
             for seq in self._waiting:
                 if seq.id == request_id:
                     self._waiting.remove(seq)
-                    self._counts["aborted"] += 1
+                    self._counts[counter] += 1
                     return
             for seq in self._running:
                 if seq.id == request_id and not seq.aborted:
-                    seq.aborted = True
-                    self._counts["aborted"] += 1
+                    seq.aborted = True  # no more events; counted here, not when it ends
+                    self._counts[counter] += 1
                     if not self._in_step:
                         self._end(seq)
                     return
@@ -243,7 +236,7 @@ class Engine:
 
     # --- inside a step ---------------------------------------------------------------------------
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[EngineSequence]:
         """Move the waiting requests that fit (in order, stopping at the first that does not)
         to the running batch, with their prompt blocks: shared prefix blocks, then new ones."""
         admitted = []
@@ -252,12 +245,14 @@ class Engine:
             seq = self._waiting[0]
             keys = prefix_hashes(seq.tokens, P)
             shared = []
-            for key in keys[: (seq.prompt_len - 1) // P]:  # the last token is always computed
+            # the last token is always computed; every one, when its log-probability is asked
+            reusable = 0 if seq.params.prompt_logprobs else (seq.prompt_len - 1) // P
+            for key in keys[:reusable]:
                 block = alloc.lookup(key)
                 if block is None:
                     break
                 shared.append(block)
-            total = self._blocks_for(seq.prompt_len + seq.params.max_tokens - 1)
+            total = self._blocks_for(seq.slots)
             revived = sum(alloc.is_evictable(b) for b in shared)  # they stop counting as free
             if alloc.free_count - revived - self._reserved < total - len(shared):
                 break
@@ -277,7 +272,9 @@ class Engine:
             admitted.append(seq)
         return admitted
 
-    def _run(self, admitted: list[_Sequence], running: list[_Sequence]) -> list[TokenEvent]:
+    def _run(
+        self, admitted: list[EngineSequence], running: list[EngineSequence]
+    ) -> list[TokenEvent]:
         """The model work of a step (outside the lock): the prefills, then one decode forward."""
         if not running:
             return []
@@ -287,9 +284,7 @@ class Engine:
             self._packed.enter_context(block)
         events = []
         for seq in admitted:
-            logits = prefill(self._model, self._pool, seq.tokens, seq.blocks, seq.cached)
-            seq.cached = seq.prompt_len
-            events += self._emit([seq], logits)
+            events += first_events(self._model, self._pool, seq)
         decoding = [s for s in running if s.finish is None and not s.aborted]
         if decoding:
             with self._lock:
@@ -304,29 +299,16 @@ class Engine:
             )
             for seq in decoding:
                 seq.cached += 1
-            events += self._emit(decoding, logits)
+            events += emit(decoding, logits)
         return events
 
-    def _take_block_for(self, seq: _Sequence) -> None:
+    def _take_block_for(self, seq: EngineSequence) -> None:
         """A block for the slot the next token's keys go to, if the table has none (taken from
         the sequence's promised blocks)."""
         if seq.cached == len(seq.blocks) * self.block_size:
             seq.blocks.append(self._blocks.allocate())
             seq.reserved -= 1
             self._reserved -= 1
-
-    def _emit(self, seqs: list[_Sequence], logits: Tensor) -> list[TokenEvent]:
-        """Each sequence's next token from its row of ``logits``, recorded as an event."""
-        picked = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        events = []
-        for seq, token in zip(seqs, picked, strict=True):
-            seq.tokens.append(token)
-            if token in seq.params.stop_ids:
-                seq.finish = "stop"
-            elif seq.generated == seq.params.max_tokens:
-                seq.finish = "length"
-            events.append(TokenEvent(seq.id, token, seq.finish))
-        return events
 
     def _finish_step(self, events: list[TokenEvent]) -> list[TokenEvent]:
         """Under the lock: end what finished or was aborted, drop the aborted's events."""
@@ -343,7 +325,7 @@ class Engine:
             self._release_packed()
         return events
 
-    def _end(self, seq: _Sequence) -> None:
+    def _end(self, seq: EngineSequence) -> None:
         """Remove a running sequence and give back its blocks (the last first: a cached prefix
         is evicted from its end, so its beginning stays reusable longer)."""
         self._running.remove(seq)

@@ -1,5 +1,6 @@
 """The model work of an engine step: a prompt's prefill and the batched decode forward over the
-paged pool, and each row's next token.
+paged pool, for any decoder of :class:`dikkat.generation.DecoderLM`, and the events of each
+sequence's next token.
 
 Notation: ``B`` sequences, ``T`` new tokens, ``S`` slots attended, ``V`` vocabulary.
 """
@@ -12,30 +13,38 @@ import torch
 from torch import Tensor
 
 from dikkat.core.masks import causal, padding
-from dikkat.generation.generate import sample
-from dikkat.models.gpt import GPT
+from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.sampling import TokenLogprob, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
-from dikkat.serving.requests import SamplingParams
+from dikkat.serving.requests import EngineSequence, TokenEvent
 
 
 @torch.no_grad()
 def prefill(
-    model: GPT, pool: PagedKVPool, tokens: Sequence[int], blocks: Sequence[int], start: int
+    model: DecoderLM,
+    pool: PagedKVPool,
+    tokens: Sequence[int],
+    blocks: Sequence[int],
+    start: int,
+    *,
+    every: bool = False,
 ) -> Tensor:
     """Prompt ``tokens`` from position ``start`` on through the model (the keys and values of
     0 … start − 1 are in the blocks already: a shared prefix), written into the sequence's
-    ``blocks``; the logits (1, V) of the token after the prompt."""
-    device = model.tok_emb.weight.device
+    ``blocks``; the logits (1, V) of the token after the prompt, or with ``every`` the logits
+    (T, V) after each of the T tokens fed."""
+    device = model.cache_layout().device
     n = len(tokens)
     read = slots_of(slot_table([blocks]), torch.arange(n).unsqueeze(0), pool.block_size)  # (1, n)
     ids = torch.tensor([list(tokens[start:])], device=device)  # (1, T)
-    logits = model(ids, offset=start, cache=pool.layers(read[:, start:], read), last_only=True)
-    return logits[:, -1]
+    cache = pool.layers(read[:, start:], read)
+    logits = model(ids, offset=start, cache=cache, last_only=not every)
+    return logits[0] if every else logits[:, -1]
 
 
 @torch.no_grad()
 def decode(
-    model: GPT,
+    model: DecoderLM,
     pool: PagedKVPool,
     last: Sequence[int],
     positions: Sequence[int],
@@ -50,7 +59,7 @@ def decode(
     :mod:`dikkat.generation`; the padding mask hides each row's pads, ``positions`` give each
     row its own place for the position embeddings.
     """
-    device = model.tok_emb.weight.device
+    device = model.cache_layout().device
     lengths = torch.tensor(positions) + 1
     read, valid, where = left_padded_slots(slot_table(tables), lengths, pool.block_size)  # (B, S)
     S = read.shape[1]
@@ -66,19 +75,51 @@ def decode(
     return logits[:, -1]
 
 
-def next_tokens(
+def first_events(model: DecoderLM, pool: PagedKVPool, seq: EngineSequence) -> list[TokenEvent]:
+    """Run a new request's prompt (after its shared prefix); its first event."""
+    every = seq.params.prompt_logprobs  # then nothing was shared: seq.cached == 0
+    logits = prefill(model, pool, seq.tokens, seq.blocks, seq.cached, every=every)
+    seq.cached = seq.prompt_len
+    prompt = None
+    if every:  # row i of the logits predicts prompt token i + 1
+        following = torch.tensor(seq.tokens[1:], device=logits.device)
+        prompt = (None, *token_logprobs(logits[:-1], following, seq.params.top_logprobs))
+        logits = logits[-1:]
+    if seq.params.max_new_tokens == 0:
+        seq.finish = "length"
+        return [TokenEvent(seq.id, None, "length", prompt_logprobs=prompt)]
+    return emit([seq], logits, prompt)
+
+
+def emit(
+    seqs: list[EngineSequence],
     logits: Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """Row b's next token from logits (B, V): greedy, or sampled with its own parameters and
-    generator exactly as :func:`dikkat.generation.generate` samples one prompt's."""
-    picked = logits.argmax(dim=-1).tolist()  # every greedy row in one call
-    for b, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature > 0:
-            row = logits[b : b + 1]  # (1, V): the draw generate() makes for one prompt
-            token = sample(
-                row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=generator
-            )
-            picked[b] = int(token)
+    prompt: tuple[TokenLogprob | None, ...] | None = None,
+) -> list[TokenEvent]:
+    """Each sequence's next token from its row of ``logits`` (B, V), recorded as an event
+    (the first carries ``prompt``, the prompt's log-probabilities, when given)."""
+    picked = _pick(seqs, logits)
+    events = []
+    for b, (seq, token) in enumerate(zip(seqs, picked, strict=True)):
+        p = seq.params
+        logprob = None
+        if p.logprobs:
+            chosen = torch.tensor([token], device=logits.device)
+            logprob = token_logprobs(logits[b : b + 1], chosen, p.top_logprobs)[0]
+        seq.tokens.append(token)
+        if token in p.stop_ids:
+            seq.finish = "stop"
+        elif seq.generated == p.max_new_tokens:
+            seq.finish = "length"
+        events.append(TokenEvent(seq.id, token, seq.finish, logprob, prompt))
+    return events
+
+
+def _pick(seqs: list[EngineSequence], logits: Tensor) -> list[int]:
+    """Row b's next token: the plain greedy rows in one argmax, every other row by its own
+    sampler, the draw :func:`dikkat.generation.generate` makes for one prompt."""
+    picked = logits.argmax(dim=-1).tolist()
+    for b, seq in enumerate(seqs):
+        if not seq.params.greedy or seq.params.adjusts_logits:
+            picked[b] = int(seq.sampler.pick(logits[b : b + 1]))
     return picked

@@ -22,7 +22,7 @@ ENGINE_METRICS = (
     ("prompt_tokens", "prompt_tokens_total", "counter", "prompt tokens admitted"),
     ("generated_tokens", "generation_tokens_total", "counter", "tokens generated"),
     ("finished", "requests_finished_total", "counter", "requests the engine finished"),
-    ("aborted", "requests_aborted_total", "counter", "requests aborted (client left, stop)"),
+    ("aborted", "requests_aborted_total", "counter", "requests aborted (the client left)"),
     ("prefix_hit_tokens", "prefix_hit_tokens_total", "counter", "prompt tokens reused"),
 )
 

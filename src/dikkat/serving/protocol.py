@@ -1,42 +1,156 @@
-"""The OpenAI wire format the server speaks: request models and error objects.
+"""The OpenAI wire format the server reads: request models, refusals and error objects.
 
-The request fields are those of OpenAI's legacy completions endpoint
-(https://platform.openai.com/docs/api-reference/completions/create) that dikkat can honour; any
-other field is refused (``extra="forbid"``) rather than silently ignored, and types are strict
-(``"5"`` is not a number, ``true`` is not an integer).
+Every request field of OpenAI's completions and chat completions endpoints
+(https://platform.openai.com/docs/api-reference/completions/create,
+https://platform.openai.com/docs/api-reference/chat/create) is accepted: honoured, or taken and
+ignored where it cannot change the answer (``user``, ``store``, ``metadata``, ``service_tier``
+…), or refused by name where honouring it is impossible (``suffix``, ``tools``, a JSON
+``response_format``: :func:`refusal`). A field OpenAI does not have is refused as unknown, and
+types are strict (``"5"`` is not a number, ``true`` is not an integer). docs/server.md has the
+table. ``top_k`` is accepted too, as vLLM accepts it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_STOPS = 4  # OpenAI's limit on stop sequences
+MAX_STOPS = 16  # OpenAI allows 4; lm-evaluation-harness sends its task's stops and the EOS
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (5 for completions; vLLM allows 20 for both)
+MAX_CHOICES = 128  # OpenAI's limit on n
+
+Strict = ConfigDict(extra="forbid", strict=True)
+Ignored = Any  # a field taken and ignored: any JSON value
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # a negative seed is taken mod 2**64
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Request(BaseModel):
+    """A request object: strict types, no unknown field, and a field sent as ``null`` is a field
+    not sent (OpenAI's fields are nullable; many clients send every one)."""
 
+    model_config = Strict
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(Request):
     include_usage: bool = False  # one last chunk with the request's token counts
+    include_obfuscation: Ignored = None  # padding against side channels: nothing to hide here
+    continuous_usage_stats: Ignored = None  # vLLM's: not given
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions``: continue one prompt (text, or a list of token ids)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Sampling(Request):
+    """The fields both endpoints share."""
 
     model: str
-    prompt: str | list[int]
-    max_tokens: int = Field(default=16, ge=1)  # OpenAI's default
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # 0 = greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's; -1, 0 or None: all tokens
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end user's id for the caller's own logs; unused here
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) → bias in [-100, 100]
+    user: Ignored = None  # an end user's id for the caller's own logs
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(Sampling):
+    """``POST /v1/completions``: continue one prompt or several (text, or token ids)."""
+
+    prompt: Prompt
+    max_tokens: int = Field(default=16, ge=0)  # OpenAI's default; 0 with echo scores a prompt
+    echo: bool = False  # the prompt before its completion (with logprobs: its log-probabilities)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    suffix: str | None = None  # refused unless empty: no dikkat model fills in a middle
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: str
+    text: str | None = None  # the other part types (image_url, input_audio, file) are refused
+    refusal: str | None = None
+    image_url: Ignored = None
+    input_audio: Ignored = None
+    file: Ignored = None
+
+
+class Message(BaseModel):
+    """One message of a conversation; tool calls are refused (no dikkat model calls tools)."""
+
+    model_config = Strict
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[Ignored] | None = None
+    tool_call_id: str | None = None
+    function_call: Ignored = None
+    audio: Ignored = None
+
+
+class ChatRequest(Sampling):
+    """``POST /v1/chat/completions``: the assistant's next message."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict[str, Ignored] | None = None  # {"type": "text"} only
+    tools: list[Ignored] | None = None  # refused unless empty
+    tool_choice: Ignored = None  # "none" / "auto" (with no tools the same), else refused
+    functions: list[Ignored] | None = None  # the deprecated form of tools
+    function_call: Ignored = None  # the deprecated form of tool_choice
+    parallel_tool_calls: Ignored = None
+    audio: Ignored = None  # refused unless null: no audio out
+    modalities: list[str] | None = None  # ["text"] only
+    web_search_options: Ignored = None  # refused unless null
+    prediction: Ignored = None  # predicted output only speeds a model up: the answer is the same
+    reasoning_effort: Ignored = None  # dikkat's models do not reason before they answer
+    verbosity: Ignored = None
+    store: Ignored = None
+    metadata: Ignored = None
+    service_tier: Ignored = None
+    safety_identifier: Ignored = None
+    prompt_cache_key: Ignored = None  # prefix reuse is automatic (docs/engine.md)
+    prompt_cache_options: Ignored = None
+    prompt_cache_retention: Ignored = None
+    moderation: Ignored = None
+
+
+class TokenizeRequest(Request):
+    """``POST /tokenize`` (vLLM's): a prompt, or messages in the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(
@@ -56,6 +170,52 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
+    """(the field, why) for the first field of ``body`` this server cannot honour, else None."""
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            return "suffix", "suffix is not supported: no dikkat model fills in a middle"
+        if body.best_of is not None and body.best_of < body.n:
+            return "best_of", f"best_of={body.best_of} must be at least n={body.n}"
+        if body.best_of is not None and body.best_of > body.n and body.stream:
+            return "best_of", "best_of > n cannot be streamed: the best are known at the end"
+        return None
+    no_tools = "no dikkat model calls tools"
+    if body.tools or body.functions:
+        name = "tools" if body.tools else "functions"
+        return name, f"{name} are not supported: {no_tools}"
+    for name in ("tool_choice", "function_call"):
+        choice = getattr(body, name)
+        if choice not in (None, "none", "auto"):
+            return name, f"{name}={choice!r} is not supported: {no_tools}"
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        return "response_format", f"response_format {kind!r} is not supported: only 'text'"
+    if body.audio is not None:
+        return "audio", "audio output is not supported: only text comes out"
+    if any(m != "text" for m in body.modalities or []):
+        return "modalities", f"modalities={body.modalities}: only text comes out"
+    if body.web_search_options is not None:
+        return "web_search_options", "web_search_options is not supported: no web search"
+    if body.top_logprobs and not body.logprobs:
+        return "top_logprobs", "top_logprobs needs logprobs: true"
+    both = (body.max_tokens, body.max_completion_tokens)
+    if None not in both and both[0] != both[1]:
+        why = f"max_tokens={both[0]} and max_completion_tokens={both[1]} disagree; give one"
+        return "max_completion_tokens", why
+    for i, m in enumerate(body.messages):
+        if m.tool_calls or m.function_call is not None:
+            where = f"messages[{i}].tool_calls"
+            return where, f"{where}: a tool call in the conversation; {no_tools}"
+        if m.audio is not None:
+            return f"messages[{i}].audio", f"messages[{i}].audio: only text goes in"
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type not in ("text", "refusal"):
+                where = f"messages[{i}].content[{j}].type"
+                return where, f"{where} is {part.type!r}: only text goes in"
+    return None
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """pydantic's validation errors → (one readable message, the first field named)."""
     parts: dict[str, str] = {}  # one message per top-level field (a union gives one per member)
@@ -65,44 +225,16 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if e.get("type") == "json_invalid":
             parts[field] = f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}"
         elif e.get("type") == "extra_forbidden":
-            parts[field] = f"unknown field {field!r}"
+            parts[field] = f"unknown field {'.'.join(where)!r}"
         elif not where:
             parts[field] = "the body must be a JSON object"
         elif field in parts:
-            parts[field] = f"{field} has the wrong type (got {e.get('input')!r})"
+            parts[field] = f"{field} has the wrong type (got {_short(e.get('input'))})"
         else:
-            parts[field] = f"{'.'.join(where)}: {e['msg']} (got {e.get('input')!r})"
+            parts[field] = f"{'.'.join(where)}: {e['msg']} (got {_short(e.get('input'))})"
     return "; ".join(parts.values()), next((f for f in parts if f), None)
 
 
-Usage = dict[str, int]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion(
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: Literal["stop", "length"] | None,
-    usage_counts: Usage | None,
-) -> dict[str, Any]:
-    """A ``text_completion`` object: the whole answer, or one streamed chunk of it."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage_counts is not None:
-        body["usage"] = usage_counts
-    return body
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,13 +1,14 @@
-"""What goes into the engine and what comes out: sampling parameters, token events, statistics."""
+"""What goes into the engine and what comes out: sampling parameters (the one
+:class:`~dikkat.generation.SamplingParams` of every entry point), token events, statistics."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from dikkat.generation.generate import check_sampling, check_seed
-from dikkat.validate import check_int, is_int
+from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob
+
+__all__ = ["EngineFull", "EngineStats", "FinishReason", "SamplingParams", "TokenEvent"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -18,41 +19,21 @@ class EngineFull(Exception):  # noqa: N818 (a state, like queue.Full, not an Err
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How one request decodes: the arguments of :func:`dikkat.generation.generate` for it.
+class TokenEvent:
+    """One new token of one request; the request's last event carries why it ended.
 
-    A request's tokens are those of ``generate(model, [prompt], max_tokens, temperature=…,
-    top_k=…, top_p=…, seed=…)`` for its prompt alone, whatever else runs beside it; a stop token
-    ends it as ``eos_id`` ends ``generate`` (it is the last token, and it is sent).
+    ``token`` is None only in the one event of a request with ``max_new_tokens = 0`` (which
+    asks for its prompt's log-probabilities alone). ``logprob`` is the token's
+    :class:`~dikkat.generation.TokenLogprob` when the request asked for ``logprobs``;
+    ``prompt_logprobs``, on a request's first event when it asked for them, holds one entry per
+    prompt token, None for the first (nothing comes before it).
     """
 
-    max_tokens: int  # new tokens at most (≥ 1)
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float | None = None  # nucleus sampling: the smallest set of tokens reaching top_p
-    top_k: int | None = None  # sample among the k most likely tokens
-    seed: int | None = None  # seeds this request's own generator; None: torch's global one
-    stop_ids: tuple[int, ...] = ()  # token ids that end the request (finish_reason "stop")
-
-    def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens)
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        check_seed(self.seed)
-        stop = self.stop_ids
-        if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
-            raise TypeError(f"stop_ids must be a tuple of int token ids, got {type(stop).__name__}")
-        for i, token in enumerate(stop):
-            if not is_int(token) or token < 0:
-                raise ValueError(f"stop_ids[{i}] must be a token id (an int ≥ 0), got {token!r}")
-        object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop))
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One new token of one request; the request's last event carries why it ended."""
-
     request_id: int
-    token: int
+    token: int | None
     finish_reason: FinishReason | None  # None while running
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +43,8 @@ class EngineStats:
     ``free_blocks`` counts the blocks a new sequence can take: free ones and *evictable* ones,
     cached prompt prefixes that no running sequence uses (kept for reuse until a block is needed).
     When nothing runs it equals ``total_blocks``. The token counts and the request counts
-    (``finished``: ended by a stop token or ``max_tokens``; ``aborted``) are totals since the
+    (``finished``: ended by a stop token, by ``max_new_tokens`` or by
+    :meth:`~dikkat.serving.Engine.finish`, a stop string; ``aborted``) are totals since the
     engine was built; ``prefix_hit_tokens`` counts prompt tokens whose keys and values were
     found in the cache instead of computed.
     """
@@ -77,3 +59,28 @@ class EngineStats:
     finished: int
     aborted: int
     prefix_hit_tokens: int
+
+
+@dataclass(eq=False)
+class EngineSequence:
+    """One request inside the engine: its tokens, its sampler, its block table."""
+
+    id: int
+    tokens: list[int]  # the prompt, then the tokens generated so far
+    prompt_len: int
+    params: SamplingParams
+    sampler: Sampler
+    blocks: list[int] = field(default_factory=list)  # block table
+    cached: int = 0  # tokens whose keys and values are in the blocks
+    reserved: int = 0  # blocks promised for later tokens, not yet taken
+    finish: FinishReason | None = None
+    aborted: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def slots(self) -> int:
+        """Cache slots the request needs in all: its last token is never fed back."""
+        return self.prompt_len + max(self.params.max_new_tokens, 1) - 1

@@ -30,6 +30,8 @@ class EngineLike(Protocol):
 
     def abort(self, request_id: int) -> None: ...
 
+    def finish(self, request_id: int) -> None: ...
+
     def has_work(self) -> bool: ...
 
     def stats(self) -> Any: ...
@@ -87,9 +89,15 @@ class EngineRunner:
         self._queues.pop(request_id, None)
 
     def abort(self, request_id: int) -> None:
-        """Stop a request (the client left, or a stop string ended it): its blocks are freed."""
+        """Stop a request (the client left): its blocks are freed."""
         self._queues.pop(request_id, None)
         self.engine.abort(request_id)
+
+    def finish(self, request_id: int) -> None:
+        """End a request whose text reached a stop string: its blocks are freed, and it counts
+        as finished."""
+        self._queues.pop(request_id, None)
+        self.engine.finish(request_id)
 
     def _work(self) -> None:
         while not self._stopping.is_set():

