@@ -21,6 +21,7 @@ import checkpoint
 import distributed
 import generation
 import hf_long_context
+import import_time
 import pretrained
 import speculative
 import training
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "checkpoint": checkpoint.main,
     "hf_long_context": hf_long_context.main,
     "distributed": distributed.main,
+    "import_time": import_time.main,
 }
 
 

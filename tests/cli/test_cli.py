@@ -1,3 +1,4 @@
+import json
 import re
 import subprocess
 import sys
@@ -293,3 +294,51 @@ def test_generate_lookup_refuses_to_sample(tiny_checkpoint, capsys):
     err = capsys.readouterr().err
     assert "--lookup decodes greedily; it cannot sample at --temperature 0.8" in err
     assert err.strip().count("\n") == 0
+
+
+# what `dikkat --help` must not load: each command imports them inside its function
+HEAVY_FOR_HELP = (
+    "dikkat.training",
+    "dikkat.serving",
+    "dikkat.pretrained",
+    "dikkat.maps",
+    "dikkat.hf",
+    "dikkat.distributed",
+    "fastapi",
+    "uvicorn",
+    "transformers",
+    "matplotlib",
+    "scipy",
+    "jinja2",
+)
+
+
+def test_help_of_dikkat_and_of_every_command_loads_nothing_heavy():
+    """``dikkat --help`` and ``dikkat COMMAND --help`` for every command, in one fresh process:
+    each prints its usage and exits 0, and none of them imports training, the server, the
+    pretrained models, the maps or the plotting and optional libraries."""
+    code = """
+import contextlib, io, json, sys
+from dikkat.cli import build_parser, main
+from dikkat.cli.common import iter_commands
+
+codes, usages = {}, {}
+for argv in [[], *[name.split() for name, _ in iter_commands(build_parser())]]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main([*argv, "--help"])
+        except SystemExit as e:
+            codes[" ".join(argv)] = e.code
+    usages[" ".join(argv)] = out.getvalue().startswith("usage: dikkat")
+print(json.dumps({"codes": codes, "usages": usages, "modules": list(sys.modules)}))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert {"", "train", "serve", "show", "audit", "bench attention"} <= out["codes"].keys()
+    assert set(out["codes"].values()) == {0} and all(out["usages"].values()), out
+    heavy = sorted(m for m in HEAVY_FOR_HELP if m in out["modules"])
+    assert not heavy, heavy

@@ -3,6 +3,11 @@
 Every command has ``--help`` with examples (:func:`dikkat.cli.common.add_command`); a user error
 ends with one line on stderr (``dikkat: error: …``) and exit status 2, a real bug keeps its
 traceback.
+
+``dikkat --help`` builds every command's parser, so a command module imports at its top only what
+its parser needs; what a command needs to run (training, pretrained models, the server, the maps)
+it imports inside its function, and ``dikkat --help`` answers without loading them
+(tests/cli/test_cli.py).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from collections.abc import Sequence
 
 from dikkat.cli import audit, bench, chat, demo, generate, seeds, serve, show, train, vision
 from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
-from dikkat.training.trainer import DivergedError, TrainingInterrupted
 from dikkat.version import __version__
 
 # the families of commands, in the order `dikkat --help` lists them
@@ -45,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    # what training raises, caught here for every command: imported once a command runs
+    from dikkat.training.results import DivergedError
+    from dikkat.training.signals import TrainingInterrupted
+
     try:
         return args.func(args)
     except USER_ERRORS as e:

@@ -19,7 +19,6 @@ from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model
 from dikkat.core.masks import causal, document, full, padding
 from dikkat.models import BERT, GPT, Decoder, Seq2Seq
-from dikkat.pretrained import load
 
 Audit = Callable[[], Report]
 
@@ -154,6 +153,8 @@ def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
             f"last), got {args.seq_len}"
         )
     if args.model is not None:
+        from dikkat.pretrained import load  # loaded when a command runs (see dikkat.cli)
+
         lm = load(args.model, device=device)
         return f"{args.model} ({lm!r})", decoder_audits(lm.model, args)
     if args.hf is not None:

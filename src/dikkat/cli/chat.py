@@ -11,18 +11,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dikkat.cli.args import non_negative_float, positive_int, probability
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.generation import WEIGHT_FORMATS, SamplingParams
-from dikkat.pretrained import Pretrained, load
+
+if TYPE_CHECKING:
+    from dikkat.pretrained import Pretrained
 
 COMMANDS_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) leaves"
 
 
 def load_pretrained(args: argparse.Namespace) -> Pretrained:
     """The model ``--model``/MODEL names, loaded with a line on stderr saying what and how long."""
+    from dikkat.pretrained import load  # loaded when a command runs (see dikkat.cli)
+
     print(f"dikkat: loading {args.model} …", file=sys.stderr, flush=True)
     start = time.perf_counter()
     lm = load(args.model, device=device_of(args))

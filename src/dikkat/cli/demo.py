@@ -13,9 +13,6 @@ from dikkat.cli.args import positive_int
 from dikkat.cli.common import add_command, add_device, device_of
 from dikkat.cli.train import run_training
 from dikkat.tasks import TaskSpec, build_task
-from dikkat.training.checkpoint import check_out_dir
-from dikkat.training.leak import leak_demo
-from dikkat.training.trainer import TrainConfig, Trainer
 
 DEMO = "dikkat demo"  # who made the demo's run (run.json): the demo replaces only its own
 
@@ -40,6 +37,7 @@ def print_leak(result: Any) -> None:
 
 
 def cmd_leak_demo(args: argparse.Namespace) -> int:
+    from dikkat.training.leak import leak_demo  # training loads when a command runs
 
     print("The same tiny GPT, the same batches, trained with and without the causal mask.")
     result = leak_demo(
@@ -55,6 +53,10 @@ def cmd_leak_demo(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small GPT on the standard library, show the leak, sample with the KV cache."""
+    # training loads when a command runs, not when `dikkat --help` builds the parsers
+    from dikkat.training.checkpoint import check_out_dir
+    from dikkat.training.leak import leak_demo
+    from dikkat.training.trainer import TrainConfig, Trainer
 
     t0 = time.perf_counter()
     device = device_of(args)

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 import torch
 
 from dikkat import runs
-from dikkat.training.checkpoint import TASK_FILE
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,13 @@ def _read_json(path: Path) -> Any:
         return None  # damaged: left for the loader, whose error names the file and the fault
 
 
+def _task_file(folder: Path) -> Path:
+    """A run's ``task.json`` (its TaskSpec), written by :mod:`dikkat.training.checkpoint`."""
+    from dikkat.training.checkpoint import TASK_FILE  # not at the top: see dikkat.cli
+
+    return folder / TASK_FILE
+
+
 def held(path: str | Path) -> Held:
     """What the run or model folder ``path`` holds; a user error (``FileNotFoundError`` or
     ``ValueError``, one line) if it is neither."""
@@ -92,7 +98,7 @@ def held(path: str | Path) -> Held:
     hf_type = config.get("model_type") if model is None else None
     task = None
     if kind == "run":
-        meta = _read_json(folder / TASK_FILE)
+        meta = _read_json(_task_file(folder))
         spec = meta.get("task") if isinstance(meta, dict) else None
         task = spec.get("task") if isinstance(spec, dict) else None
     task = task if isinstance(task, str) else None
@@ -139,7 +145,7 @@ def load_model(
 
 def task_seed(path: str | Path) -> int:
     """The data seed a run was trained with (0 for a model folder, which records none)."""
-    task_file = runs.checkpoint_dir(path) / TASK_FILE
+    task_file = _task_file(runs.checkpoint_dir(path))
     if not task_file.is_file():
         return 0
     try:

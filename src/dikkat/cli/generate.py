@@ -19,7 +19,6 @@ from dikkat.cli.folders import load_model
 from dikkat.generation import WEIGHT_FORMATS, LookupStats, iter_generate, iter_lookup_generate
 from dikkat.interop import load_hf_gpt2_dir
 from dikkat.models import BERT, GPT
-from dikkat.pretrained.minilm import minilm
 from dikkat.tasks.mlm import MASK, fill_mask
 from dikkat.text import ByteTokenizer, load_tokenizer
 
@@ -151,6 +150,8 @@ def cmd_fill_mask(args: argparse.Namespace) -> int:
 def cmd_embed(args: argparse.Namespace) -> int:
     """Print one JSON list per sentence: its 384-dim MiniLM embedding."""
     require_extra("minilm", "embed")
+    from dikkat.pretrained.minilm import minilm  # loaded when a command runs (see dikkat.cli)
+
     for row in minilm(device_of(args)).encode(args.sentences).tolist():
         print(json.dumps([round(x, args.digits) for x in row]))
     return 0
@@ -159,6 +160,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_similar(args: argparse.Namespace) -> int:
     """Rank candidate sentences by cosine similarity to the query."""
     require_extra("minilm", "similar")
+    from dikkat.pretrained.minilm import minilm  # loaded when a command runs (see dikkat.cli)
+
     for score, text in minilm(device_of(args)).similar(args.query, args.candidates):
         print(f"{score:7.4f}  {text}")
     return 0

@@ -15,7 +15,6 @@ from dikkat.cli.generate import _tokenizer_of
 from dikkat.interop import load_hf_gpt2_dir
 from dikkat.layers import WEIGHT_FORMATS
 from dikkat.models import GPT
-from dikkat.serving import Engine
 from dikkat.text import load_tokenizer
 
 
@@ -25,6 +24,9 @@ def build_app(args: argparse.Namespace) -> Any:
     if len(sources) != 1:
         raise ValueError("give one of a run or model folder, --hf-gpt2 PATH or --model MODEL")
     require_extra("serve", "serve")  # before the model is loaded: fastapi and uvicorn
+    from dikkat.serving import Engine  # loaded when a command runs (see dikkat.cli)
+    from dikkat.serving.engine import default_num_blocks
+
     device = device_of(args)
     chat_prompt = None
     if args.model is not None:
@@ -51,7 +53,9 @@ def build_app(args: argparse.Namespace) -> Any:
         raise ValueError(f"--max-model-len {args.max_model_len} is past the model's context of "
                          f"{context}")  # fmt: skip
     served_len = args.max_model_len or context
-    num_blocks = args.num_blocks or args.max_batch * -(-served_len // args.block_size)
+    num_blocks = args.num_blocks or default_num_blocks(
+        model.cache_layout(), args.block_size, args.max_batch, served_len
+    )
     engine = Engine(
         model,
         block_size=args.block_size,

@@ -6,18 +6,14 @@ import argparse
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dikkat import maps
 from dikkat.cli.args import add_no_verify
 from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import held, load_model, refusal, task_seed
-from dikkat.maps.faithfulness import MAX_TOKENS, Faithfulness
 from dikkat.models import BERT, GPT, Seq2Seq
-from dikkat.pretrained import load
-from dikkat.pretrained.minilm import minilm
 from dikkat.tasks.digits import load_digits_split
 from dikkat.tasks.translate import encode_numbers
 from dikkat.text import NumberTokenizer, load_tokenizer
@@ -28,6 +24,9 @@ from dikkat.viz.heatmaps import draw_alignment, draw_focus, draw_grid
 from dikkat.viz.maps import AttentionMaps
 from dikkat.viz.overlay import draw_image_attention, draw_importance
 from dikkat.viz.report import write_html
+
+if TYPE_CHECKING:
+    from dikkat.maps import Faithfulness, TextModel
 
 FULL_ROWS = 256  # up to this many tokens the grid keeps every query row; past it, the focus only
 
@@ -100,6 +99,8 @@ def _focus_summary(m: AttentionMaps, row: int) -> str:
 
 
 def _checked(args: argparse.Namespace, n_tokens: int) -> None:
+    from dikkat.maps.faithfulness import MAX_TOKENS  # loaded when a command runs (see dikkat.cli)
+
     if args.rollout and args.head is not None:
         raise ValueError("--rollout averages every head: --head does not apply")
     if (args.rollout or args.faithfulness) and n_tokens > MAX_TOKENS:
@@ -109,9 +110,9 @@ def _checked(args: argparse.Namespace, n_tokens: int) -> None:
         )
 
 
-def _show_text(
-    args: argparse.Namespace, tm: maps.TextModel, figures: Figures
-) -> Faithfulness | None:
+def _show_text(args: argparse.Namespace, tm: TextModel, figures: Figures) -> Faithfulness | None:
+    from dikkat import maps  # loaded when a command runs (see dikkat.cli)
+
     if args.text is None:
         raise ValueError("give the text to read: --text 'a sentence'")
     ids, labels = maps.encode_text(tm, args.text)
@@ -134,6 +135,8 @@ def _show_text(
 
 
 def _show_translation(args: argparse.Namespace, figures: Figures) -> Faithfulness | None:
+    from dikkat import maps  # loaded when a command runs (see dikkat.cli)
+
     model = load_model(Seq2Seq, args.run, "show", verify=not args.no_verify, device=device_of(args))
     tokenizer = load_tokenizer(args.run, verify=not args.no_verify)
     if not isinstance(tokenizer, NumberTokenizer):
@@ -159,6 +162,8 @@ def _show_translation(args: argparse.Namespace, figures: Figures) -> Faithfulnes
 
 
 def _show_image(args: argparse.Namespace, figures: Figures) -> Faithfulness | None:
+    from dikkat import maps  # loaded when a command runs (see dikkat.cli)
+
     model = load_model(ViT, args.run, "show", verify=not args.no_verify, device=device_of(args))
     if args.token is not None:
         raise ValueError("--token does not apply to a ViT: the pictures follow its class token")
@@ -181,6 +186,11 @@ def _show_image(args: argparse.Namespace, figures: Figures) -> Faithfulness | No
 
 def cmd_show(args: argparse.Namespace) -> int:
     """Draw a model's attention on one input; with --faithfulness, rank it against importance."""
+    # the maps and the pretrained models load when a command runs (see dikkat.cli)
+    from dikkat import maps
+    from dikkat.pretrained import load
+    from dikkat.pretrained.minilm import minilm
+
     given = [args.run is not None, args.model is not None, args.hf is not None]
     if sum(given) != 1:
         raise ValueError("give one model: a RUN_DIR, --model MODEL or --hf PATH")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_float, positive_int
@@ -22,11 +22,10 @@ from dikkat.tasks import TaskSpec, build_task, task_info, task_names
 from dikkat.tasks.translate import encode_numbers
 from dikkat.text import load_tokenizer
 from dikkat.text.number_words import BOS_ID, EOS_ID, NumberTokenizer
-from dikkat.training.checkpoint import check_out_dir, hold_out_dir
-from dikkat.training.parallel import release
-from dikkat.training.results import SaveError, TrainResult
-from dikkat.training.signals import TrainingInterrupted
-from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
+
+if TYPE_CHECKING:
+    from dikkat.training.results import TrainResult
+    from dikkat.training.trainer import Trainer
 
 DEFAULT_TASK = "lm"  # --task left out of a new run
 SIZE_FLAGS = ("d_model", "layers", "heads", "kv_heads", "position", "dropout")
@@ -91,6 +90,9 @@ def _check_resumable(out: Path, task: str | None) -> None:
 def run_training(trainer: Trainer, progress: bool) -> TrainResult | int:
     """``trainer.train()``; a run folder that could not be written (a full disk) ends in one
     line and exit status 1, as does a signal in every rank but rank 0, which says it."""
+    from dikkat.training.results import SaveError  # training loads when a command runs
+    from dikkat.training.signals import TrainingInterrupted
+
     try:
         return trainer.train(progress=progress)
     except SaveError as e:
@@ -103,6 +105,11 @@ def run_training(trainer: Trainer, progress: bool) -> TrainResult | int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    # training loads when a command runs, not when `dikkat --help` builds the parsers
+    from dikkat.training.checkpoint import check_out_dir, hold_out_dir
+    from dikkat.training.parallel import release
+    from dikkat.training.trainer import TrainConfig, Trainer, resume_trainer
+
     where: dict[str, Any] = {"device": device_of(args), "parallel": parallel_of(args)}
     out = Path(args.out or f"runs/{args.task or DEFAULT_TASK}")
     launching = args.nproc > 1 and not under_launcher()

@@ -98,7 +98,8 @@ class Choice:
             self.tokens += 1
             if not (finish == "stop" and event.token in self.stop_ids):  # end of text: not shown
                 text = self.text.push(event.token)
-                logprobs = () if event.logprob is None else (event.logprob,)
+            # listed even when not shown: a scorer counts one entry per generated token
+            logprobs = () if event.logprob is None else (event.logprob,)
         if self.text.stopped:
             finish = "stop"
             if not self.finished:

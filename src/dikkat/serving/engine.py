@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from dikkat.generation.protocol import DecoderLM
+from dikkat.generation.protocol import CacheLayout, DecoderLM
 from dikkat.generation.sampling import Sampler, SamplingParams
 from dikkat.layers.inference import inference_model
 from dikkat.layers.quantized import WeightFormat, check_weights
@@ -43,6 +43,14 @@ from dikkat.serving.requests import EngineFull, EngineSequence, EngineStats, Tok
 from dikkat.validate import check_int, is_int
 
 DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
+
+
+def default_num_blocks(layout: CacheLayout, block_size: int, max_batch: int, max_len: int) -> int:
+    """Blocks for ``max_batch`` sequences of ``max_len`` tokens, or as many as fit in
+    :data:`DEFAULT_CACHE_BYTES` if that is fewer (at least one)."""
+    slot_bytes = 2 * layout.n_layers * layout.kv_heads * layout.head_dim * layout.dtype.itemsize
+    fits = DEFAULT_CACHE_BYTES // (slot_bytes * block_size)
+    return max(1, min(max_batch * -(-max_len // block_size), fits))
 
 
 class Engine:
@@ -106,10 +114,7 @@ class Engine:
         self.vocab_size: int = model.config.vocab_size
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         if num_blocks is None:
-            slot_bytes = 2 * layout.n_layers * layout.kv_heads * layout.head_dim
-            slot_bytes *= layout.dtype.itemsize
-            fits = DEFAULT_CACHE_BYTES // (slot_bytes * block_size)
-            num_blocks = max(1, min(max_batch * self._blocks_for(layout.context), fits))
+            num_blocks = default_num_blocks(layout, block_size, max_batch, layout.context)
         self._pool = PagedKVPool(
             layout.n_layers,
             num_blocks,

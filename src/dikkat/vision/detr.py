@@ -22,7 +22,6 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
 from dikkat.layers.block import Block, BlockConfig
@@ -305,6 +304,10 @@ def hungarian_match(
         Per image, (query indices, object indices), both of length n = its number of objects
         (objects are indexed among the non-padding entries, in order). Needs N ≥ n.
     """
+    # scipy.optimize takes about half a second to import: loaded by the first match, not by
+    # `import dikkat.vision` (which `dikkat --help` reaches through the task registry)
+    from scipy.optimize import linear_sum_assignment
+
     _check_targets(logits, boxes, labels, target_boxes)
     weights = weights or LossWeights()
     out = []
