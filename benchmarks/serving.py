@@ -1,14 +1,28 @@
-"""Concurrent streams through ``dikkat serve``: aggregate tokens/s, first-token and per-token
-latency, for 1, 4, 8 and 16 streams at once.
+"""Concurrent streams through ``dikkat serve``: aggregate tokens/s, time to first token and
+inter-token latency at 1, 4, 8 and 16 streams at once, and one stream against ``generate``.
 
-    python benchmarks/serving.py [--streams 1,4,8,16] [--tokens 64] [--prompt 16] [--quick]
+    python benchmarks/serving.py [--model smollm2] [--streams 1,4,8,16] [--tokens 64]
+                                 [--prompt 16] [--pairs 3] [--threads 2] [--quick]
 
-The server runs in its own process (an Engine over a randomly initialised GPT-2-small-shaped
-model, fp32, greedy, no end-of-text stop, so every stream gets all its tokens); the clients are
-the official ``openai`` async client, streaming, in this process. ``--quick`` uses a small model.
-Aggregate tokens/s = every stream's tokens / the wall time from the first request to the last
-token; first-token latency from a request to its first chunk; per-token latency = the gaps
-between a stream's chunks (percentiles over all streams).
+The server is ``python -m dikkat serve --model MODEL`` in its own process (the app that command
+builds: the pretrained decoder in fp32, its engine and its tokenizer), answering
+``/v1/completions``; the clients are the official ``openai`` async client, streaming, in this
+process. Each stream sends a different slice of this Python's standard-library source as token
+ids (no stream reuses another's cached prefix), greedy, with ``logit_bias`` −100 on the
+tokenizer's end ids, so that every stream gets all its tokens (an OpenAI-level "ignore EOS": the
+server would still stop at an end id, it never picks one). ``--quick`` serves a small random GPT
+with a number tokenizer instead (a spawned server process, no end ids).
+
+Per stream count: aggregate tokens/s = every stream's tokens / the wall time from the first
+request to the last chunk; time to first token (TTFT) = a request to its first chunk;
+inter-token latency (ITL) = the gaps between one stream's chunks (percentiles over all streams).
+
+One stream against ``generate``: in this process, with the same torch threads, the same model
+and the same sampling parameters, ``dikkat.iter_generate`` decodes a prompt of the same length
+for the same number of tokens (the weights prepared once, as the server's engine holds them).
+The two take turns ``--pairs`` times, while the other side is idle; decode ms/token = (last
+token − first token) / (tokens − 1) on each side, so the ratio compares decoding alone (no
+prefill, no connection set-up).
 """
 
 from __future__ import annotations
@@ -17,13 +31,23 @@ import argparse
 import asyncio
 import itertools
 import multiprocessing as mp
+import os
 import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 from common import save_json
 
-GPT2_SMALL = dict(vocab_size=50257, max_len=1024, d_model=768, n_layers=12, n_heads=12)
 SMALL = dict(vocab_size=512, max_len=256, d_model=128, n_layers=4, n_heads=4)
+NAME = "bench"  # the model's name in the API
+STDLIB = ("textwrap.py", "colorsys.py", "fnmatch.py", "shlex.py", "difflib.py")
 
 
 class NumberTokenizer:
@@ -40,27 +64,106 @@ class NumberTokenizer:
         return "".join(f" {i}" for i in ids)
 
 
-def serve(shape: dict, port: int, max_batch: int) -> None:
-    """The server process: build the model, the engine and the app; serve on ``port``."""
+def small_model() -> Any:
+    import torch
+
+    from dikkat.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**SMALL)).eval()
+
+
+def serve_small(port: int, max_batch: int, threads: int) -> None:
+    """The ``--quick`` server process: the small GPT, its engine and app, on ``port``."""
     import torch
     import uvicorn
 
-    from dikkat.models import GPT, GPTConfig
     from dikkat.serving import Engine, create_app
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**shape)).eval()
-    engine = Engine(model, max_batch=max_batch)
-    app = create_app(engine, NumberTokenizer(shape["vocab_size"]), "bench", stop_ids=())
+    torch.set_num_threads(threads)
+    engine = Engine(small_model(), max_batch=max_batch)
+    app = create_app(engine, NumberTokenizer(SMALL["vocab_size"]), NAME, stop_ids=())
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-async def one_stream(client, prompt: list[int], tokens: int) -> tuple[float, list[float], int]:
-    """(seconds to the first chunk, the chunks' arrival times, the tokens in usage)."""
+class Server:
+    """The server process, started on a free port; :meth:`wait` until it answers ``/health``."""
+
+    def __init__(self, model: str | None, max_batch: int, threads: int) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = Path(tempfile.mkdtemp()) / "server.log"
+        self._process: subprocess.Popen | Any
+        if model is None:
+            process = mp.get_context("spawn").Process(
+                target=serve_small, args=(port, max_batch, threads), daemon=True
+            )
+            process.start()
+            self._process = process
+        else:  # what `dikkat serve --model MODEL` runs; OMP_NUM_THREADS sets torch's threads
+            command = [sys.executable, "-m", "dikkat", "serve", "--model", model, "--name", NAME,
+                       "--port", str(port), "--max-batch", str(max_batch),
+                       "--max-model-len", "1024", "--log-level", "warning"]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            with open(self.log, "w") as out:
+                self._process = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, env=env
+                )
+
+    def alive(self) -> bool:
+        p = self._process
+        return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
+
+    def wait(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                tail = self.log.read_text()[-2000:] if self.log.exists() else ""
+                raise SystemExit(f"the server ended before it served\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"the server did not answer /health within {timeout} s")
+
+    def stop(self) -> None:
+        p = self._process
+        p.terminate()
+        if isinstance(p, subprocess.Popen):
+            p.wait(30)
+        else:
+            p.join(30)
+
+
+class Prompts:
+    """Consecutive, non-overlapping slices of a text: no two prompts share a first block."""
+
+    def __init__(self, text: list[int], length: int) -> None:
+        self.text, self.length, self.next = text, length, 0
+
+    def take(self, count: int) -> list[list[int]]:
+        end = self.next + count * self.length
+        if end > len(self.text):
+            raise SystemExit(f"the text has {len(self.text)} tokens, fewer than the run needs")
+        out = [self.text[i : i + self.length] for i in range(self.next, end, self.length)]
+        self.next = end
+        return out
+
+
+# --- through the server --------------------------------------------------------------------------
+
+
+async def one_stream(
+    client: Any, prompt: list[int], tokens: int, bias: dict[str, float]
+) -> tuple[float, list[float], int]:
+    """(the request's start, its chunks' arrival times, the tokens in its usage)."""
     t0 = time.perf_counter()
     stream = await client.completions.create(
-        model="bench", prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        model=NAME, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, logit_bias=bias or None,
     )  # fmt: skip
     arrivals, used = [], 0
     async for chunk in stream:
@@ -68,30 +171,39 @@ async def one_stream(client, prompt: list[int], tokens: int) -> tuple[float, lis
             arrivals.append(time.perf_counter())
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens
-    return arrivals[0] - t0, arrivals, used
+    return t0, arrivals, used
 
 
-async def round_of(url: str, streams: int, tokens: int, prompt_len: int) -> dict:
+async def _streams(url: str, prompts: list[list[int]], tokens: int, bias: dict) -> list[tuple]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
-    # different prompts, so that no stream reuses another's cached prefix
-    prompts = [[(7 * s + 13 * i) % 50000 + 1 for i in range(prompt_len)] for s in range(streams)]
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(one_stream(client, p, tokens) for p in prompts))
-    wall = time.perf_counter() - t0
-    await client.close()
-    first = sorted(r[0] for r in results)
+    try:
+        return await asyncio.gather(*(one_stream(client, p, tokens, bias) for p in prompts))
+    finally:
+        await client.close()
+
+
+def streams_round(url: str, prompts: list[list[int]], tokens: int, bias: dict) -> dict:
+    """Every prompt streamed at once; the round's figures."""
+    results = asyncio.run(_streams(url, prompts, tokens, bias))
+    total = sum(used for _, _, used in results)
+    if total != len(prompts) * tokens:  # an end id got through: the figures would mislead
+        raise SystemExit(f"{len(prompts)} streams got {total} tokens, not {tokens} each")
+    start = min(t0 for t0, _, _ in results)
+    wall = max(times[-1] for _, times, _ in results) - start
+    first = sorted(times[0] - t0 for t0, times, _ in results)
     gaps = sorted(b - a for _, times, _ in results for a, b in itertools.pairwise(times))
-    total = sum(r[2] for r in results)
-    assert total == streams * tokens, (total, streams, tokens)
+    decode = [(times[-1] - times[0]) / (tokens - 1) for _, times, _ in results]
     return {
-        "streams": streams,
+        "streams": len(prompts),
         "tokens": total,
+        "chunks": sum(len(times) for _, times, _ in results),  # < tokens: some held no text
         "seconds": wall,
         "tokens_per_s": total / wall,
-        "first_token_ms": {q: 1e3 * _pct(first, q) for q in (50, 90, 99)},
-        "per_token_ms": {q: 1e3 * _pct(gaps, q) for q in (50, 90, 99)},
+        "ttft_ms": {q: 1e3 * _pct(first, q) for q in (50, 90)},
+        "itl_ms": {q: 1e3 * _pct(gaps, q) for q in (50, 90, 99)},
+        "decode_ms_per_token": 1e3 * statistics.mean(decode),
     }
 
 
@@ -99,57 +211,125 @@ def _pct(xs: list[float], q: int) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else float("nan")
 
 
-def _wait_until_up(url: str, process: mp.Process, timeout: float = 600) -> None:
-    import urllib.request
+# --- generate alone -----------------------------------------------------------------------------
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process.is_alive():
-            raise SystemExit("the server process ended before it served")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the server did not answer within {timeout} s")
+
+def generate_once(model: Any, prompt: list[int], params: Any) -> dict:
+    """One prompt through ``iter_generate``: its first token's time and its decode rate."""
+    from dikkat.generation import iter_generate
+
+    t0 = time.perf_counter()
+    times = [time.perf_counter() for _ in iter_generate(model, [prompt], params)]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return {
+        "ttft_ms": 1e3 * (times[0] - t0),
+        "itl_ms": {q: 1e3 * _pct(gaps, q) for q in (50, 90, 99)},
+        "decode_ms_per_token": 1e3 * (times[-1] - times[0]) / (len(times) - 1),
+    }
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def load(args: argparse.Namespace) -> tuple[Any, list[int], tuple[int, ...]]:
+    """The model for ``generate``, the text the prompts are cut from, the end ids to bias."""
+    if args.quick:
+        text = [(7 * i) % (SMALL["vocab_size"] - 1) + 1 for i in range(20_000)]
+        return small_model(), text, ()
+    import dikkat.pretrained
+
+    lm = dikkat.pretrained.load(args.model)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = lm.tokenizer.encode("".join((root / name).read_text() for name in STDLIB))
+    return lm.model.eval(), text, tuple(sorted(lm.tokenizer.eos_ids))
+
+
+def measure(args: argparse.Namespace, server: Server, counts: list[int]) -> dict:
+    import torch
+
+    from dikkat.generation import SamplingParams
+    from dikkat.layers import packed_for_inference
+
+    model, text, ends = load(args)  # while the server loads its own
+    server.wait()
+    load_before = os.getloadavg()
+    prompts = Prompts(text, args.prompt)
+    bias = {str(i): -100.0 for i in ends}
+    params = SamplingParams(
+        max_new_tokens=args.tokens, stop_ids=ends, logit_bias={i: -100.0 for i in ends}
+    )
+    warm = SamplingParams(max_new_tokens=4, stop_ids=ends, logit_bias=params.logit_bias)
+    with torch.no_grad(), packed_for_inference(model, "fp32"):  # packed once, as the engine's
+        generate_once(model, prompts.take(1)[0], warm)
+        streams_round(server.url, prompts.take(1), 4, bias)
+        pairs = []
+        for _ in range(args.pairs):
+            g = generate_once(model, prompts.take(1)[0], params)
+            s = streams_round(server.url, prompts.take(1), args.tokens, bias)
+            pairs.append({"generate": g, "server": s})
+    rows = [streams_round(server.url, prompts.take(n), args.tokens, bias) for n in counts]
+    return {
+        "model": "small random GPT" if args.quick else args.model,
+        "tokens": args.tokens,
+        "prompt": args.prompt,
+        "threads": args.threads,
+        "load_average": {"start": load_before, "end": os.getloadavg()},  # 1, 5, 15 minutes
+        "rows": rows,
+        "pairs": pairs,
+    }
+
+
+def report(result: dict) -> None:
+    rows = result["rows"]
+    one = next((r["tokens_per_s"] for r in rows if r["streams"] == 1), float("nan"))
+    start, end = result["load_average"]["start"][0], result["load_average"]["end"][0]
+    print(f"{result['model']}: {result['prompt']}-token prompts, {result['tokens']} tokens a "
+          f"stream, {result['threads']} threads, load average {start:.2f} → {end:.2f}")  # fmt: skip
+    print("streams    tok/s  × one   TTFT p50 / p90 ms   ITL p50 / p90 / p99 ms")
+    for r in rows:
+        f, g = r["ttft_ms"], r["itl_ms"]
+        print(
+            f"{r['streams']:>7} {r['tokens_per_s']:>8.1f} {r['tokens_per_s'] / one:>6.2f} "
+            f"{f[50]:>8.0f} /{f[90]:>7.0f}  {g[50]:>6.1f} /{g[90]:>6.1f} /{g[99]:>6.1f}"
+        )
+    print("one stream against generate (taking turns): decode ms/token, first token ms")
+    ratios = []
+    for i, p in enumerate(result["pairs"]):
+        g, s = p["generate"]["decode_ms_per_token"], p["server"]["decode_ms_per_token"]
+        ratios.append(s / g)
+        first = p["generate"]["ttft_ms"], p["server"]["ttft_ms"][50]
+        print(f"  turn {i + 1}: generate {g:.1f}, server {s:.1f}, server / generate {s / g:.3f}; "
+              f"first token {first[0]:.0f} against {first[1]:.0f}")  # fmt: skip
+    if ratios:
+        result["server_over_generate"] = statistics.median(ratios)
+        print(f"  median server / generate: {result['server_over_generate']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="what dikkat serve --model serves")
     parser.add_argument("--streams", default="1,4,8,16", help="concurrent streams, a list")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per stream")
-    parser.add_argument("--quick", action="store_true", help="a small model instead")
+    parser.add_argument("--pairs", type=int, default=3, help="turns of one stream vs generate")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, both processes")
+    parser.add_argument("--quick", action="store_true", help="a small random GPT instead")
     args = parser.parse_args(argv)
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (a decode rate needs two tokens)")
     counts = [int(s) for s in args.streams.split(",")]
-    shape = SMALL if args.quick else GPT2_SMALL
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    process = mp.get_context("spawn").Process(target=serve, args=(shape, port, max(counts)))
-    process.start()
-    rows = []
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    server = Server(None if args.quick else args.model, max(counts), args.threads)
     try:
-        _wait_until_up(url, process)
-        asyncio.run(round_of(url, 1, 4, args.prompt))  # warm-up: packed weights, first calls
-        for n in counts:
-            rows.append(asyncio.run(round_of(url, n, args.tokens, args.prompt)))
+        result = measure(args, server, counts)
     finally:
-        process.terminate()
-        process.join(30)
-    one = next((r["tokens_per_s"] for r in rows if r["streams"] == 1), None)
-    print("streams    tok/s  × one   first p50 / p90 ms   token p50 / p90 / p99 ms")
-    for r in rows:
-        speedup = r["tokens_per_s"] / one if one else float("nan")
-        f, g = r["first_token_ms"], r["per_token_ms"]
-        print(
-            f"{r['streams']:>7} {r['tokens_per_s']:>8.1f} {speedup:>6.2f} "
-            f"{f[50]:>8.0f} /{f[90]:>7.0f}  {g[50]:>6.1f} /{g[90]:>6.1f} /{g[99]:>6.1f}"
-        )
-    payload = {"shape": shape, "tokens": args.tokens, "prompt": args.prompt, "rows": rows}
-    save_json("serving-quick" if args.quick else "serving", payload)
-    return payload
+        server.stop()
+    report(result)
+    save_json("serving-quick" if args.quick else f"serving-{args.model}", result)
+    return result
 
 
 if __name__ == "__main__":

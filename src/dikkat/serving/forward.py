@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dikkat.core.masks import causal, padding
+from dikkat.core.masks import dense
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampling import TokenLogprob, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
@@ -56,17 +56,22 @@ def decode(
 
     The rows' slots are gathered right-aligned, so that every new token sits in the view's last
     column S − 1 (the ``offset`` of the forward) as in a left-padded batch of
-    :mod:`dikkat.generation`; the padding mask hides each row's pads, ``positions`` give each
-    row its own place for the position embeddings.
+    :mod:`dikkat.generation`; ``positions`` give each row its own place for the position
+    embeddings. A query in the last column sees every column causally, so the mask is the
+    padding alone: ``valid`` as a dense (B, 1, 1, S) mask, made once for all layers (what
+    ``causal() & padding(valid=valid)`` gives, without evaluating that predicate in every
+    layer); rows of equal length (one sequence) pass none, and the model's causal default hides
+    nothing in the last column, so SDPA runs unmasked, as when ``generate`` decodes.
     """
     device = model.cache_layout().device
     lengths = torch.tensor(positions) + 1
     read, valid, where = left_padded_slots(slot_table(tables), lengths, pool.block_size)  # (B, S)
-    S = read.shape[1]
+    B, S = read.shape
     ids = torch.tensor([[t] for t in last], device=device)  # (B, 1)
+    mask = None if len(set(positions)) == 1 else dense(valid.view(B, 1, 1, S).to(device), S - 1)
     logits = model(
         ids,
-        causal() & padding(valid=valid.to(device)),
+        mask,
         offset=S - 1,
         positions=where[:, -1:].to(device),  # (B, 1)
         cache=pool.layers(read[:, -1:], read),
