@@ -175,7 +175,7 @@ def test_a_large_bias_forces_its_token_and_a_banned_token_never_comes():
 
 
 def test_the_sampler_counts_each_rows_own_tokens():
-    sampler = Sampler(SamplingParams(frequency_penalty=1.0), rows=2)
+    sampler = Sampler(SamplingParams(frequency_penalty=1.0))
     logits = torch.zeros(2, 4)
     logits[:, 2] = 0.5  # both rows pick 2 first; then row 0 must leave 2 (0.5 - 1 < 0)
     assert sampler.pick(logits).tolist() == [2, 2]

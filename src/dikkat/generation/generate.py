@@ -141,7 +141,7 @@ def _loop(
         return
     stops = params.stop_ids
     logits = start()
-    sampler = Sampler(params, logits.shape[0])
+    sampler = Sampler(params)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     last = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=logits.device) if stops else None

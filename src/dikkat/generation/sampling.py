@@ -260,8 +260,8 @@ class Sampler:
     picks need between steps: the generator (seeded on the logits' device at the first pick)
     and, with penalties, each row's counts of the tokens it generated."""
 
-    def __init__(self, params: SamplingParams, rows: int) -> None:
-        self.params, self.rows = params, rows
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
         self.generator: torch.Generator | None = None
         self.counts: Tensor | None = None  # (B, V) generated-token counts, with penalties
         self._bias: Tensor | None = None

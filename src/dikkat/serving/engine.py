@@ -172,7 +172,7 @@ class Engine:
                 f"the prompt ({n} tokens) and max_new_tokens={m} need {need} blocks of "
                 f"{self.block_size} slots, more than the engine's num_blocks={self.num_blocks}"
             )
-        sampler = Sampler(params, 1)
+        sampler = Sampler(params)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineFull(
