@@ -24,7 +24,7 @@ TIERS: tuple[frozenset[str], ...] = tuple(
     for t in (
         "validate version files presets",
         "core runs viz",
-        "masks layers text",
+        "masks layers text functional",
         "generation seeds distributed",
         "models serving",  # the engine and the server need the decoder protocol, no model class
         "interop vision hf",

@@ -77,6 +77,7 @@ _LAZY_MODULES = (
     "audit",
     "bench",
     "distributed",
+    "functional",
     "hf",
     "interop",
     "maps",

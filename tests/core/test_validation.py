@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from dikkat.core import Backend, attention, available_backends, explain, masks, register_backend
+from dikkat.core import (
+    Backend,
+    attention,
+    available_backends,
+    explain,
+    masks,
+    reference_attention,
+    register_backend,
+)
 
 B, H, G, T, S, D = 2, 4, 2, 5, 6, 8
 
@@ -257,10 +265,19 @@ def test_prefix_lm_arguments(q, k, v) -> None:
 # --- scale, dropout, bias, q_offset ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [0, 0.0, -1, -0.5, float("nan"), float("inf")], ids=repr)
-def test_scale_must_be_positive_and_finite(q, k, v, scale) -> None:
-    with pytest.raises(ValueError, match=r"scale must be positive and finite, got"):
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf")], ids=repr)
+def test_scale_must_be_finite(q, k, v, scale) -> None:
+    with pytest.raises(ValueError, match=r"scale must be finite, got"):
         attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -1, -0.5], ids=repr)
+def test_a_zero_or_negative_scale_is_the_formula(q, k, v, scale) -> None:
+    """torch takes any float scale; so does dikkat, on every exact backend alike."""
+    want = reference_attention(q.double(), k.double(), v.double(), scale=float(scale))[0]
+    for backend in ("reference", "sdpa", "tiled"):
+        got = attention(q, k, v, scale=scale, backend=backend)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scale", ["0.1", torch.tensor(0.1), True], ids=repr)
@@ -269,10 +286,14 @@ def test_scale_must_be_a_number(q, k, v, scale) -> None:
         attention(q, k, v, scale=scale)
 
 
-@pytest.mark.parametrize("dropout", [-0.1, 1.0, 1.5, float("nan")], ids=repr)
-def test_dropout_must_be_a_probability_below_one(q, k, v, dropout) -> None:
-    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got"):
+@pytest.mark.parametrize("dropout", [-0.1, 1.5, float("nan")], ids=repr)
+def test_dropout_must_be_a_probability(q, k, v, dropout) -> None:
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\], got"):
         attention(q, k, v, dropout=dropout)
+
+
+def test_dropout_one_drops_every_weight(q, k, v) -> None:
+    assert not attention(q, k, v, dropout=1.0, backend="reference").any()
 
 
 def test_dropout_must_be_a_number(q, k, v) -> None:

@@ -83,13 +83,14 @@ def broadcast_kv(k: Tensor, B: int) -> Tensor:
 
 
 def check_scale(scale: float | None, D: int) -> float:
-    """Default 1/√D (the 1/√d_k of Vaswani et al. 2017, eq. 1); else a positive finite number."""
+    """Default 1/√D (the 1/√d_k of Vaswani et al. 2017, eq. 1); else any finite number (0 gives
+    every allowed key the same weight, a negative scale favours the least similar keys)."""
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be positive and finite, got {scale}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 
 
@@ -192,8 +193,8 @@ def check_sinks(sinks: Tensor | None, q: Tensor, shape: AttentionShape) -> Tenso
 def check_dropout(dropout: float) -> float:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
     return float(dropout)
 
 

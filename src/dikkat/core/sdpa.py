@@ -12,15 +12,18 @@ gradient is SDPA's own.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dikkat.core.masks import Causal, Mask, SlidingWindow
 from dikkat.core.reference import repeat_kv
+from dikkat.core.tracing import tracing
 
 # ``enable_gqa`` arrived in torch 2.5; before it, key/value heads are repeated by hand.
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 CAUSAL = Causal()
+# torch's own function, held here: a user may assign dikkat.functional's drop-in to
+# torch.nn.functional.scaled_dot_product_attention, and this backend must not call back into it
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
 def sdpa_attention(
@@ -50,7 +53,7 @@ def sdpa_attention(
         mask = None  # every query sits at or after the last key: the causal mask hides nothing
     if bias is None and (mask is None or (mask.is_causal and q_offset == 0)):
         # SDPA's causal flag aligns query 0 with key 0, which is our causal mask at offset 0.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, **kwargs)
+        return TORCH_SDPA(q, k, v, is_causal=mask is not None, **kwargs)
 
     allowed = None if mask is None else mask.materialize(B, H, T, S, q_offset, q.device)
     if bias is None:
@@ -65,12 +68,12 @@ def sdpa_attention(
             attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
         empty = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
 
-    if empty is not None and bool(empty.any()):
+    if empty is not None and (tracing() or bool(empty.any())):  # traced: no branch on values
         # Open fully masked rows (else the kernel may return NaN) and zero them afterwards.
         if attn_mask.dtype == torch.bool:
             attn_mask = attn_mask | empty
         else:
             attn_mask = attn_mask.masked_fill(empty, 0.0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+        out = TORCH_SDPA(q, k, v, attn_mask=attn_mask, **kwargs)
         return out.masked_fill(empty, 0.0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    return TORCH_SDPA(q, k, v, attn_mask=attn_mask, **kwargs)
