@@ -22,8 +22,9 @@ masked row). A NaN row is a constant: no gradient flows back through it, and the
 entries themselves get gradient 0; every other row's gradient is the one it would have without
 them. The cost when every input is finite is one reduction over q, k and the output per call,
 and over v when autograd is on (:func:`dikkat.core.nonfinite.needs_exact_path`); only when one
-finds a non-finite value does the exact slow path run. (Inside ``torch.compile``, where a graph
-cannot branch on values, the check is skipped and the kernel's own behaviour stands.)
+finds a non-finite value does the exact slow path run. (Inside ``torch.compile``, ``torch.export``
+or a ``torch.func`` transform, where values cannot reach Python, a non-finite input is an error
+instead: :func:`dikkat.core.nonfinite.check_traced`.)
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ from dikkat.core.checks import (
 from dikkat.core.masks import Mask
 from dikkat.core.nonfinite import (
     bias_finite_part,
+    check_traced,
     finite_part,
     needs_exact_path,
     poison_rows,
     reached_rows,
 )
 from dikkat.core.outputs import AttentionAux
+from dikkat.core.tracing import tracing
 
 __all__ = [
     "AUTO_ORDER",
@@ -324,6 +327,9 @@ def _run_finite_rule(
     backend with ``finite_rule=False`` refuses non-finite inputs itself and runs once."""
     out, weights, lse = backend.run(r)
     if not backend.finite_rule:
+        return out, weights, lse
+    if tracing():  # values cannot reach Python here: a non-finite input is an error instead
+        check_traced(r.q, r.k, r.v, r.bias)
         return out, weights, lse
     inputs = (r.q, r.k, r.v) if r.bias is None else (r.q, r.k, r.v, r.bias)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)

@@ -114,10 +114,20 @@ class _Target:
 
 
 _target: ContextVar[_Target | None] = ContextVar("dikkat_capture_target", default=None)
+# capture blocks open in this process, any thread: while there are none, an attention call does
+# not read the ContextVar, which torch.compile cannot trace (a plain int it can guard on)
+_open = 0
 
 
 def capture_target() -> _Target | None:
     """The capture an attention call made now belongs to (None outside selected layers)."""
+    if not _open:
+        return None
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "dikkat.capture cannot record inside torch.compile: run the captured forward "
+            "eagerly (outside the compiled model, or under torch.compiler.disable)"
+        )
     return _target.get()
 
 
@@ -239,10 +249,13 @@ def capture(
         target = _Target(cap, name, heads_t, rows_t)
         handles.append(module.register_forward_pre_hook(_enter(target)))
         handles.append(module.register_forward_hook(_leave(target)))
+    global _open
     token = _target.set(None)  # a forward that raised inside the block leaves nothing after it
+    _open += 1
     try:
         yield cap
     finally:
+        _open -= 1
         _target.reset(token)
         for handle in handles:
             handle.remove()

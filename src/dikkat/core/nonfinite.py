@@ -18,6 +18,14 @@ NaN score is NaN; PyTorch's CPU flash kernel returns 0 for a NaN query since tor
 each, one host sync), and only when it fires does dikkat run the slow exact path: the backend
 again, on the inputs with their non-finite entries replaced by 0 (:func:`finite_part`), and the
 rows :func:`reached_rows` finds set to NaN after.
+
+None of that can run where tensor values never reach Python: inside ``torch.compile``,
+``torch.export`` or ``torch.jit.trace`` a graph cannot branch on them, and under a ``torch.func``
+transform (vmap, grad, jacrev) ``.item()`` is refused. There :func:`check_traced` keeps the rule
+from failing silently: a non-finite q, k, v (or a NaN/+∞ bias cell) is an error instead of NaN
+rows — a device-side assert in a traced graph (``torch._assert_async``: on CUDA it ends the
+process's CUDA context, as any device-side assert does), and a ``ValueError`` from the values
+under the transforms, read beneath their wrappers.
 """
 
 from __future__ import annotations
@@ -29,6 +37,12 @@ from torch import Tensor
 
 from dikkat.core.masks import Mask
 from dikkat.core.reference import repeat_kv
+
+_NOT_FINITE = (
+    "dikkat.attention: q, k or v holds a NaN or ±inf (or the bias a NaN or +inf) inside a "
+    "traced or transformed region ({where}), where the NaN rule's exact path cannot run "
+    "(docs/attention.md, 'NaN and infinity')"
+)
 
 # cells per evaluation of the mask on the non-finite columns (a bound on the slow path's memory)
 _CELLS = 1 << 22
@@ -134,3 +148,34 @@ def poison_rows(x: Tensor | None, reached: Tensor) -> Tensor | None:
     if x is None:
         return None
     return x.masked_fill(reached if x.dim() == 3 else reached.unsqueeze(-1), float("nan"))
+
+
+def _all_finite(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """A 0-d bool: every entry of q, k, v is finite, and no bias cell is NaN or +∞ (−∞ hides a
+    key)."""
+    ok = torch.isfinite(q).all() & torch.isfinite(k).all() & torch.isfinite(v).all()
+    if bias is not None:
+        ok = ok & ~_bad_bias(bias).any()
+    return ok
+
+
+def _plain(t: Tensor) -> Tensor:
+    """The tensor beneath torch.func's wrappers (a vmapped one holds every batch entry)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def check_traced(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> None:
+    """The NaN rule where values cannot reach Python (see the module's docstring): a
+    non-finite input is an error, never a silently wrong row."""
+    if q.device.type == "meta":
+        return
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        where = "torch.compile, torch.export or torch.jit.trace"
+        torch._assert_async(_all_finite(q, k, v, bias), _NOT_FINITE.format(where=where))
+        return
+    inputs = (q, k, v, bias)
+    plain = [None if t is None else _plain(t.detach()) for t in inputs]
+    if not bool(_all_finite(*plain)):  # type: ignore[arg-type]
+        raise ValueError(_NOT_FINITE.format(where="a torch.func transform: vmap, grad, jacrev"))

@@ -53,6 +53,9 @@ class LayerCall:
 
 
 _calls: ContextVar[list[LayerCall] | None] = ContextVar("dikkat_hf_calls", default=None)
+# recording blocks open in this process, any thread: while there are none, an attention call
+# does not read the ContextVar, which torch.compile cannot trace (a plain int it can guard on)
+_open = 0
 
 
 @contextmanager
@@ -66,11 +69,14 @@ def recording() -> Iterator[list[LayerCall]]:
         for c in calls:
             print(c.layer, c.backend, c.why)
     """
+    global _open
     calls: list[LayerCall] = []
     token = _calls.set(calls)
+    _open += 1
     try:
         yield calls
     finally:
+        _open -= 1
         _calls.reset(token)
 
 
@@ -80,6 +86,13 @@ def _layer(module: nn.Module) -> str:
 
 
 def _record(module: nn.Module, backend: str, *args: Any, **kwargs: Any) -> None:
+    if not _open:
+        return
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "dikkat.hf.recording cannot record inside torch.compile: run the recorded forward "
+            "eagerly"
+        )
     calls = _calls.get()
     if calls is None:
         return
