@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import attention
 import checkpoint
+import compiled
 import distributed
 import generation
 import hf_long_context
@@ -38,6 +39,7 @@ BENCHMARKS = {
     "hf_long_context": hf_long_context.main,
     "distributed": distributed.main,
     "import_time": import_time.main,
+    "compiled": compiled.main,
 }
 
 
