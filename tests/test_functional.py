@@ -142,16 +142,17 @@ def test_grouped_query_attention(shape: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
 def test_dropout_scales_kept_weights_as_torch_does(backend: str) -> None:
-    """Dropout zeroes weights with probability p and scales the rest by 1/(1 − p): the mean of
-    many draws is the output without dropout."""
+    """Dropout zeroes weights with probability p and scales the rest by 1/(1 − p): the mean
+    over many draws (here the rows of one batch, each drawing its own) is the output without
+    dropout."""
     q, k, v = (_rand(1, 1, 4, 8, dtype=torch.float64, seed=s) for s in range(3))
     want = TORCH_SDPA(q, k, v)
     torch.manual_seed(0)
-    draws = torch.stack(
-        [scaled_dot_product_attention(q, k, v, dropout_p=0.3, backend=backend) for _ in range(4000)]
-    )
+    n = 4000
+    qn, kn, vn = (t.expand(n, -1, -1, -1) for t in (q, k, v))
+    draws = scaled_dot_product_attention(qn, kn, vn, dropout_p=0.3, backend=backend)
     assert not torch.equal(draws[0], draws[1])
-    torch.testing.assert_close(draws.mean(0), want, atol=0.08, rtol=0)
+    torch.testing.assert_close(draws.mean(0, keepdim=True), want, atol=0.08, rtol=0)
     assert not scaled_dot_product_attention(q, k, v, dropout_p=1.0, backend=backend).any()
 
 
