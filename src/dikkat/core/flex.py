@@ -44,10 +44,11 @@ import torch
 from torch import Tensor
 
 from dikkat.core import tuning
-from dikkat.core.flex_masks import BlockMaskCache, block_masks, flex_module
+from dikkat.core.flex_masks import BlockMaskCache, block_masks, build_block_mask, flex_module
 from dikkat.core.mask_keys import describe, is_builtin
 from dikkat.core.masks import Mask
 from dikkat.core.tiled import tiled_attention
+from dikkat.core.tracing import tracing
 
 __all__ = [
     "BlockMaskCache",
@@ -58,6 +59,7 @@ __all__ = [
     "flex_attention",
     "flex_supports",
     "is_warm",
+    "traced_refusal",
 ]
 
 # Dynamo stops compiling a function after this many signatures (its default is 8, too few for a
@@ -168,10 +170,55 @@ def _dynamo_failed(error: TypeError) -> bool:
     return "NoneType" in str(error)
 
 
+def _kwargs(
+    block_mask: object, bias: Tensor | None, scale: float, enable_gqa: bool, return_lse: bool,
+    softcap: float | None,
+) -> dict:  # fmt: skip
+    kwargs: dict = {
+        "score_mod": _score_mod(bias, softcap),
+        "block_mask": block_mask,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+    }
+    if return_lse:
+        api = flex_module()
+        if hasattr(api, "AuxRequest"):  # torch ≥ 2.9; return_lse is deprecated there
+            kwargs["return_aux"] = api.AuxRequest(lse=True)  # type: ignore[union-attr]
+        else:  # pragma: no cover
+            kwargs["return_lse"] = True
+    return kwargs
+
+
+def _split(result: object, return_lse: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    if not return_lse:
+        return result, None  # type: ignore[return-value]
+    out, aux = result  # type: ignore[misc]
+    lse = aux if isinstance(aux, Tensor) else aux.lse
+    return out, lse.to(torch.promote_types(dtype, torch.float32))  # fp32 (fp64 for fp64)
+
+
+def _traced_call(
+    q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
+    q_offset: int, return_lse: bool, softcap: float | None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Inside ``torch.compile`` or ``torch.export``: torch's ``flex_attention`` itself, which
+    dynamo records as a higher-order op and the outer compiler lowers, with the block mask
+    built in the trace. No inner ``torch.compile``, no cache, no record of signatures: the outer
+    compile owns all of that."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    block_mask = None if mask is None else build_block_mask(mask, B, H, T, S, q_offset, q.device)
+    kwargs = _kwargs(block_mask, bias, scale, k.shape[1] != H, return_lse, softcap)
+    result = flex_module().flex_attention(q, k, v, **kwargs)  # type: ignore[union-attr]
+    return _split(result, return_lse, q.dtype)
+
+
 def _call(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
     q_offset: int, return_lse: bool, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    if tracing():
+        return _traced_call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
     B, H, T, _ = q.shape
     S = k.shape[2]
     # dynamo guards that the tensors it was compiled for are distinct objects: one tensor passed
@@ -180,18 +227,8 @@ def _call(
     k = k.view_as(k) if k is q else k
     v = v.view_as(v) if v is q or v is k else v
     block_mask = None if mask is None else block_masks.get(mask, B, H, T, S, q_offset, q.device)
-    kwargs: dict = {
-        "score_mod": _score_mod(bias, softcap),
-        "block_mask": block_mask,
-        "scale": scale,
-        "enable_gqa": k.shape[1] != H,
-    }
+    kwargs = _kwargs(block_mask, bias, scale, k.shape[1] != H, return_lse, softcap)
     api = flex_module()
-    if return_lse:
-        if hasattr(api, "AuxRequest"):  # torch ≥ 2.9; return_lse is deprecated there
-            kwargs["return_aux"] = api.AuxRequest(lse=True)  # type: ignore[union-attr]
-        else:  # pragma: no cover
-            kwargs["return_lse"] = True
     try:
         if _cells(q, k) <= tuning.for_device(q.device).flex_eager_max_cells:
             with warnings.catch_warnings():  # flex warns that eager is slow: here it is meant
@@ -215,11 +252,7 @@ def _call(
             q, k, v, mask, scale=scale, softcap=softcap, bias=bias, q_offset=q_offset
         )
         return out, (lse.to(torch.promote_types(q.dtype, torch.float32)) if return_lse else None)
-    if not return_lse:
-        return result, None
-    out, aux = result
-    lse = aux if isinstance(aux, Tensor) else aux.lse
-    return out, lse.to(torch.promote_types(q.dtype, torch.float32))  # fp32 (fp64 for fp64)
+    return _split(result, return_lse, q.dtype)
 
 
 class _FlexTiledBackward(torch.autograd.Function):
@@ -273,7 +306,7 @@ def flex_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Attention through FlexAttention: ``(out (B, H, T, Dv), lse (B, H, T) or None)``, shapes
     as in the reference; see :func:`flex_supports` for what it refuses."""
-    reason = flex_supports(q, return_lse=return_lse)
+    reason = flex_supports(q, return_lse=return_lse, k=k, v=v, bias=bias)
     if reason is not None:
         raise ValueError(f"flex_attention cannot serve this call: {reason}")
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
@@ -305,8 +338,13 @@ def flex_supports(
     dropout: float = 0.0,
     return_weights: bool = False,
     return_lse: bool = False,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> str | None:
-    """None when flex can serve a call like this, else the reason it cannot."""
+    """None when flex can serve a call like this, else the reason it cannot. ``k``, ``v`` and
+    ``bias`` tell whether the call needs gradients, which matters inside a trace
+    (:func:`traced_refusal`)."""
     if flex_module() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs ≥ 2.5)"
     if return_weights:
@@ -317,6 +355,35 @@ def flex_supports(
         return f"FlexAttention runs on {', '.join(_DEVICES)}, not {q.device.type}"
     if return_lse and q.device.type == "cpu":
         return f"compiled FlexAttention on CPU returns no log-sum-exp (torch {torch.__version__})"
+    return traced_refusal(q, k, v, bias) if tracing() else None
+
+
+def traced_refusal(
+    q: Tensor, k: Tensor | None = None, v: Tensor | None = None, bias: Tensor | None = None
+) -> str | None:
+    """Inside ``torch.compile``/``torch.export`` or a ``torch.func`` transform, what torch's
+    ``flex_attention`` cannot do there and dikkat's eager detours cannot reach: None when
+    there is nothing. Outside those, the detours run (the tiled backward) and this is not asked."""
+    if torch.jit.is_tracing():
+        return "torch.jit.trace cannot record torch's flex_attention; use torch.export"
+    # (dynamo reads the functorch stack as an object even when it is None: ask only outside it)
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
+        return (
+            f"torch's flex_attention has no rule for torch.func transforms (vmap, grad, jacrev) "
+            f"in torch {torch.__version__}; backend='sdpa' (or 'reference', which soft-caps) runs "
+            "under them"
+        )
+    if _needs_grad(q, *(t for t in (k, v) if t is not None)) and q.device.type == "cpu":
+        return (
+            f"torch's flex_attention has no backward on CPU (torch {torch.__version__}), and "
+            "inside torch.compile/torch.export dikkat cannot route it to the tiled backend as it "
+            "does eagerly; use backend='tiled' (or call with no gradient needed)"
+        )
+    if bias is not None and _needs_grad(bias):
+        return (
+            "a bias that needs a gradient takes dikkat's tiled backward, which cannot run inside "
+            "torch.compile/torch.export; use backend='tiled'"
+        )
     return None
 
 
