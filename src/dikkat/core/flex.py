@@ -45,6 +45,8 @@ from torch import Tensor
 
 from dikkat.core import tuning
 from dikkat.core.flex_masks import BlockMaskCache, block_masks, build_block_mask, flex_module
+from dikkat.core.flex_support import flex_supports, traced_refusal
+from dikkat.core.flex_support import needs_grad as _needs_grad
 from dikkat.core.mask_keys import describe, is_builtin
 from dikkat.core.masks import Mask
 from dikkat.core.tiled import tiled_attention
@@ -65,7 +67,6 @@ __all__ = [
 # Dynamo stops compiling a function after this many signatures (its default is 8, too few for a
 # benchmark sweeping n, dtypes and masks) and would then run flex eagerly, without warning.
 MAX_COMPILED_SIGNATURES = 64
-_DEVICES = ("cuda", "cpu", "xpu", "hpu", "mps")
 
 
 def _layout(t: Tensor) -> tuple:
@@ -158,10 +159,6 @@ def is_warm(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None = None, *, scale:
         return False  # a mask of the caller's own type: dynamo's guards on it are unknown here
     grad = _needs_grad(q, k, v) and q.device.type != "cpu"
     return _signature(q, k, v, mask, bias, scale, q_offset, grad, softcap) in compiled
-
-
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _dynamo_failed(error: TypeError) -> bool:
@@ -329,62 +326,7 @@ def flex_attention(
     return _call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
 
 
-# --- what the backend accepts -------------------------------------------------------------------
-
-
-def flex_supports(
-    q: Tensor,
-    *,
-    dropout: float = 0.0,
-    return_weights: bool = False,
-    return_lse: bool = False,
-    k: Tensor | None = None,
-    v: Tensor | None = None,
-    bias: Tensor | None = None,
-) -> str | None:
-    """None when flex can serve a call like this, else the reason it cannot. ``k``, ``v`` and
-    ``bias`` tell whether the call needs gradients, which matters inside a trace
-    (:func:`traced_refusal`)."""
-    if flex_module() is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs ≥ 2.5)"
-    if return_weights:
-        return "it never holds the full weights (use return_lse and dikkat.attention_weights)"
-    if dropout > 0:
-        return "FlexAttention has no dropout"
-    if q.device.type not in _DEVICES:
-        return f"FlexAttention runs on {', '.join(_DEVICES)}, not {q.device.type}"
-    if return_lse and q.device.type == "cpu":
-        return f"compiled FlexAttention on CPU returns no log-sum-exp (torch {torch.__version__})"
-    return traced_refusal(q, k, v, bias) if tracing() else None
-
-
-def traced_refusal(
-    q: Tensor, k: Tensor | None = None, v: Tensor | None = None, bias: Tensor | None = None
-) -> str | None:
-    """Inside ``torch.compile``/``torch.export`` or a ``torch.func`` transform, what torch's
-    ``flex_attention`` cannot do there and dikkat's eager detours cannot reach: None when
-    there is nothing. Outside those, the detours run (the tiled backward) and this is not asked."""
-    if torch.jit.is_tracing():
-        return "torch.jit.trace cannot record torch's flex_attention; use torch.export"
-    # (dynamo reads the functorch stack as an object even when it is None: ask only outside it)
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
-        return (
-            f"torch's flex_attention has no rule for torch.func transforms (vmap, grad, jacrev) "
-            f"in torch {torch.__version__}; backend='sdpa' (or 'reference', which soft-caps) runs "
-            "under them"
-        )
-    if _needs_grad(q, *(t for t in (k, v) if t is not None)) and q.device.type == "cpu":
-        return (
-            f"torch's flex_attention has no backward on CPU (torch {torch.__version__}), and "
-            "inside torch.compile/torch.export dikkat cannot route it to the tiled backend as it "
-            "does eagerly; use backend='tiled' (or call with no gradient needed)"
-        )
-    if bias is not None and _needs_grad(bias):
-        return (
-            "a bias that needs a gradient takes dikkat's tiled backward, which cannot run inside "
-            "torch.compile/torch.export; use backend='tiled'"
-        )
-    return None
+# --- auto's verdict (what the backend accepts: dikkat.core.flex_support) -----------------------
 
 
 def auto_verdict(
