@@ -17,7 +17,7 @@ with ``attn_mask``, as torch's docs say); ``torch.nn.attention.bias.CausalBias``
 either corner; dropout on the weights with torch's 1/(1 − p) scaling; any float ``scale``;
 ``enable_gqa`` for fewer key/value heads. Bad arguments raise what torch raises for them: each
 call's shapes, dtypes and flags go through torch's own checks first, on the meta device (no
-data, no kernel). dikkat adds ``backend=`` (docs/attention.md, "Drop-in for torch").
+data, no kernel). dikkat adds a ``backend`` argument (docs/attention.md, "Drop-in for torch").
 
 Where the answer can differ: a row whose every key is masked gives 0, as torch ≥ 2.5 does; a
 non-finite input follows dikkat's NaN rule (docs/attention.md), which torch does not promise;
@@ -25,9 +25,8 @@ dropout draws its random numbers in another order than torch's kernels do unless
 backend serves the call (``auto`` picks it whenever it can).
 """
 
-from __future__ import annotations
-
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -43,6 +42,11 @@ __all__ = ["SDPAArgumentError", "scaled_dot_product_attention"]
 class SDPAArgumentError(ValueError, RuntimeError):
     """A bad argument where torch raises ``RuntimeError``: catchable as that, and as the
     ``ValueError`` every dikkat function raises for one."""
+
+
+# call signatures torch's checks have passed (a decoding loop repeats a few): checked once each
+_PASSED: dict[tuple, None] = {}
+_PASSED_MAX = 1024
 
 
 def _meta(t: Tensor) -> Tensor:
@@ -76,6 +80,12 @@ def _check_like_torch(
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p <= 1.0:
         raise SDPAArgumentError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    signature = (
+        *(None if t is None else (t.shape, t.dtype, t.device) for t in tensors.values()),
+        dropout_p > 0, is_causal, scale is None, enable_gqa,
+    )  # fmt: skip
+    if signature in _PASSED:  # torch's checks read only these (not strides, not values)
+        return
     try:
         TORCH_SDPA(
             _meta(query),
@@ -89,6 +99,9 @@ def _check_like_torch(
         )
     except RuntimeError as e:
         raise SDPAArgumentError(f"scaled_dot_product_attention: {e}") from None
+    if len(_PASSED) >= _PASSED_MAX:
+        _PASSED.pop(next(iter(_PASSED)))
+    _PASSED[signature] = None
 
 
 def _causal_bias(attn_mask: object) -> tuple[int, int, int] | None:
@@ -125,12 +138,11 @@ def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Tensor | None = None,
+    attn_mask: Optional[Tensor] = None,  # noqa: UP045 — TorchScript reads these annotations
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: float | None = None,
+    scale: Optional[float] = None,  # noqa: UP045
     enable_gqa: bool = False,
-    *,
     backend: str = "auto",
 ) -> Tensor:
     """torch's ``scaled_dot_product_attention``, computed by ``dikkat.attention``.
@@ -145,11 +157,32 @@ def scaled_dot_product_attention(
         is_causal: the upper-left causal mask; not with ``attn_mask``.
         scale: multiplies the scores; default 1/√E; any finite float.
         enable_gqa: key/value heads H may divide the query heads Hq (grouped-query attention).
-        backend: the dikkat backend, ``"auto"`` or one of ``dikkat.available_backends()``.
+        backend: beyond torch's signature: the dikkat backend, ``"auto"`` or one of
+            ``dikkat.available_backends()``.
 
     Returns:
         (N, …, Hq, L, Ev).
+
+    Under ``torch.jit.script`` this function compiles to a call of :func:`_sdpa`, which runs
+    in Python (``torch.jit.ignore``): a scripted module that calls it runs, and cannot be saved.
     """
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+
+
+@torch.jit.ignore
+def _sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],  # noqa: UP045
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],  # noqa: UP045
+    enable_gqa: bool,
+    backend: str,
+) -> Tensor:
+    if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+        return _jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, backend)
     causal_bias = _causal_bias(attn_mask)
     if causal_bias is not None:
         if is_causal:
@@ -209,3 +242,55 @@ def scaled_dot_product_attention(
         backend=backend,
     )
     return out.reshape(*lead, L, Ev) if out.shape[:-2] != lead else out
+
+
+def _jagged(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    backend: str,
+) -> Tensor:
+    """Jagged nested q (B, H, j, E), k (B, H, j', E), v (B, H, j', Ev) (``layout=torch.jagged``,
+    the ragged dim transposed behind the heads, as torch's nested-tensor tutorial lays them out):
+    each sequence attends to its own keys only, one dense call per sequence, so no padding is
+    computed; ``is_causal`` is upper-left within each sequence. The output shares q's offsets,
+    so it adds to tensors of q's ragged length."""
+    where = "query, key and value"
+    if not all(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+        raise ValueError(f"{where} must all be nested tensors or none of them")
+    if any(t.layout != torch.jagged for t in (query, key, value)):
+        layouts = ", ".join(str(t.layout) for t in (query, key, value))
+        raise ValueError(
+            f"{where} are nested tensors of layouts {layouts}; dikkat takes jagged ones "
+            "(torch.nested.nested_tensor(..., layout=torch.jagged)) or dense tensors with a "
+            "mask (dikkat.masks.document for packed sequences)"
+        )
+    if attn_mask is not None:
+        raise ValueError(
+            "attn_mask cannot go with jagged nested query, key and value (torch refuses it "
+            "too); pass dense tensors with the mask, or is_causal=True"
+        )
+    if tracing():
+        raise ValueError(
+            "jagged nested query, key and value run one dense call per sequence, which cannot "
+            "be traced (torch.compile, export, vmap): pass dense tensors with "
+            "dikkat.masks.document, or call it eagerly"
+        )
+    if query.dim() != 4 or query._ragged_idx != 2:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"jagged nested query must be (B, H, j, E) with the ragged dim third (nt.unflatten"
+            f"(-1, [H, E]).transpose(1, 2)), got shape {tuple(query.shape)}"
+        )
+    outs = [
+        _sdpa(q, k, v, None, dropout_p, is_causal, scale, False, backend).transpose(
+            0, 1
+        )  # (L_i, H, Ev)
+        for q, k, v in zip(query.unbind(), key.unbind(), value.unbind(), strict=True)
+    ]
+    values = torch.cat(outs) if outs else query.values().new_zeros(0, *query.shape[1:2], 0)
+    out = torch.nested.nested_tensor_from_jagged(values, offsets=query.offsets())
+    return out.transpose(1, 2)

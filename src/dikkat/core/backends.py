@@ -279,8 +279,9 @@ def _run_flex(r: AttentionRequest) -> tuple[Tensor, None, Tensor | None]:
 
 def _flex_supports(r: AttentionRequest) -> str | None:
     return flex.flex_supports(
-        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse
-    )
+        r.q, dropout=r.dropout, return_weights=r.return_weights, return_lse=r.return_lse,
+        k=r.k, v=r.v, bias=r.bias,
+    )  # fmt: skip
 
 
 def _flex_verdict(r: AttentionRequest) -> tuple[str | None, str | None]:

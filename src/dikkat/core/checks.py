@@ -44,6 +44,12 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise ValueError(
+                f"{name} is a nested tensor (layout {t.layout}); dikkat.attention takes dense "
+                "(B, H, T, D) tensors: pack the sequences with dikkat.masks.document, or pass "
+                "jagged q, k, v to dikkat.functional.scaled_dot_product_attention"
+            )
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         if t.dim() != 4:

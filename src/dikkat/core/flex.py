@@ -44,10 +44,13 @@ import torch
 from torch import Tensor
 
 from dikkat.core import tuning
-from dikkat.core.flex_masks import BlockMaskCache, block_masks, flex_module
+from dikkat.core.flex_masks import BlockMaskCache, block_masks, build_block_mask, flex_module
+from dikkat.core.flex_support import flex_supports, traced_refusal
+from dikkat.core.flex_support import needs_grad as _needs_grad
 from dikkat.core.mask_keys import describe, is_builtin
 from dikkat.core.masks import Mask
 from dikkat.core.tiled import tiled_attention
+from dikkat.core.tracing import tracing
 
 __all__ = [
     "BlockMaskCache",
@@ -58,12 +61,12 @@ __all__ = [
     "flex_attention",
     "flex_supports",
     "is_warm",
+    "traced_refusal",
 ]
 
 # Dynamo stops compiling a function after this many signatures (its default is 8, too few for a
 # benchmark sweeping n, dtypes and masks) and would then run flex eagerly, without warning.
 MAX_COMPILED_SIGNATURES = 64
-_DEVICES = ("cuda", "cpu", "xpu", "hpu", "mps")
 
 
 def _layout(t: Tensor) -> tuple:
@@ -158,20 +161,61 @@ def is_warm(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None = None, *, scale:
     return _signature(q, k, v, mask, bias, scale, q_offset, grad, softcap) in compiled
 
 
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _dynamo_failed(error: TypeError) -> bool:
     """Whether a TypeError is dynamo's own failure (an operation on None inside torch), not the
     caller's: their inputs are checked before flex runs."""
     return "NoneType" in str(error)
 
 
+def _kwargs(
+    block_mask: object, bias: Tensor | None, scale: float, enable_gqa: bool, return_lse: bool,
+    softcap: float | None,
+) -> dict:  # fmt: skip
+    kwargs: dict = {
+        "score_mod": _score_mod(bias, softcap),
+        "block_mask": block_mask,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+    }
+    if return_lse:
+        api = flex_module()
+        if hasattr(api, "AuxRequest"):  # torch ≥ 2.9; return_lse is deprecated there
+            kwargs["return_aux"] = api.AuxRequest(lse=True)  # type: ignore[union-attr]
+        else:  # pragma: no cover
+            kwargs["return_lse"] = True
+    return kwargs
+
+
+def _split(result: object, return_lse: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    if not return_lse:
+        return result, None  # type: ignore[return-value]
+    out, aux = result  # type: ignore[misc]
+    lse = aux if isinstance(aux, Tensor) else aux.lse
+    return out, lse.to(torch.promote_types(dtype, torch.float32))  # fp32 (fp64 for fp64)
+
+
+def _traced_call(
+    q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
+    q_offset: int, return_lse: bool, softcap: float | None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Inside ``torch.compile`` or ``torch.export``: torch's ``flex_attention`` itself, which
+    dynamo records as a higher-order op and the outer compiler lowers, with the block mask
+    built in the trace. No inner ``torch.compile``, no cache, no record of signatures: the outer
+    compile owns all of that."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    block_mask = None if mask is None else build_block_mask(mask, B, H, T, S, q_offset, q.device)
+    kwargs = _kwargs(block_mask, bias, scale, k.shape[1] != H, return_lse, softcap)
+    result = flex_module().flex_attention(q, k, v, **kwargs)  # type: ignore[union-attr]
+    return _split(result, return_lse, q.dtype)
+
+
 def _call(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias: Tensor | None, scale: float,
     q_offset: int, return_lse: bool, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    if tracing():
+        return _traced_call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
     B, H, T, _ = q.shape
     S = k.shape[2]
     # dynamo guards that the tensors it was compiled for are distinct objects: one tensor passed
@@ -180,18 +224,8 @@ def _call(
     k = k.view_as(k) if k is q else k
     v = v.view_as(v) if v is q or v is k else v
     block_mask = None if mask is None else block_masks.get(mask, B, H, T, S, q_offset, q.device)
-    kwargs: dict = {
-        "score_mod": _score_mod(bias, softcap),
-        "block_mask": block_mask,
-        "scale": scale,
-        "enable_gqa": k.shape[1] != H,
-    }
+    kwargs = _kwargs(block_mask, bias, scale, k.shape[1] != H, return_lse, softcap)
     api = flex_module()
-    if return_lse:
-        if hasattr(api, "AuxRequest"):  # torch ≥ 2.9; return_lse is deprecated there
-            kwargs["return_aux"] = api.AuxRequest(lse=True)  # type: ignore[union-attr]
-        else:  # pragma: no cover
-            kwargs["return_lse"] = True
     try:
         if _cells(q, k) <= tuning.for_device(q.device).flex_eager_max_cells:
             with warnings.catch_warnings():  # flex warns that eager is slow: here it is meant
@@ -215,11 +249,7 @@ def _call(
             q, k, v, mask, scale=scale, softcap=softcap, bias=bias, q_offset=q_offset
         )
         return out, (lse.to(torch.promote_types(q.dtype, torch.float32)) if return_lse else None)
-    if not return_lse:
-        return result, None
-    out, aux = result
-    lse = aux if isinstance(aux, Tensor) else aux.lse
-    return out, lse.to(torch.promote_types(q.dtype, torch.float32))  # fp32 (fp64 for fp64)
+    return _split(result, return_lse, q.dtype)
 
 
 class _FlexTiledBackward(torch.autograd.Function):
@@ -273,7 +303,7 @@ def flex_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Attention through FlexAttention: ``(out (B, H, T, Dv), lse (B, H, T) or None)``, shapes
     as in the reference; see :func:`flex_supports` for what it refuses."""
-    reason = flex_supports(q, return_lse=return_lse)
+    reason = flex_supports(q, return_lse=return_lse, k=k, v=v, bias=bias)
     if reason is not None:
         raise ValueError(f"flex_attention cannot serve this call: {reason}")
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
@@ -296,28 +326,7 @@ def flex_attention(
     return _call(q, k, v, mask, bias, scale, q_offset, return_lse, softcap)
 
 
-# --- what the backend accepts -------------------------------------------------------------------
-
-
-def flex_supports(
-    q: Tensor,
-    *,
-    dropout: float = 0.0,
-    return_weights: bool = False,
-    return_lse: bool = False,
-) -> str | None:
-    """None when flex can serve a call like this, else the reason it cannot."""
-    if flex_module() is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs ≥ 2.5)"
-    if return_weights:
-        return "it never holds the full weights (use return_lse and dikkat.attention_weights)"
-    if dropout > 0:
-        return "FlexAttention has no dropout"
-    if q.device.type not in _DEVICES:
-        return f"FlexAttention runs on {', '.join(_DEVICES)}, not {q.device.type}"
-    if return_lse and q.device.type == "cpu":
-        return f"compiled FlexAttention on CPU returns no log-sum-exp (torch {torch.__version__})"
-    return None
+# --- auto's verdict (what the backend accepts: dikkat.core.flex_support) -----------------------
 
 
 def auto_verdict(
