@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dikkat.core.masks import Mask, as_mask
+from dikkat.core.tracing import tracing
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def check_sinks(sinks: Tensor | None, q: Tensor, shape: AttentionShape) -> Tenso
         )
     if sinks.device != q.device:
         raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")
-    if not torch.compiler.is_compiling():  # a compiled graph cannot branch on values
+    if not tracing():  # a traced graph cannot branch on values, nor a vmapped call read them
         bad = int((~torch.isfinite(sinks.detach())).sum())
         if bad:
             raise ValueError(

@@ -19,7 +19,10 @@ flex keeps its block masks. Each tile (:mod:`~dikkat.core.tiled.kernel`) runs on
 PyTorch's fused flash kernel, elsewhere in plain tensor ops; the backward pass
 (:mod:`~dikkat.core.tiled.autograd`) recomputes each tile from the saved log-sum-exp.
 :func:`tiled_backward` runs that backward on its own, for one block of keys of a larger softmax
-given its final output and log-sum-exp (what blockwise and ring attention need).
+given its final output and log-sum-exp (what blockwise and ring attention need). Under
+torch.compile, torch.export or a torch.func transform (:func:`dikkat.core.tracing.tracing`)
+:func:`tiled_attention` runs as one custom op instead (:mod:`~dikkat.core.tiled.traced`): the
+same eager code inside it, no host read outside it.
 
 Extra memory is O((T + S)·D + cells), never O(T·S), plus the kept tile masks (at most
 ``PlanCache.kept_mask_bytes`` per plan, for the few plans the cache holds); training memory is
@@ -51,9 +54,12 @@ from dikkat.core.checks import (
 )
 from dikkat.core.masks import Mask
 from dikkat.core.tiled.autograd import TiledAttention, backward
-from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, Prepared, plans, prepare
-from dikkat.core.tiled.kernel import fused_unavailable, unit_last_stride
+from dikkat.core.tiled.cache import KEPT_MASK_BYTES, PlanCache, plans
+from dikkat.core.tiled.call import fused_choice, prepared_for, ready, windows_layout
+from dikkat.core.tiled.kernel import unit_last_stride
 from dikkat.core.tiled.plan import BLOCK, CELLS, KEY_TILE, Windows, windows_cells
+from dikkat.core.tiled.traced import traced_tiled_attention
+from dikkat.core.tracing import tracing
 
 __all__ = [
     "BLOCK",
@@ -67,28 +73,6 @@ __all__ = [
     "tiled_attention",
     "tiled_backward",
 ]
-
-
-def _prepared(
-    q: Tensor, k: Tensor, mask: Mask | None, bias: Tensor | None, q_offset: int,
-    block: int | None, key_tile: int, cells: int, windows: bool | None, cache: PlanCache | None,
-) -> Prepared:  # fmt: skip
-    for name, value in (("block", block), ("key_tile", key_tile), ("cells", cells)):
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-    B, H, T, _ = q.shape
-    G, S = k.shape[1], k.shape[2]
-    windows = False if bias is not None else windows  # gathered windows carry no bias
-    cache = plans if cache is None else cache
-    return prepare(mask, (B, H, G, T, S), q_offset, block, cells, key_tile, windows, q.dtype,
-                   q.device, cache)  # fmt: skip
-
-
-def _fused(q: Tensor, v: Tensor, fused: bool | None, softcap: float | None) -> bool:
-    reason = fused_unavailable(q, v, softcap)
-    if fused and reason is not None:
-        raise ValueError(f"fused=True, but the fused kernel cannot run this call: {reason}")
-    return reason is None if fused is None else fused
 
 
 def tiled_attention(
@@ -132,27 +116,19 @@ def tiled_attention(
             the key tiles (:mod:`~dikkat.core.tiled.sinks`); the lse counts them.
     """
     softcap = check_softcap(softcap)
-    use_fused = _fused(q, v, fused, softcap)
-    if use_fused:  # a view whose last dim is strided: copied once here, not once per tile
-        q, k, v = (unit_last_stride(t) for t in (q, k, v))
-    # k, v of batch size 1 (shared by the batch): stride-0 views; autograd sums their gradient
-    k, v = broadcast_kv(k, q.shape[0]), broadcast_kv(v, q.shape[0])
-    prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
+    if tracing():  # no host reads: one custom op runs the eager path inside the graph
+        return traced_tiled_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, bias=bias, q_offset=q_offset,
+            block=block, key_tile=key_tile, cells=cells, windows=windows, fused=fused,
+            sinks=sinks,
+        )  # fmt: skip
+    q, k, v, prepared, use_fused = ready(q, k, v, mask, bias, q_offset, block, key_tile, cells,
+                                         windows, fused, softcap, plans)  # fmt: skip
     if bias is not None:  # viewed as (B|1, H|1, T|1, S|1)
         bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
-    k, v = _for_windows(prepared, k, v)
     if sinks is not None:  # (B|1, H|1, T|1), in the accumulator dtype
         sinks = check_sinks(sinks, q, check_qkv(q, k, v))
     return TiledAttention.apply(q, k, v, scale, bias, prepared, key_tile, use_fused, softcap, sinks)
-
-
-def _for_windows(prepared: Prepared, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """k, v as the plan needs them: windows fold batch and kv heads into one dim, a view of
-    (B, G, S, ·) only when those two dims are laid out contiguously (one copy of k and v here,
-    not one per tile; for k, v shared by the batch, that copy is B of them)."""
-    if k.shape[0] > 1 and any(isinstance(item, Windows) for item in prepared.plan):
-        return k.contiguous(), v.contiguous()
-    return k, v
 
 
 def _check_result(name: str, t: Tensor, shape: tuple[int, ...], q: Tensor) -> None:
@@ -219,13 +195,13 @@ def tiled_backward(
     _check_result("lse", lse, (B, H, T), q)
     scale, softcap = check_scale(scale, shape.D), check_softcap(softcap)
     mask = check_mask(mask, shape, q_offset)
-    use_fused = _fused(q, v, fused, softcap)
+    use_fused = fused_choice(q, v, fused, softcap)
     kb, vb = k, v
     if use_fused:  # as in tiled_attention: copied once here, not once per tile
         q, kb, vb, out = (unit_last_stride(t) for t in (q, k, v, out))
     kb, vb = broadcast_kv(kb, B), broadcast_kv(vb, B)
-    prepared = _prepared(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
-    kb, vb = _for_windows(prepared, kb, vb)
+    prepared = prepared_for(q, kb, mask, None, q_offset, block, key_tile, cells, windows, plans)
+    kb, vb = windows_layout(prepared, kb, vb)
     dq, dk, dv, _ = backward(q, kb, vb, out, lse, dout.contiguous(), scale, None, prepared,
                              key_tile, use_fused, softcap, False)  # fmt: skip
     if k.shape[0] != B:  # one k, v for the whole batch: its gradient is the batch's sum
@@ -269,7 +245,7 @@ def plan_summary(
     size, tiles, the cells it computes and the tile masks it keeps. Only the shapes, dtype and
     device of q and k matter. It prepares the plan exactly as the call does — through the same
     plan cache, building every tile mask — so a call after it reuses the work."""
-    prepared = _prepared(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
+    prepared = prepared_for(q, k, mask, bias, q_offset, block, key_tile, cells, windows, plans)
     B, H, _, T, S = prepared.masks.shape
     block_ = prepared.block
     tiles = skipped = computed = n_windows = 0

@@ -14,7 +14,7 @@ its mask and bias (:mod:`~dikkat.core.tiled.kernel`); the caller runs such a cal
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -208,6 +208,28 @@ def backward(
     return dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
+def legacy_vmapped(dout: Tensor) -> tuple[Tensor, int] | None:
+    """``(physical (N, ·) tensor, vmap level)`` of a gradient batched by the legacy
+    ``torch._vmap_internals.vmap`` — what ``gradcheck(check_batched_grad=True)`` runs a backward
+    under (torch/autograd/gradcheck.py, ``_test_batched_grad``) — else None. Its batching
+    rules cannot follow a backward that writes tiles into plain buffers; each entry runs apart."""
+    if torch.compiler.is_compiling() or not torch._C._functorch.is_legacy_batchedtensor(dout):
+        return None  # (a compiled graph never holds one; dynamo cannot ask)
+    level = torch._C._vmapmode_increment_nesting() - 1  # the innermost level: dout's
+    torch._C._vmapmode_decrement_nesting()
+    return torch._remove_batch_dim(dout, level, 1, 0), level
+
+
+def per_entry(grads: Callable[[Tensor], tuple], physical: Tensor, level: int) -> tuple:
+    """``grads`` of each entry of a legacy-vmapped gradient (:func:`legacy_vmapped`), stacked
+    and batched again at ``level`` (a None gradient stays None)."""
+    parts = [grads(entry) for entry in physical.unbind(0)]
+    return tuple(
+        None if p[0] is None else torch._add_batch_dim(torch.stack(p), 0, level)
+        for p in zip(*parts, strict=True)
+    )
+
+
 class TiledAttention(torch.autograd.Function):
     """``(out, lse)`` of a prepared plan; differentiable in q, k, v, the bias and the sinks."""
 
@@ -225,6 +247,9 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        legacy = legacy_vmapped(dout)
+        if legacy is not None:
+            return per_entry(lambda d: TiledAttention.backward(ctx, d, None), *legacy)
         q, k, v, out, lse, sinks = ctx.saved_tensors
         bias_grad = ctx.needs_input_grad[4]
         dq, dk, dv, dbias = backward(q, k, v, out, lse, dout.contiguous(), *ctx.args, bias_grad)
