@@ -128,5 +128,5 @@ def test_bad_results_are_named():
         call(lse=lse[:, :, :5])
     with pytest.raises(TypeError, match=r"dout must have q's dtype torch\.float64, got torch\.fl"):
         call(dout=dout.float())
-    with pytest.raises(ValueError, match="scale must be positive"):
-        tiled_backward(q, k, v, out, lse, dout, scale=-1.0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        tiled_backward(q, k, v, out, lse, dout, scale=float("nan"))

@@ -192,10 +192,8 @@ def test_export(name: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-NAN_RULE = pytest.mark.xfail(strict=False, reason="needs the traceable NaN rule")
 
 
-@NAN_RULE
 def test_attention_no_graph_break() -> None:
     q, k, v = _qkv(torch.float32)
     mask = masks.causal() & masks.padding(LENGTHS)
@@ -203,7 +201,6 @@ def test_attention_no_graph_break() -> None:
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
-@NAN_RULE
 def test_attention_export() -> None:
     q, k, v = _qkv(torch.float32)
     model = _Model("and", _attention)

@@ -147,16 +147,16 @@ def test_the_caches_tell_windows_apart_by_ahead(backend):
 def test_sdpa_runs_a_window_that_hides_nothing_more_as_causal(monkeypatch, window, q_offset, flag):
     """A causal window reaching back past key 0 from every query is the causal mask: SDPA gets
     its ``is_causal`` flag (no dense mask to build), with the reference's result."""
-    import torch.nn.functional as F
+    from dikkat.core import sdpa as sdpa_module
 
     seen = []
-    sdpa = F.scaled_dot_product_attention
+    sdpa = sdpa_module.TORCH_SDPA  # torch's own function, which the backend holds
 
     def spy(*args, **kwargs):
         seen.append((kwargs.get("is_causal", False), kwargs.get("attn_mask") is None))
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(sdpa_module, "TORCH_SDPA", spy)
     T, S = 6, 6 + q_offset
     q, k, v = torch.randn(1, 2, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
     mask = masks.sliding_window(window)
