@@ -192,8 +192,6 @@ def test_export(name: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-
-
 def test_attention_no_graph_break() -> None:
     q, k, v = _qkv(torch.float32)
     mask = masks.causal() & masks.padding(LENGTHS)

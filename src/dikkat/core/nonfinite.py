@@ -37,6 +37,8 @@ from torch import Tensor
 
 from dikkat.core.masks import Mask
 from dikkat.core.reference import repeat_kv
+from dikkat.core.tracing import check_traced as check_values
+from dikkat.core.tracing import plain
 
 _NOT_FINITE = (
     "dikkat.attention: q, k or v holds a NaN or ±inf (or the bias a NaN or +inf) inside a "
@@ -159,23 +161,13 @@ def _all_finite(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     return ok
 
 
-def _plain(t: Tensor) -> Tensor:
-    """The tensor beneath torch.func's wrappers (a vmapped one holds every batch entry)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
-
-
 def check_traced(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> None:
     """The NaN rule where values cannot reach Python (see the module's docstring): a
     non-finite input is an error, never a silently wrong row."""
-    if q.device.type == "meta":
-        return
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         where = "torch.compile, torch.export or torch.jit.trace"
-        torch._assert_async(_all_finite(q, k, v, bias), _NOT_FINITE.format(where=where))
-        return
-    inputs = (q, k, v, bias)
-    plain = [None if t is None else _plain(t.detach()) for t in inputs]
-    if not bool(_all_finite(*plain)):  # type: ignore[arg-type]
-        raise ValueError(_NOT_FINITE.format(where="a torch.func transform: vmap, grad, jacrev"))
+    else:
+        where = "a torch.func transform: vmap, grad, jacrev"
+        q, k, v = (plain(t.detach()) for t in (q, k, v))
+        bias = None if bias is None else plain(bias.detach())
+    check_values(_all_finite(q, k, v, bias), _NOT_FINITE.format(where=where))

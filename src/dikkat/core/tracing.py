@@ -10,6 +10,7 @@ backend plans from shapes alone.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
 def tracing() -> bool:
@@ -18,3 +19,23 @@ def tracing() -> bool:
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def plain(t: Tensor) -> Tensor:
+    """The tensor beneath torch.func's wrappers (a vmapped one holds every batch entry)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def check_traced(ok: Tensor, message: str) -> None:
+    """A check on tensor values where they cannot reach Python: ``ok`` (a 0-d bool computed
+    from the inputs) must hold, else the call fails — a device-side assert inside a traced
+    graph (``torch._assert_async``), a ``ValueError`` under a torch.func transform, whose
+    wrappers the values are read beneath. Never a silently wrong answer."""
+    if ok.device.type == "meta":
+        return
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        torch._assert_async(ok, message)
+    elif not bool(plain(ok.detach()).all()):
+        raise ValueError(message)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dikkat.core.tracing import check_traced, tracing
 from dikkat.validate import check_int
 
 # nn.Embedding and gather index with these; other integer dtypes must be converted first
@@ -49,6 +50,11 @@ def check_token_ids(
     if vocab_size is None or ids.numel() == 0:
         return
     checked = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    if tracing():  # torch.compile, export, vmap: the values cannot reach Python here
+        ok = ((checked >= 0) & (checked < vocab_size)).all()
+        also = f" (or {ignore_index}: no loss)" if ignore_index is not None else ""
+        check_traced(ok, f"{name} holds ids outside the vocabulary of {vocab_size}{also}")
+        return
     low, high = torch.stack(torch.aminmax(checked)).tolist()  # one sync, not one per bound
     if low < 0 or high >= vocab_size:
         at = ((checked < 0) | (checked >= vocab_size)).nonzero()[0]

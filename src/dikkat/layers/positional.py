@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dikkat.core.tracing import check_traced, tracing
 from dikkat.validate import check_bool, check_float, check_int
 
 __all__ = [
@@ -63,6 +64,10 @@ def valid_positions(valid: Tensor) -> Tensor:
 
 
 def _check_max_len(pos: Tensor, max_len: int, what: str) -> None:
+    if tracing():  # torch.compile, export, vmap: the values cannot reach Python here
+        ok = ((pos >= 0) & (pos < max_len)).all()
+        check_traced(ok, f"{what} holds positions 0 … {max_len - 1}, got others")
+        return
     if pos.numel() and (int(pos.max()) >= max_len or int(pos.min()) < 0):
         raise ValueError(
             f"{what} holds positions 0 … {max_len - 1}, got positions {int(pos.min())} … "
