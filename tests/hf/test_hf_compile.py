@@ -74,12 +74,6 @@ def test_explain_finds_no_graph_break() -> None:
     assert explained.graph_count == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.UserError,
-    reason="a padding attention_mask reaches dikkat.hf.masks._padding, which asks "
-    "bool(valid.all()) and torch.equal(...) of the mask's values: data-dependent under tracing",
-)
 def test_compiles_fullgraph_with_padding() -> None:
     torch._dynamo.reset()
     attention_mask = torch.ones(B, T, dtype=torch.long)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from dikkat.core import masks
 from dikkat.core.masks import Causal, Full, Mask, SlidingWindow
+from dikkat.core.tracing import tracing
 
 __all__ = ["HFMask", "hf_mask"]
 
@@ -259,6 +260,8 @@ def _padding(attention_mask: Tensor, grid: _Grid) -> Mask:
     if valid.shape[1] < needed:  # padded with False, as masking_utils.prepare_padding_mask does
         valid = torch.nn.functional.pad(valid, (0, needed - valid.shape[1]))
     valid = valid[:, grid.kv_offset : needed]
+    if tracing():  # no host read of the flags here: they stay per-key (exact, fewer skips)
+        return masks.padding(valid=valid)
     if bool(valid.all()):
         return masks.full()
     lengths = valid.sum(-1)
