@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dikkat.cli.common import EXTRAS
+from dikkat.hf import MIN_TRANSFORMERS
 from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,4 +89,5 @@ def test_every_extra_named_is_an_optional_group_of_pyproject():
         "optional-dependencies"
     ]
     assert set(EXTRAS) <= set(groups), set(EXTRAS) - set(groups)
-    assert "transformers>=4.53" in groups["hf"]  # dikkat.hf registers through AttentionInterface
+    # dikkat.hf registers through AttentionInterface, from this transformers on
+    assert f"transformers>={MIN_TRANSFORMERS}" in groups["hf"]

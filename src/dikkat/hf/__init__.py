@@ -5,18 +5,26 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dikkat")
 
 transformers is an optional dependency: it is imported by :func:`register` and by the
-functions transformers calls, never by ``import dikkat``. :func:`register_ring` registers
+functions transformers calls, never by ``import dikkat``; :func:`register` refuses a
+transformers older than :data:`MIN_TRANSFORMERS`. :func:`register_ring` registers
 ring attention instead, for a sequence split over processes (docs/distributed.md).
 """
 
 from dikkat.core.capture import Capture, capture
-from dikkat.hf.attention import LayerCall, attention_function, recording, register
+from dikkat.hf.attention import (
+    MIN_TRANSFORMERS,
+    LayerCall,
+    attention_function,
+    recording,
+    register,
+)
 from dikkat.hf.keywords import KEYWORDS, Keyword
 from dikkat.hf.masks import HFMask, hf_mask
 from dikkat.hf.ring import RingMask, register_ring, ring_mask
 
 __all__ = [
     "KEYWORDS",
+    "MIN_TRANSFORMERS",
     "Capture",
     "HFMask",
     "Keyword",

@@ -33,7 +33,12 @@ from dikkat.core.weights import attention_weights
 from dikkat.hf.keywords import check_keywords, hf_sinks, with_indices
 from dikkat.hf.masks import HFMask, hf_mask
 
-__all__ = ["LayerCall", "attention_function", "recording", "register"]
+__all__ = ["MIN_TRANSFORMERS", "LayerCall", "attention_function", "recording", "register"]
+
+# The oldest transformers dikkat.hf runs on: the oldest release whose tests/hf pass (.ci/hf_floor
+# installs exactly it and runs them). pyproject.toml's extras and docs/hf.md say the same
+# (tests/hf/test_hf_version.py checks that they do).
+MIN_TRANSFORMERS = "5.24.0"
 
 # transformers gives these words a meaning in an attn_implementation name: "sdpa" anywhere runs
 # torch's SDPA checks and fallbacks (modeling_utils.get_correct_attn_implementation), "flash" the
@@ -138,16 +143,22 @@ def check_name(name: object) -> str:
 
 
 def install(name: str, attention_fn: Callable, mask_fn: Callable, caller: str) -> None:
-    """Register ``attention_fn`` and ``mask_fn`` under ``name`` with transformers."""
+    """Register ``attention_fn`` and ``mask_fn`` under ``name`` with transformers, after checking
+    that the installed transformers is at least :data:`MIN_TRANSFORMERS`."""
+    need = f"dikkat.hf.{caller} needs transformers ≥ {MIN_TRANSFORMERS}"
+    fix = f"pip install 'transformers>={MIN_TRANSFORMERS}'"
     try:  # transformers is an optional dependency, imported only when it is used
-        from transformers import AttentionInterface, AttentionMaskInterface
+        import transformers
     except ImportError as error:
-        raise ImportError(
-            f"dikkat.hf.{caller} needs transformers ≥ 4.53 (AttentionInterface and "
-            "AttentionMaskInterface): pip install 'transformers>=4.53'"
-        ) from error
-    AttentionInterface.register(name, attention_fn)
-    AttentionMaskInterface.register(name, mask_fn)
+        raise ImportError(f"{need}, which is not installed: {fix}") from error
+    from packaging.version import Version  # a dependency of transformers
+
+    installed = transformers.__version__
+    if Version(installed) < Version(MIN_TRANSFORMERS):
+        # what older releases do differently: docs/hf.md, "Which transformers"
+        raise ImportError(f"{need}, but transformers {installed} is installed: {fix}")
+    transformers.AttentionInterface.register(name, attention_fn)
+    transformers.AttentionMaskInterface.register(name, mask_fn)
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 Notation: ``B`` batch, ``T`` query length, ``S`` key length (HF's ``q_length`` and
 ``kv_length``).
 
-transformers (≥ 4.53) builds every attention mask from predicates ``(batch_idx, head_idx,
+transformers (≥ 5.24.0) builds every attention mask from predicates ``(batch_idx, head_idx,
 q_idx, kv_idx) -> bool`` in ``transformers.masking_utils`` — ``causal_mask_function``, the
 sliding-window and chunked overlays, packed sequences, padding — combined with ``and_masks`` /
 ``or_masks``, and hands the combined predicate to the mask function registered for the model's
