@@ -52,6 +52,17 @@ def test_a_missing_extra_is_one_line_naming_it(line, module, extra, tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
+def test_too_old_a_transformers_is_one_line_naming_the_floor(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    code, out, err = run_cli(["show", "--hf", str(tmp_path)], capsys)
+    assert_one_line(code, out, err, "transformers", "hf")
+    assert "5.3.0 is installed" in err
+
+
 BLOCKER = """\
 import sys
 

@@ -63,6 +63,18 @@ def require_extra(extra: str, command: str) -> None:
                 f"dikkat {command} needs {module}, which {why}: pip install 'dikkat[{extra}]'",
                 name=module,
             ) from e
+    if "transformers" in EXTRAS[extra]:  # too old a release is as good as none
+        import transformers
+        from packaging.version import Version
+
+        from dikkat.hf import MIN_TRANSFORMERS
+
+        if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+            raise MissingExtraError(
+                f"dikkat {command} needs transformers ≥ {MIN_TRANSFORMERS}, but "
+                f"{transformers.__version__} is installed: pip install 'dikkat[{extra}]'",
+                name="transformers",
+            )
 
 
 class DikkatParser(argparse.ArgumentParser):
