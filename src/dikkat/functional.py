@@ -186,7 +186,7 @@ def _sdpa(
     causal_bias = _causal_bias(attn_mask)
     if causal_bias is not None:
         if is_causal:
-            raise ValueError("CausalBias should not be used with is_causal=True")
+            raise ValueError("CausalBias should not be used with causal=True")  # torch's words
         L, S, q_offset = causal_bias
         if (query.shape[-2], key.shape[-2]) != (L, S):
             raise ValueError(
@@ -197,10 +197,11 @@ def _sdpa(
         attn_mask, is_causal = None, False
     else:
         q_offset = 0
-    if attn_mask is not None and is_causal:  # torch's docs: an error, whatever the kernel
+    if attn_mask is not None and is_causal:  # torch's docs, and torch's words: an error
         raise SDPAArgumentError(
-            "scaled_dot_product_attention: pass attn_mask or is_causal=True, not both (AND the "
-            "causal mask into attn_mask, or pass a torch.nn.attention.bias.CausalBias)"
+            "scaled_dot_product_attention: Explicit attn_mask should not be set when "
+            "is_causal=True (pass one of them: AND the causal mask into attn_mask, or pass a "
+            "torch.nn.attention.bias.CausalBias)"
         )
     if not tracing():  # torch's checks, once, outside any compiled or transformed region
         _check_like_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
