@@ -18,6 +18,8 @@ import sys
 import torch
 from torch import Tensor
 
+from dikkat.core.tracing import tracing
+
 __all__ = ["installed", "interpreting", "unsupported"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,6 +69,11 @@ def unsupported(
     q: Tensor, bias: Tensor | None, D: int | None = None, Dv: int | None = None
 ) -> str | None:
     """Why the kernels cannot run a call with these queries (B, H, T, D) and bias, or None."""
+    if tracing():  # asked first: installed() is a functools.cache dynamo would trace through
+        return (
+            "inside torch.compile, torch.export or a torch.func transform dikkat's Triton "
+            "launches are not traced (untested there): sdpa, flex or tiled serve the call"
+        )
     if not installed():
         return "triton is not installed (pip install 'dikkat[gpu]')"
     mismatch = _mode_mismatch()
