@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,9 +91,11 @@ def test_the_page_s_python_examples_run(page, tmp_path, monkeypatch):
     if not any(b.shown for b in blocks_of(page)):
         pytest.skip(f"{page.name} has no Python example")
     environment = dict(os.environ)
+    sdpa = torch.nn.functional.scaled_dot_product_attention  # docs/attention.md swaps it
     try:
         run_page(page)
-    finally:  # what a page sets up for a process group stays with the page
+    finally:  # what a page sets up for a process group, or swaps in torch, stays with the page
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         os.environ.clear()
         os.environ.update(environment)
         if dist.is_available() and dist.is_initialized():

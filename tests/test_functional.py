@@ -245,7 +245,9 @@ def test_what_torch_s_docs_refuse_is_refused_where_a_torch_kernel_lets_it_pass()
     """torch's docs: attn_mask with is_causal is an error, keys and values share their length;
     its fused CPU kernel takes both calls anyway (with E = Ev), its math kernel refuses them."""
     q = _rand(2, 4, 5, 8)
-    with pytest.raises(SDPAArgumentError, match="Explicit attn_mask should not be set when is_causal=True"):
+    with pytest.raises(
+        SDPAArgumentError, match="Explicit attn_mask should not be set when is_causal=True"
+    ):
         scaled_dot_product_attention(q, q, q, torch.ones(5, 5, dtype=torch.bool), is_causal=True)
     with pytest.raises(SDPAArgumentError):
         scaled_dot_product_attention(q, _rand(2, 4, 6, 8), q)
