@@ -227,7 +227,7 @@ class Int8Linear(InferenceLinear):
 
     @property
     def weight(self) -> HeldWeight:
-        return HeldWeight("int8", self._q.values.shape, self._dtype, self._device)
+        return HeldWeight(self.weights_format, self._q.values.shape, self._dtype, self._device)
 
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
         whole = (start, stop) == (0, self.out_features)
@@ -235,7 +235,7 @@ class Int8Linear(InferenceLinear):
         return int8_linear(x, q, self._bias(start, stop))
 
 
-class W8A8Linear(InferenceLinear):
+class W8A8Linear(Int8Linear):
     """The int8 weight of :class:`Int8Linear` times inputs rounded to 8 bits on the fly, through
     FBGEMM (x86 CPUs; :func:`~dikkat.layers.quantized.w8a8_linear`). Each block of rows
     multiplied is packed, with its bias, on first use."""
@@ -245,11 +245,6 @@ class W8A8Linear(InferenceLinear):
     def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
         check_w8a8(weight)  # here, not at the first product
         super().__init__(weight, bias, batched)
-        self._q: Int8Weight = quantize_int8(weight)
-
-    @property
-    def weight(self) -> HeldWeight:
-        return HeldWeight("w8a8", self._q.values.shape, self._dtype, self._device)
 
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
         packed: W8A8Weight = self._copy(start, stop, 1, lambda: self._pack(start, stop))
