@@ -329,8 +329,8 @@ def test_generate_in_a_smaller_format_stays_close_to_fp32_and_keeps_the_weights(
 
 def test_an_unknown_weight_format_is_refused_before_any_work():
     model = make_gpt("learned")
-    refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', got 'q4'"
+    refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', 'q8', 'q4', got 'q3'"
     with pytest.raises(ValueError, match=refused):
-        iter_generate(model, [[1, 2]], 3, weights="q4")
-    with pytest.raises(ValueError, match="got 'q4'"):
-        model.generate([[1, 2]], 3, weights="q4")
+        iter_generate(model, [[1, 2]], 3, weights="q3")
+    with pytest.raises(ValueError, match="got 'q3'"):
+        model.generate([[1, 2]], 3, weights="q3")

@@ -25,7 +25,7 @@ from dikkat.layers import (
     onednn_linear_available,
     quantize_int8,
 )
-from dikkat.layers.inference import _BATCH_ROWS
+from dikkat.layers.held import BATCH_ROWS as _BATCH_ROWS
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 

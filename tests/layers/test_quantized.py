@@ -141,7 +141,7 @@ def test_a_bf16_copy_runs_in_the_model_s_dtype_around_its_bf16_product():
 
 @pytest.mark.parametrize("bad", ["int4", "FP32", "", 8])
 def test_an_unknown_format_is_refused_by_name(bad):
-    refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', got"
+    refused = r"weights must be one of 'fp32', 'bf16', 'int8', 'w8a8', 'q8', 'q4', got"
     with pytest.raises(ValueError, match=refused):
         inference_model(Linear(4, 4), bad)
-    assert WEIGHT_FORMATS == ("fp32", "bf16", "int8", "w8a8")
+    assert WEIGHT_FORMATS == ("fp32", "bf16", "int8", "w8a8", "q8", "q4")

@@ -124,10 +124,11 @@ def dikkat_serve(port: int, env: dict[str, str], log: Path) -> Iterator:
     """``python -m dikkat serve --model smollm2`` on 127.0.0.1:``port``, stopped at the end; yields
     a function that waits (bounded) until the server answers /health."""
     # 64 blocks of 16 tokens hold lm_eval's batches of 8 short prompts; the default cache holds
-    # 16 requests of the whole 8 192-token context, gigabytes of memory
+    # 16 requests of the whole 8 192-token context, gigabytes of memory; fp32 weights, as the hf
+    # run dequantises the file (the packed default rounds activations: ~1e-3 on a log-likelihood)
     command = [
         sys.executable, "-m", "dikkat", "serve", "--model", MODEL, "--port", str(port),
-        "--num-blocks", "64",
+        "--num-blocks", "64", "--weights", "fp32",
     ]  # fmt: skip
     with log.open("w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

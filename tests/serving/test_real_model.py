@@ -181,7 +181,9 @@ def test_dikkat_serve_model_serves_a_pretrained_decoder(smollm2, monkeypatch, ca
     from dikkat.cli import main
 
     served: dict[str, Any] = {}
-    monkeypatch.setattr("dikkat.pretrained.load", lambda source, device: smollm2)  # as loaded
+    monkeypatch.setattr(
+        "dikkat.pretrained.load", lambda source, device, weights=None: smollm2
+    )  # as loaded
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
     argv = ["serve", "--model", "smollm2", "--num-blocks", "32", "--max-batch", "2"]
     assert main(argv) == 0

@@ -155,7 +155,7 @@ def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
     if args.model is not None:
         from dikkat.pretrained import load  # loaded when a command runs (see dikkat.cli)
 
-        lm = load(args.model, device=device)
+        lm = load(args.model, device=device, weights="fp32")  # gradients need a plain model
         return f"{args.model} ({lm!r})", decoder_audits(lm.model, args)
     if args.hf is not None:
         path = Path(args.hf)

@@ -23,13 +23,15 @@ if TYPE_CHECKING:
 COMMANDS_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) leaves"
 
 
-def load_pretrained(args: argparse.Namespace) -> Pretrained:
-    """The model ``--model``/MODEL names, loaded with a line on stderr saying what and how long."""
+def load_pretrained(args: argparse.Namespace, weights: str | None = None) -> Pretrained:
+    """The model ``--model``/MODEL names, in the format ``weights`` (None: as its file holds
+    it; :func:`dikkat.pretrained.load`), loaded with a line on stderr saying what and how
+    long."""
     from dikkat.pretrained import load  # loaded when a command runs (see dikkat.cli)
 
     print(f"dikkat: loading {args.model} …", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    lm = load(args.model, device=device_of(args))
+    lm = load(args.model, device=device_of(args), weights=weights)  # type: ignore[arg-type]
     print(f"dikkat: {lm} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return lm
 
@@ -47,7 +49,7 @@ def sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    lm = load_pretrained(args)
+    lm = load_pretrained(args, args.weights)
     if lm.chat_template is None:
         raise ValueError(
             f"{args.model} has no chat template (a base model): continue text with "
@@ -121,8 +123,9 @@ def add_sampling_flags(parser: argparse.ArgumentParser, max_new_tokens: int) -> 
     parser.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
-        default="fp32",
-        help="format the linear layers multiply in: fp32, bf16, int8, w8a8 (docs/models.md)",
+        default=None,
+        help="format the linear layers multiply in: fp32, bf16, int8, w8a8, q8, q4; default: "
+        "a GGUF file's own quantisation, kept packed (fp32 for an HF folder; docs/models.md)",
     )
 
 

@@ -113,7 +113,7 @@ def _generate_pretrained(args: argparse.Namespace) -> int:
     if args.lookup is not None or args.eos_id is not None:
         flag = "--lookup" if args.lookup is not None else "--eos-id"
         raise ValueError(f"{flag} is for dikkat's own GPTs; --model stops at its own end tokens")
-    lm = load_pretrained(args)
+    lm = load_pretrained(args, args.weights)
     sys.stdout.write(args.prompt)
     for piece in lm.stream(args.prompt, **sampling(args)):
         sys.stdout.write(piece)
@@ -202,10 +202,11 @@ def add_commands(sub: Any) -> None:
     gen.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
-        default="fp32",
+        default=None,
         help="format the linear layers multiply in while generating: fp32 (as trained), bf16, "
-        "int8 (per-channel, weight-only) or w8a8 (int8 weights, 8-bit inputs, x86 CPUs); the "
-        "saved weights are not changed",
+        "int8 (per-channel, weight-only), w8a8 (int8 weights, 8-bit inputs, x86 CPUs), q8 or q4 "
+        "(blocks of 32, as GGUF's Q8_0 and Q4_0); default: fp32, or a GGUF file's own "
+        "quantisation with --model; the saved weights are not changed",
     )
     gen.add_argument(
         "--lookup",

@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dikkat.cli.args import add_no_verify, positive_int
 from dikkat.cli.chat import load_pretrained
 from dikkat.cli.common import add_command, add_device, device_of, require_extra
@@ -30,7 +32,8 @@ def build_app(args: argparse.Namespace) -> Any:
     device = device_of(args)
     chat_prompt = None
     if args.model is not None:
-        lm = load_pretrained(args)
+        # a GGUF file's own packed weights, or fp32 for the engine to convert (batched layouts)
+        lm = load_pretrained(args, None if args.weights is None else "fp32")
         model, tokenizer, name = lm.model, lm.tokenizer, lm.name
         if lm.chat_template is not None:
             chat_prompt = lm.chat_prompt
@@ -47,7 +50,9 @@ def build_app(args: argparse.Namespace) -> Any:
             f"the tokenizer has {tokenizer.vocab_size:,} tokens but the model only "
             f"{model.config.vocab_size:,}: they do not belong together"
         )
-    model.to(device).eval()
+    if model.cache_layout().device != torch.device(device):
+        model.to(device)  # (packed weights stay on the CPU: loading refused another device)
+    model.eval()
     context = model.cache_layout().context
     if args.max_model_len is not None and args.max_model_len > context:
         raise ValueError(f"--max-model-len {args.max_model_len} is past the model's context of "
@@ -72,7 +77,7 @@ def build_app(args: argparse.Namespace) -> Any:
         f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "
         f"{served_len}) on http://{args.host}:{args.port}/v1: {chat}; {stats.total_blocks} "
         f"KV cache blocks of {stats.block_size} tokens, batches of up to {args.max_batch}, "
-        f"{args.weights} weights",
+        f"{engine.weights} weights",
         flush=True,
     )
     return create_app(
@@ -145,10 +150,11 @@ def add_commands(sub: Any) -> None:
     engine.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
-        default="fp32",
+        default=None,
         help="format the linear layers multiply in: fp32 (as trained), bf16, int8 "
-        "(per-channel, weight-only) or w8a8 (int8 weights, 8-bit inputs, x86 CPUs); the saved "
-        "weights are not changed",
+        "(per-channel, weight-only), w8a8 (int8 weights, 8-bit inputs, x86 CPUs), q8 or q4 "
+        "(blocks of 32); default: a GGUF file's own quantisation with --model, else fp32; the "
+        "saved weights are not changed",
     )
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

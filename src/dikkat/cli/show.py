@@ -200,7 +200,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         tm = maps.text_model(minilm(device_of(args)))
         result = _show_text(args, replace(tm, name="all-MiniLM-L6-v2"), figures)
     elif args.model is not None:
-        lm = load(args.model, device=device_of(args))
+        lm = load(args.model, weights="fp32", device=device_of(args))
         result = _show_text(args, maps.text_model(lm), figures)
     elif args.hf is not None:
         require_extra("hf", "show --hf")

@@ -8,6 +8,14 @@ from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP, GatedMLP
 from dikkat.layers.norm import LayerNorm, RMSNorm
+from dikkat.layers.packed import (
+    PackedEmbedding,
+    PackedLinear,
+    PackedWeight,
+    packed_linear,
+    quantize_q4,
+    quantize_q8,
+)
 from dikkat.layers.positional import (
     ALiBi,
     LearnedPositionalEmbedding,
@@ -45,6 +53,9 @@ __all__ = [
     "Linear",
     "LinearRows",
     "MultiHeadAttention",
+    "PackedEmbedding",
+    "PackedLinear",
+    "PackedWeight",
     "RMSNorm",
     "RotaryEmbedding",
     "Scratch",
@@ -58,7 +69,10 @@ __all__ = [
     "int8_linear",
     "linear_cross_entropy",
     "onednn_linear_available",
+    "packed_linear",
     "quantize_int8",
+    "quantize_q4",
+    "quantize_q8",
     "quantize_w8a8",
     "w8a8_available",
     "w8a8_linear",

@@ -21,15 +21,16 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dikkat.core.tuning import for_device
+from dikkat.layers.held import HeldWeight, InferenceLinear
 from dikkat.layers.linear import Linear, LinearRows
+from dikkat.layers.packed import Q4Linear, Q8Linear
 from dikkat.layers.quantized import (
     Int8Weight,
     W8A8Weight,
@@ -43,10 +44,6 @@ from dikkat.layers.quantized import (
     w8a8_linear,
 )
 from dikkat.validate import check_bool
-
-# the rows a batched copy's second packed layout is laid out for (BENCHMARKS.md, Generation, the
-# AVX2-only EPYC: "Batches"; `python benchmarks/generation.py` measures it again)
-_BATCH_ROWS = 8
 
 
 @functools.cache  # asked on every product; the build does not change
@@ -76,84 +73,6 @@ def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class HeldWeight:
-    """What a layer holding its weight as bf16, int8 or w8a8 shows as its ``weight``: the shape
-    (N, K), and the dtype and device of the inputs it multiplies and the outputs it returns
-    (the model's), which is what the layers' input checks read. It holds no numbers; the
-    product goes through the layer."""
-
-    weights_format: WeightFormat
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-
-class InferenceLinear(nn.Module):
-    """A :class:`~dikkat.layers.Linear` of an inference copy: its weight held in one format
-    (one subclass per format), multiplied with autograd off, in the input's dtype.
-
-    Its parameters (``bias``; fp32's ``weight``) do not require gradients. It cannot be moved
-    or converted (``.to``, ``.double()``): convert the model, then copy it again. Copies that
-    depend on the rows multiplied (oneDNN's packed layouts, FBGEMM's packed rows) are made on
-    first use, per block of rows: the whole weight for ``forward``, a :class:`LinearRows`'s
-    block for ``forward_rows``.
-    """
-
-    weights_format: ClassVar[WeightFormat]
-
-    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.batched = batched
-        self.register_parameter("bias", bias)
-        self._dtype, self._device = weight.dtype, weight.device
-        # copies made on first use, by (start, stop, rows laid out for) rows of the weight
-        self._copies: dict[tuple[int, int, int], Any] = {}
-
-    @property
-    def copies(self) -> frozenset[tuple[int, int, int]]:
-        """The copies made so far on first use, as (start, stop, rows): the block of rows
-        [start, stop) of the weight, laid out for products of ``rows`` input rows."""
-        return frozenset(self._copies)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_rows(x, 0, self.out_features)
-
-    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        """Output features [start, stop) alone (a :class:`LinearRows` block)."""
-        raise NotImplementedError
-
-    def _bias(self, start: int, stop: int) -> Tensor | None:
-        b = self.bias
-        return b if b is None or (start, stop) == (0, self.out_features) else b[start:stop]
-
-    def _rows(self, x: Tensor) -> int:
-        """The layout a product of x's rows uses: the batched one for more than two rows."""
-        return _BATCH_ROWS if self.batched and x.numel() > 2 * x.shape[-1] else 1
-
-    def _copy(self, start: int, stop: int, rows: int, make: Any) -> Any:
-        key = (start, stop, rows)
-        kept = self._copies.get(key)
-        if kept is None:  # two threads may both make it: the same numbers, one is kept
-            with torch.no_grad():
-                kept = self._copies[key] = make()
-        return kept
-
-    def _apply(self, fn: Any, recurse: bool = True) -> InferenceLinear:
-        raise TypeError(
-            f"an inference copy's {self.weights_format} layer cannot be moved or converted: "
-            "convert the model, then make a new copy with inference_model"
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, weights={self.weights_format!r}, "
-            f"batched={self.batched}"
-        )
-
-
 class Fp32Linear(InferenceLinear):
     """The weight as it is (a snapshot, in the model's dtype), and oneDNN-packed copies of it.
 
@@ -169,6 +88,10 @@ class Fp32Linear(InferenceLinear):
         super().__init__(weight, bias, batched)
         self.weight = weight
         self._packs = _onednn_packs(weight.device, weight.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _size(self.weight) + _size(self.bias)
 
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
         whole = (start, stop) == (0, self.out_features)
@@ -198,6 +121,10 @@ class Bf16Linear(InferenceLinear):
         self._packs = _onednn_packs(weight.device, torch.bfloat16)
 
     @property
+    def nbytes(self) -> int:
+        return _size(self._w16) + _size(self._b16)
+
+    @property
     def weight(self) -> HeldWeight:
         return HeldWeight("bf16", self._w16.shape, self._dtype, self._device)
 
@@ -224,6 +151,10 @@ class Int8Linear(InferenceLinear):
     def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
         super().__init__(weight, bias, batched)
         self._q: Int8Weight = quantize_int8(weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self._q.nbytes + _size(self.bias)
 
     @property
     def weight(self) -> HeldWeight:
@@ -255,6 +186,10 @@ class W8A8Linear(Int8Linear):
         return pack_w8a8(rows_of(self._q, start, stop), None if b is None else b[start:stop])
 
 
+def _size(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _reorder(w: Tensor, rows: int) -> Tensor:
     """``w`` (N, K) in oneDNN's blocked layout for products of ``rows`` input rows."""
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)
@@ -265,6 +200,8 @@ LAYERS: dict[WeightFormat, type[InferenceLinear]] = {
     "bf16": Bf16Linear,
     "int8": Int8Linear,
     "w8a8": W8A8Linear,
+    "q8": Q8Linear,
+    "q4": Q4Linear,
 }
 
 
@@ -287,8 +224,8 @@ def inference_model(
     oneDNN lays a packed weight out for a number of input rows. By default every product uses a
     copy laid out for one row (decoding one sequence; a prompt's prefill makes do with it).
     ``batched=True`` (a server decoding many sequences at once) adds a second layout, for
-    :data:`_BATCH_ROWS` rows, used by the products of more than two rows: more memory, faster
-    batches.
+    :data:`~dikkat.layers.held.BATCH_ROWS` rows, used by the products of more than two rows:
+    more memory, faster batches.
 
     The copy is in eval mode, its parameters do not require gradients, and everything but the
     linear layers' weights (embeddings, norms, attention, a tied output embedding's input side)

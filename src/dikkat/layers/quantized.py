@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-WeightFormat = Literal["fp32", "bf16", "int8", "w8a8"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("fp32", "bf16", "int8", "w8a8")
+WeightFormat = Literal["fp32", "bf16", "int8", "w8a8", "q8", "q4"]
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("fp32", "bf16", "int8", "w8a8", "q8", "q4")
 
 _INT8_MAX = 127  # symmetric: −128 is never used, so q and −q are both representable
 # The CPU kernel of torch 2.13 returns wrong numbers, or crashes, unless K is a multiple of 16

@@ -1,10 +1,15 @@
 """``dikkat.pretrained.load``: a GGUF file or an HF folder → a native
 :class:`~dikkat.models.Decoder` with its tokenizer and chat template.
 
-A GGUF file's quantised tensors (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, …) are dequantised to fp32
-by the ``gguf`` package, exactly as transformers reads the same file; ``dtype`` then casts the
-model (bf16 halves it). The model is built on the ``meta`` device and takes the loaded tensors as
-its parameters (``assign=True``), so its weights are allocated once.
+A GGUF file's quantised matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay packed by
+default: each is repacked once, exactly, into :class:`~dikkat.layers.packed.PackedWeight`
+(:mod:`dikkat.pretrained.gguf_packed`) and multiplied as such (:class:`~dikkat.layers.packed.
+PackedLinear`; the token embedding a :class:`~dikkat.layers.packed.PackedEmbedding`, shared
+with a tied output layer), never expanded to fp32. ``weights="fp32"`` instead dequantises them
+with the ``gguf`` package, exactly as transformers reads the same file (``dtype`` then casts the
+model: bf16 halves it), and the other formats of :func:`dikkat.layers.inference_model` convert
+that. The model is built on the ``meta`` device and takes the loaded tensors as its parameters
+(``assign=True``), so its weights are allocated once.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dikkat.layers.inference import inference_model
+from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
+from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.models.decoder import Decoder, DecoderConfig
 from dikkat.models.io import load_checked
 from dikkat.pretrained import families
 from dikkat.pretrained.gguf_file import GGUFFile
+from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
@@ -36,26 +45,45 @@ def load(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    weights: WeightFormat | None = None,
 ) -> Pretrained:
     """Load a pretrained decoder: ``source`` is a name (``"smollm2"``, ``"gemma3-270m"``), a
     ``.gguf`` file, or a Hugging Face folder (``config.json``, safetensors weights,
     ``tokenizer.json``) of a Llama, Mistral, Qwen2 or Gemma 3 (text) model.
+
+    ``weights`` is the format the linear layers hold: None keeps a GGUF file's quantised
+    matrices packed as the file holds them (on the CPU, in fp32 arithmetic; an HF folder's
+    weights stay as they are); "fp32" dequantises them; "bf16", "int8", "w8a8", "q8", "q4"
+    convert the fp32 weights (:func:`dikkat.layers.inference_model`).
 
     Returns a :class:`Pretrained` (``.model``, ``.tokenizer``, ``.generate``, ``.chat``), the
     model in evaluation mode on ``device``, in ``dtype`` (None: fp32).
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    if weights is not None:
+        weights = check_weights("weights", weights)
     found = resolve(source)
     if found.kind == "gguf":
-        model, tokenizer, template = _from_gguf(found.path)
+        model, tokenizer, template = _from_gguf(found.path, packed=weights is None)
     else:
         model, tokenizer, template = _from_hf(found.path)
-    model.to(device=device, dtype=dtype or torch.float32).eval()
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
+            raise ValueError(
+                f"{found.name} keeps its quantised weights packed, which run on the CPU in "
+                f"fp32: device={str(device)!r}, dtype={dtype} need weights='fp32' (or another "
+                "format of dikkat.layers.inference_model)"
+            )
+        model.eval()
+    else:
+        model.to(device=device, dtype=dtype or torch.float32).eval()
+        if weights not in (None, "fp32"):
+            model = inference_model(model, weights)
     return Pretrained(model, tokenizer, template, found.name, found.path)
 
 
-def _from_gguf(path: Path) -> tuple[Decoder, Tokenizer, str | None]:
+def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder, Tokenizer, str | None]:
     file = GGUFFile(path)
     config = families.config_from_gguf(file.metadata, set(file.tensors), str(path))
     names = families.gguf_names(config)
@@ -64,9 +92,25 @@ def _from_gguf(path: Path) -> tuple[Decoder, Tokenizer, str | None]:
     def read(name: str) -> Tensor:
         return families.from_gguf(name, file.read(name), config)
 
-    model = _assemble(config, names, read, str(path))
+    held: dict[str, PackedWeight] = {}
+    if packed:
+        for theirs, ours in names.items():
+            info = file.tensors[theirs]
+            if len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
+                held[ours] = _packed(file, theirs, config)
+    model = _assemble(config, names, read, str(path), held)
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
     return model, tokenizer, file.metadata.get("tokenizer.chat_template")
+
+
+def _packed(file: GGUFFile, name: str, config: DecoderConfig) -> PackedWeight:
+    """Tensor ``name`` repacked, its rows in dikkat's order (what :func:`families.from_gguf`
+    does to the dequantised tensor, done to the row indices)."""
+    info = file.tensors[name]
+    p = repack(file.raw(name), info.kind_name, info.shape)  # type: ignore[arg-type]
+    rows = torch.arange(info.shape[0])
+    order = families.from_gguf(name, rows[:, None], config)[:, 0]
+    return p if torch.equal(order, rows) else p.take(order)
 
 
 def _from_hf(folder: Path) -> tuple[Decoder, Tokenizer, str | None]:
@@ -111,13 +155,54 @@ def _check_names(stored: set[str], wanted: set[str], ignored: tuple[str, ...], s
 
 
 def _assemble(
-    config: DecoderConfig, names: dict[str, str], read: Callable[[str], Tensor], source: str
+    config: DecoderConfig,
+    names: dict[str, str],
+    read: Callable[[str], Tensor],
+    source: str,
+    held: dict[str, PackedWeight] | None = None,
 ) -> Decoder:
-    """A Decoder holding the stored tensors (each read once, its memory kept as the parameter)."""
+    """A Decoder holding the stored tensors (each read once, its memory kept as the parameter);
+    the weights in ``held`` (dikkat name → packed weight) in packed layers instead."""
+    held = dict(held or {})
     with torch.device("meta"):
         model = Decoder(config)
-    state = {ours: read(theirs) for theirs, ours in names.items()}
+    read_here = {ours: theirs for theirs, ours in names.items()}
+    done: set[str] = set()  # dikkat names taken by packed layers
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        parts = [f"blocks.{i}.attn.{n}_proj.weight" for n in "qkv"]
+        if hasattr(attn, "qkv_proj") and all(n in held for n in parts):
+            biases = [n.replace(".weight", ".bias") for n in parts]
+            bias = None
+            if attn.qkv_proj.bias is not None:
+                bias = torch.nn.Parameter(torch.cat([read(read_here[b]) for b in biases]))
+            layer = PackedLinear([held.pop(n) for n in parts], bias, False)
+            attn.qkv_proj = layer
+            for n in "qkv":  # the q/k/v views read their rows of the fused layer
+                object.__setattr__(getattr(attn, f"{n}_proj"), "source", layer)
+            done |= {*parts, *(biases if bias is not None else ())}
+        else:
+            held = {k: v for k, v in held.items() if k not in parts}  # all three or none
+    for name, p in held.items():
+        _hold(model, name.removesuffix(".weight"), p)
+        done.add(name)
+    if config.tie_embeddings and "tok_emb.weight" in held:
+        model.lm_head = PackedLinear(held["tok_emb.weight"], None, False)  # the same table
+    state = {ours: read(theirs) for theirs, ours in names.items() if ours not in done}
     load_checked(model, state, source, assign=True)
-    if config.tie_embeddings:
+    if config.tie_embeddings and "tok_emb.weight" not in held:
         model.lm_head.weight = model.tok_emb.weight  # assign=True replaced the shared parameter
     return model
+
+
+def _hold(model: Decoder, path: str, p: PackedWeight) -> None:
+    """Replace the module at ``path`` (a Linear, or the token embedding) by its packed form."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    old = getattr(parent, leaf)
+    packed: torch.nn.Module
+    if isinstance(old, torch.nn.Embedding):
+        packed = PackedEmbedding(p)
+    else:
+        packed = PackedLinear(p, old.bias, False)  # the bias (meta) is loaded with the rest
+    setattr(parent, leaf, packed)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from dikkat.generation.protocol import CacheLayout, DecoderLM
 from dikkat.generation.sampling import Sampler, SamplingParams
-from dikkat.layers.inference import inference_model
+from dikkat.layers.inference import InferenceLinear, inference_model
 from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.serving.forward import decode, emit, first_events
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
@@ -68,8 +68,10 @@ class Engine:
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
         weights: the format the copy's linear layers hold their weights in, "fp32", "bf16",
-            "int8" or "w8a8" (with ``batched=True`` when ``max_batch > 2``); the model's own
-            parameters are not changed.
+            "int8", "w8a8", "q8" or "q4" (with ``batched=True`` when ``max_batch > 2``); None:
+            the model's own if it is an inference copy already (a GGUF file's packed weights,
+            :func:`dikkat.pretrained.load`), else "fp32". The model's own parameters are not
+            changed.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
     from any thread while another runs :meth:`step` (a lock guards the queues and the block
@@ -93,7 +95,7 @@ class Engine:
         num_blocks: int | None = None,
         max_batch: int = 16,
         max_queue: int = 64,
-        weights: WeightFormat = "fp32",
+        weights: WeightFormat | None = None,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(
@@ -104,11 +106,16 @@ class Engine:
         check_int("num_blocks", num_blocks, optional=True)
         check_int("max_batch", max_batch)
         check_int("max_queue", max_queue)
-        self.weights: WeightFormat = check_weights("weights", weights)
+        if weights is not None:
+            weights = check_weights("weights", weights)
         layout = model.cache_layout()
         self._model = model
         # what the steps run: a snapshot, so the prefix cache's blocks always match its weights
-        snapshot = inference_model(model, self.weights, batched=max_batch > 2)  # type: ignore[arg-type]
+        # (a model that is an inference copy already, such as a GGUF file's packed weights, as
+        # it is)
+        snapshot = inference_model(model, weights, batched=_batched(model, max_batch))  # type: ignore[arg-type]
+        held = [m.weights_format for m in snapshot.modules() if isinstance(m, InferenceLinear)]
+        self.weights: str = held[0] if held else "fp32"  # the format the steps multiply in
         self._inference: DecoderLM = snapshot  # type: ignore[assignment]
         self.max_len: int = layout.context
         self.vocab_size: int = model.config.vocab_size
@@ -358,3 +365,11 @@ class Engine:
             if not 0 <= token < V:
                 raise ValueError(f"prompt[{i}] is {token}, outside the vocabulary of {V}")
         return [int(t) for t in prompt]
+
+
+def _batched(model: DecoderLM, max_batch: int) -> bool | None:
+    """The batched layouts for batches of more than two, on a model that is not an inference
+    copy yet (a copy keeps its own)."""
+    if any(isinstance(m, InferenceLinear) for m in model.modules()):  # type: ignore[attr-defined]
+        return None
+    return max_batch > 2

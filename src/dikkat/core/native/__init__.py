@@ -1,0 +1,153 @@
+"""dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
+
+One kernel so far, ``qmm`` (``qmm.cpp``): fp32 activations times a weight packed in blocks of
+4- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the product
+is). It is compiled with the system's C++ compiler against the installed PyTorch, for this CPU
+(``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
+compiler and CPU; the library is kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``),
+written under a temporary name and renamed into place, so a half-written library is never
+loaded. Its threads are PyTorch's own (``at::parallel_for``; ``torch.set_num_threads``).
+
+Where there is no compiler, or ``DIKKAT_NATIVE=0`` is set, :func:`qmm_op` is None and the
+callers compute the same product with PyTorch operations; a failed build says why, once, in a
+warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["build", "native_dir", "qmm_op"]
+
+_SOURCE = Path(__file__).with_name("qmm.cpp")
+_LIBRARY = "dikkat_native"
+
+
+def native_dir() -> Path:
+    """Where compiled kernels are kept: ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dikkat" / "native"
+
+
+def _cpu() -> str:
+    """This CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted)
+
+
+def _command(compiler: str, source: Path, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    lib = library_paths()[0]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler,
+        "-O3",
+        "-march=native",
+        "-fopenmp",  # at::parallel_for's OpenMP region; libgomp resolves to torch's own copy
+        "-shared",
+        "-fPIC",
+        "-std=c++20",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include_paths()),
+        str(source),
+        "-o",
+        str(out),
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-lc10",
+        "-ltorch",
+        "-ltorch_cpu",
+    ]
+
+
+def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
+    """Compile ``qmm.cpp`` into ``folder`` (default :func:`native_dir`) unless a library built
+    from the same source, PyTorch, compiler and CPU is there; returns its path. A RuntimeError
+    with the compiler's message where the build fails."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    source = _SOURCE.read_bytes()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join(s.encode() if isinstance(s, str) else s for s in
+                   (source, torch.__version__, version, _cpu(), sys.platform))
+    ).hexdigest()[:16]  # fmt: skip
+    folder = native_dir() if folder is None else folder
+    target = folder / f"{_LIBRARY}-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print("dikkat: compiling its packed-weight kernels for this CPU (once)…", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run(
+            _command(compiler, _SOURCE, out), capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line]
+            raise RuntimeError(
+                f"{compiler} could not build {_SOURCE.name}: "
+                f"{(errors or done.stderr.splitlines() or ['no message'])[0]}"
+            )
+        os.replace(out, target)  # whole or absent: a rename within one folder
+    return target
+
+
+@functools.cache
+def qmm_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.qmm``, built and loaded on first call; None where native
+    kernels are turned off (``DIKKAT_NATIVE=0``) or cannot be built (with a warning saying
+    why)."""
+    if os.environ.get("DIKKAT_NATIVE", "1") == "0":
+        return None
+    if not hasattr(torch.ops, _LIBRARY) or not hasattr(torch.ops.dikkat_native, "qmm"):
+        try:
+            torch.ops.load_library(str(build()))
+        except (RuntimeError, OSError) as e:
+            warnings.warn(
+                f"dikkat's native kernels are not available ({e}); packed weights are "
+                "multiplied with PyTorch operations, which is slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        _register_fake()
+    return torch.ops.dikkat_native.qmm
+
+
+def _register_fake() -> None:
+    """The op's output shape for torch.compile / export (which trace it without running it)."""
+
+    @torch.library.register_fake(f"{_LIBRARY}::qmm")
+    def _(
+        x: Tensor,
+        values: Tensor,
+        scale: Tensor,
+        offset: Tensor | None,
+        bits: int,
+        block: int,
+        zero: int,
+    ) -> Tensor:
+        return x.new_empty(x.shape[0], values.shape[0])

@@ -1,0 +1,323 @@
+// Products of fp32 activations with weights packed in blocks of 4- or 8-bit unsigned integers.
+//
+// A weight row of K values is stored as K/B blocks (B = 32, or 16); value j of block b is
+//   scale[b] * (q[j] - zero)        (symmetric formats: no offset tensor), or
+//   scale[b] * q[j] + offset[b]     (formats with a per-block minimum).
+// 8-bit q: one byte a value. 4-bit q: 16 bytes a block of 32, byte j holding value j in its low
+// nibble and value j + 16 in its high nibble (ggml's Q4_0 order,
+// https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+//
+// Each activation row is rounded to int16 per block of 32, a[j] = round(x[j] / d) with
+// d = max|x| / 32767 (16 bits, not llama.cpp's 8: an 8-bit rounding of a block that holds one of
+// a model's outlier features moves a real model's logits by tenths, and flips greedy tokens);
+// the product is then exactly
+//   sum over blocks of  scale * d * sum_j (q[j] - zero) * a[j]   (integers, exact), or
+//                       d * (scale * sum_j q[j] a[j] + offset * sum_j a[j]),
+// i.e. the dequantised weight times the rounded activations, summed in fp32. The integer sums
+// use AVX-512 VNNI (vpdpwssd: 16-bit times 16-bit, two products into a 32-bit lane) where the
+// compiler targets it; elsewhere plain loops that the compiler vectorises.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define DIKKAT_VNNI 1
+#else
+#define DIKKAT_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;  // activation block
+constexpr int64_t kTile = 4;    // activation rows multiplied with one unpacked weight block
+constexpr int32_t kLevels = 32767;  // activations: round(x / d), d = max |x| / kLevels
+
+struct Rounded {
+  std::vector<int16_t> q;    // (M, K)
+  std::vector<float> d;      // (M, K / 32) block scales
+  std::vector<int32_t> sum;  // (M, K / 16) sums of the rounded values, per 16
+};
+
+void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
+  const int64_t G = K / kGroup;
+  r.q.resize(M * K);
+  r.d.resize(M * G);
+  r.sum.resize(M * G * 2);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* v = x + m * K + g * kGroup;
+        float amax = 0.f;
+        for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float d = amax / static_cast<float>(kLevels);
+        int16_t* q = r.q.data() + m * K + g * kGroup;
+        int32_t s[2] = {0, 0};
+        for (int j = 0; j < kGroup; ++j) {
+          const int v8 = d > 0.f ? static_cast<int>(std::nearbyint(v[j] / d)) : 0;
+          q[j] = static_cast<int16_t>(v8);
+          s[j / 16] += v8;
+        }
+        r.d[m * G + g] = d;
+        r.sum[(m * G + g) * 2] = s[0];
+        r.sum[(m * G + g) * 2 + 1] = s[1];
+      }
+    }
+  });
+}
+
+struct Prepared {  // per activation row, laid out for a weight's blocks of BLOCK values
+  std::vector<float> d;   // (M, K / BLOCK + 4): the row's block scale, per weight block (padded)
+  std::vector<float> da;  // (M, K / BLOCK): d times the sum of the rounded values of the block
+};
+
+template <int BLOCK>
+void prepare(const Rounded& r, int64_t M, int64_t K, Prepared& p) {
+  const int64_t G = K / kGroup, per_row = K / BLOCK, stride = per_row + 4;
+  p.d.assign(M * stride, 0.f);
+  p.da.resize(M * per_row);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < per_row; ++b) {
+      const int64_t g = BLOCK == 32 ? b : b / 2;
+      const float d = r.d[m * G + g];
+      const int32_t* s = r.sum.data() + (m * G + g) * 2;
+      const int32_t total = BLOCK == 32 ? s[0] + s[1] : s[b % 2];
+      p.d[m * stride + b] = d;
+      p.da[m * per_row + b] = d * static_cast<float>(total);
+    }
+  }
+}
+
+#if DIKKAT_VNNI
+// the 64 unsigned values of blocks 2i, 2i + 1 of a weight row (32-value blocks)
+template <int BITS>
+inline __m512i load_pair(const uint8_t* row, int64_t i) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(row + i * 64);
+  } else {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * 32));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    // [lo of block 2i | lo of 2i+1 | hi of 2i | hi of 2i+1] → [lo 2i | hi 2i | lo 2i+1 | hi 2i+1]
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+}
+#endif
+
+// the zero point's (or the offsets') part of a product: a dot product over the row's blocks,
+// -zero * sum_b scale_b * da_b, or sum_b offset_b * da_b
+template <bool OFFSET>
+inline float block_part(const float* s, const float* o, const float* da, int64_t per_row, int32_t zero) {
+  const float* w = OFFSET ? o : s;
+  float e = 0.f;
+#if DIKKAT_VNNI
+  __m512 ev = _mm512_setzero_ps();
+  for (int64_t b = 0; b < per_row; b += 16) {
+    const __mmask16 k = per_row - b >= 16 ? 0xFFFF : (1u << (per_row - b)) - 1;
+    ev = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + b), _mm512_maskz_loadu_ps(k, da + b), ev);
+  }
+  e = _mm512_reduce_add_ps(ev);
+#else
+  for (int64_t b = 0; b < per_row; ++b) e += w[b] * da[b];
+#endif
+  return OFFSET ? e : -static_cast<float>(zero) * e;
+}
+
+#if DIKKAT_VNNI
+// which scale of a register of 16 block scales the lanes of a step's two products take: for
+// blocks of 32, lanes of the first product all block 2j, of the second 2j + 1; for blocks of
+// 16, half the lanes each
+alignas(64) constexpr int32_t kSpread[2][8][2][16] = {
+    {{{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}},
+     {{2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3}},
+     {{4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5}},
+     {{6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}},
+     {{8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8}, {9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9}},
+     {{10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10},
+      {11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11}},
+     {{12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12},
+      {13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13}},
+     {{14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14},
+      {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15}}},
+    {{{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3}},
+     {{4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}},
+     {{8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+      {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11}},
+     {{12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+      {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}}}};
+
+// the 64 values of step i (the last step may hold one block of 32 alone: the rest zeros)
+template <int BITS>
+inline __m512i load_step(const uint8_t* row, int64_t i, bool half) {
+  if (!half) return load_pair<BITS>(row, i);
+  if constexpr (BITS == 8) {
+    return _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + i * 64);
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * 32));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm512_zextsi256_si512(
+        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low)));
+  }
+}
+#endif
+
+// out[m, n] for the TILE rows m from m0 and weight rows n in [n0, n1)
+template <int BITS, int BLOCK, bool OFFSET, int TILE>
+void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const uint8_t* values,
+              const float* scale, const float* offset, int32_t zero, int64_t m0, int64_t n0,
+              int64_t n1, float* out) {
+  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK, stride = per_row + 4;
+  const int16_t* aq[TILE];
+  const float* ad[TILE];
+  for (int t = 0; t < TILE; ++t) {
+    aq[t] = r.q.data() + (m0 + t) * K;
+    ad[t] = p.d.data() + (m0 + t) * stride;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = values + n * row_bytes;
+    const float* s = scale + n * per_row;
+    const float* o = OFFSET ? offset + n * per_row : nullptr;
+    float extra[TILE];
+    for (int t = 0; t < TILE; ++t) {
+      extra[t] = block_part<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
+    }
+#if DIKKAT_VNNI
+    // 64 values a step: lanes 0-7 hold block 2i, 8-15 block 2i + 1 (or lanes 0-3, 4-7, … four
+    // blocks of 16); the scales of 16 blocks at a time sit in one register, spread by a permute
+    constexpr int64_t per_step = 64 / BLOCK, steps_per_load = 16 / per_step;
+    const auto& spread = kSpread[BLOCK == 32 ? 0 : 1];
+    __m512 acc[TILE], acc2[TILE], sd[TILE];
+    for (int t = 0; t < TILE; ++t) acc[t] = acc2[t] = sd[t] = _mm512_setzero_ps();
+    const int64_t steps = (K + 63) / 64;
+    for (int64_t i = 0; i < steps; ++i) {
+      const int64_t j = i % steps_per_load;
+      if (j == 0) {  // scale · activation scale of the next 16 blocks
+        const int64_t b = i * per_step, left = per_row - b;
+        const __mmask16 k = left >= 16 ? 0xFFFF : (1u << left) - 1;
+        const __m512 sv = _mm512_maskz_loadu_ps(k, s + b);
+        for (int t = 0; t < TILE; ++t) sd[t] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, ad[t] + b));
+      }
+      const bool half = 64 * (i + 1) > K;
+      const __m512i w8 = load_step<BITS>(row, i, half);  // 64 values, one byte each
+      const __m512i w_lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8));  // values 0-31
+      const __m512i w_hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));  // 32-63
+      const __m512i idx_lo = _mm512_load_si512(spread[j][0]);
+      const __m512i idx_hi = _mm512_load_si512(spread[j][1]);
+      for (int t = 0; t < TILE; ++t) {
+        const int16_t* a = aq[t] + i * 64;
+        const __m512i dot_lo = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w_lo, _mm512_loadu_si512(a));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_lo), _mm512_permutexvar_ps(idx_lo, sd[t]), acc[t]);
+        if (!half) {
+          const __m512i dot_hi = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w_hi, _mm512_loadu_si512(a + 32));
+          acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi), _mm512_permutexvar_ps(idx_hi, sd[t]), acc2[t]);
+        }
+      }
+    }
+    for (int t = 0; t < TILE; ++t) {
+      out[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + extra[t];
+    }
+#else
+    const int64_t G = K / kGroup;
+    float acc[TILE] = {};
+    uint8_t w[kGroup];
+    for (int64_t g = 0; g < G; ++g) {
+      if constexpr (BITS == 8) {
+        std::copy(row + g * kGroup, row + (g + 1) * kGroup, w);
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          w[j] = row[g * 16 + j] & 0x0F;
+          w[j + 16] = row[g * 16 + j] >> 4;
+        }
+      }
+      for (int t = 0; t < TILE; ++t) {
+        const int16_t* a = aq[t] + g * kGroup;
+        int32_t dot[2] = {0, 0};
+        for (int j = 0; j < kGroup; ++j) dot[j / 16] += static_cast<int32_t>(w[j]) * a[j];
+        if constexpr (BLOCK == 32) {
+          acc[t] += s[g] * ad[t][g] * static_cast<float>(dot[0] + dot[1]);
+        } else {
+          acc[t] += s[2 * g] * ad[t][2 * g] * static_cast<float>(dot[0]) +
+                    s[2 * g + 1] * ad[t][2 * g + 1] * static_cast<float>(dot[1]);
+        }
+      }
+    }
+    for (int t = 0; t < TILE; ++t) out[(m0 + t) * N + n] = acc[t] + extra[t];
+#endif
+  }
+}
+
+template <int BITS, int BLOCK, bool OFFSET>
+void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* values,
+         const float* scale, const float* offset, int32_t zero, float* out) {
+  Prepared p;
+  prepare<BLOCK>(r, M, K, p);
+  // weight rows split among the threads; each thread runs every activation row over its rows,
+  // so that a weight block is read from memory once per tile of activation rows
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K / 32));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + kTile <= M; m0 += kTile) {
+      multiply<BITS, BLOCK, OFFSET, kTile>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out);
+    }
+    switch (M - m0) {
+      case 3: multiply<BITS, BLOCK, OFFSET, 3>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
+      case 2: multiply<BITS, BLOCK, OFFSET, 2>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
+      case 1: multiply<BITS, BLOCK, OFFSET, 1>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
+      default: break;
+    }
+  });
+}
+
+at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale,
+               const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
+  TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(values.size(1) == K * bits / 8, "values do not hold K values a row");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.size(0) == N && scale.size(1) == K / block,
+              "scale must be (N, K / block) fp32");
+  const bool has_offset = offset.has_value() && offset->defined();
+  if (has_offset) {
+    TORCH_CHECK(offset->scalar_type() == at::kFloat && offset->sizes() == scale.sizes(),
+                "offset must be shaped as scale, fp32");
+  }
+  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
+  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  Rounded r;
+  round_rows(xc.data_ptr<float>(), M, K, r);
+  const uint8_t* v = vc.data_ptr<uint8_t>();
+  const float* s = sc.data_ptr<float>();
+  const float* o = has_offset ? oc.data_ptr<float>() : nullptr;
+  float* y = out.data_ptr<float>();
+  const int32_t z = static_cast<int32_t>(zero);
+#define DIKKAT_RUN(B, L, O) run<B, L, O>(r, M, K, N, v, s, o, z, y)
+  if (bits == 8 && block == 32) { if (has_offset) DIKKAT_RUN(8, 32, true); else DIKKAT_RUN(8, 32, false); }
+  else if (bits == 8) { if (has_offset) DIKKAT_RUN(8, 16, true); else DIKKAT_RUN(8, 16, false); }
+  else if (block == 32) { if (has_offset) DIKKAT_RUN(4, 32, true); else DIKKAT_RUN(4, 32, false); }
+  else { if (has_offset) DIKKAT_RUN(4, 16, true); else DIKKAT_RUN(4, 16, false); }
+#undef DIKKAT_RUN
+  return out;
+}
+
+bool vnni() { return DIKKAT_VNNI; }
+
+}  // namespace
+
+TORCH_LIBRARY(dikkat_native, m) {
+  m.def("qmm(Tensor x, Tensor values, Tensor scale, Tensor? offset, int bits, int block, int zero) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) { m.impl("qmm", &qmm); }
+
+extern "C" int dikkat_native_vnni() { return vnni() ? 1 : 0; }

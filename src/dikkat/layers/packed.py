@@ -1,0 +1,358 @@
+"""Weights packed in blocks of 4- or 8-bit integers, as GGUF files hold them, and their product.
+
+Notation: ``N`` output features (rows of the weight), ``K`` input features, ``B`` values a block.
+
+A row of K values is cut into blocks of B = 32 (16 for Q6_K) consecutive values; block b keeps
+unsigned integers q and one fp32 ``scale`` (and, in formats with a per-block minimum, one fp32
+``offset``), and stands for
+
+    wⱼ = scale_b · (qⱼ − zero)          (symmetric: Q8_0, Q4_0, Q5_0, Q6_K; dikkat's q8, q4)
+    wⱼ = scale_b · qⱼ + offset_b        (with a minimum: Q4_1, Q4_K, Q5_K)
+
+This is llama.cpp's family of block formats (https://github.com/ggml-org/ggml/blob/master/
+docs/gguf.md) in one layout that one kernel reads: 8-bit q one byte a value, 4-bit q two a
+byte (16 bytes a block of 32: value j in the low nibble of byte j, value j + 16 in the high
+one), scales in fp32 so that every GGUF format repacks exactly (a K-quant's scale is its
+super-block's fp16 scale times a 6-bit sub-scale, which fp16 cannot always hold).
+:mod:`dikkat.pretrained.gguf_packed` repacks the file's blocks; :func:`quantize_q8` and
+:func:`quantize_q4` pack any weight as Q8_0 and Q4_0 do.
+
+The product ``x @ Wᵀ`` rounds each row of x to int16 per block of 32 (a = round(x / d),
+d = max |x| / 32767), sums qⱼ · aⱼ in integers, and scales:
+
+    y = Σ_b d · scale_b · Σⱼ (qⱼ − zero) aⱼ,   or   Σ_b d · (scale_b · Σⱼ qⱼ aⱼ + offset_b · Σⱼ aⱼ)
+
+which is exactly the dequantised weight times the rounded activations, summed in fp32.
+llama.cpp rounds activations to 8 bits (its Q8_0/Q8_1 blocks); on SmolLM2 that moved the logits
+of a chat prompt by up to 0.5 from the dequantised model's and changed its first answer token,
+where 16 bits keep them within 0.01 (tests/pretrained/test_real_models.py checks the losses).
+:func:`packed_linear` runs it in dikkat's native kernel (:mod:`dikkat.core.native`), or, where
+that cannot be built, with PyTorch operations that compute the same product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dikkat.core.native import qmm_op
+from dikkat.layers.held import HeldWeight, InferenceLinear
+
+__all__ = [
+    "PackedEmbedding",
+    "PackedLinear",
+    "PackedWeight",
+    "Q4Linear",
+    "Q8Linear",
+    "dequantize",
+    "packed_linear",
+    "quantize_q4",
+    "quantize_q8",
+    "round_activations",
+]
+
+GROUP = 32  # values an activation block (and most weight blocks) holds
+_LEVELS = 32767  # activations' integers: int16
+_FALLBACK_ROWS = 4096  # weight rows dequantised at a time by the PyTorch product
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight (N, K) as blocks of unsigned integers (see the module's notes).
+
+    ``values``: (N, K) uint8 for 8 bits, (N, K / 2) for 4 bits; ``scale`` (N, K / block) fp32;
+    ``offset`` the same shape, or None for symmetric formats, whose integers are centred on
+    ``zero``. ``kind`` names where it came from ("Q4_1", "Q6_K", "q8", …).
+    """
+
+    values: Tensor
+    scale: Tensor
+    offset: Tensor | None
+    zero: int
+    bits: int
+    block: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8) or self.block not in (16, GROUP):
+            raise ValueError(
+                f"bits must be 4 or 8 and block 16 or 32, got {self.bits}, {self.block}"
+            )
+        N, K = self.shape
+        if self.values.dtype != torch.uint8 or self.values.shape[1] * 8 != K * self.bits:
+            raise ValueError(f"values must be (N, K·bits/8) uint8, got {tuple(self.values.shape)}")
+        if K % GROUP or self.scale.shape != (N, K // self.block):
+            raise ValueError(
+                f"scale must be (N, K / {self.block}) = {(N, K // self.block)} with K a multiple "
+                f"of {GROUP}, got {tuple(self.scale.shape)}"
+            )
+        if self.offset is not None and self.offset.shape != self.scale.shape:
+            raise ValueError(f"offset must be shaped as scale, got {tuple(self.offset.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): the weight's shape."""
+        N, nbytes = self.values.shape
+        return N, nbytes * 8 // self.bits
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the inputs it multiplies and the outputs it gives: fp32."""
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the integers, scales and offsets: what one product reads."""
+        tensors = (self.values, self.scale, self.offset)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """Output features [start, stop) (views; blocks never cross rows)."""
+        offset = None if self.offset is None else self.offset[start:stop]
+        return PackedWeight(
+            self.values[start:stop], self.scale[start:stop], offset, self.zero, self.bits,
+            self.block, self.kind,
+        )  # fmt: skip
+
+    def take(self, index: Tensor) -> PackedWeight:
+        """The rows ``index`` (a gather: an embedding lookup, or rows put in another order)."""
+        offset = None if self.offset is None else self.offset[index]
+        return PackedWeight(
+            self.values[index], self.scale[index], offset, self.zero, self.bits, self.block,
+            self.kind,
+        )  # fmt: skip
+
+
+def unpack(p: PackedWeight) -> Tensor:
+    """The integers q (N, K) uint8."""
+    if p.bits == 8:
+        return p.values
+    N, K = p.shape
+    halves = p.values.view(N, K // GROUP, 1, GROUP // 2)
+    q = torch.cat([halves & 0x0F, halves >> 4], dim=2)  # (N, K/32, 2, 16): low, then high
+    return q.reshape(N, K)
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """Integers q (N, K) in [0, 15] → (N, K / 2) uint8 in the 4-bit layout."""
+    N, K = q.shape
+    halves = q.to(torch.uint8).view(N, K // GROUP, 2, GROUP // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight (N, K) that ``p`` stands for, computed in fp32 (exactly what the file's own
+    dequantisation gives for a repacked GGUF tensor), in ``dtype``."""
+    N, K = p.shape
+    q = unpack(p).view(N, K // p.block, p.block).float()
+    scale = p.scale[..., None]
+    w = scale * (q - p.zero) if p.offset is None else scale * q + p.offset[..., None]
+    return w.view(N, K).to(dtype)
+
+
+def round_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows x (M, K) rounded to int16 per block of 32: integers a (M, K) (as fp32) and scales d
+    (M, K / 32), a = round(x / d), d = max |x| / 32767 (0 for a block of zeros)."""
+    M, K = x.shape
+    blocks = x.float().view(M, K // GROUP, GROUP)
+    d = blocks.abs().amax(dim=-1) / _LEVELS  # (M, K/32)
+    a = torch.where(d[..., None] > 0, torch.round(blocks / d[..., None]), 0.0)
+    return a.view(M, K), d
+
+
+def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Tensor:
+    """``x @ Wᵀ + bias`` for x (..., K), W held as ``p``: the dequantised weight times x rounded
+    to int16 per block of 32 (see the module's notes); the result in x's dtype."""
+    N, K = p.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
+    rows = x.reshape(-1, K).float()
+    op = qmm_op() if x.device.type == "cpu" else None
+    if op is not None:
+        out = op(rows, p.values, p.scale, p.offset, p.bits, p.block, p.zero)
+    else:
+        out = _product(rows, p)
+    out = out.view(*x.shape[:-1], N)
+    if bias is not None:
+        out = out + bias
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _product(rows: Tensor, p: PackedWeight) -> Tensor:
+    """The product of :func:`packed_linear` with PyTorch operations: the rounded activations
+    times the dequantised weight, a few thousand weight rows at a time."""
+    a, d = round_activations(rows)
+    M, K = rows.shape
+    x = (a.view(M, K // GROUP, GROUP) * d[..., None]).view(M, K)
+    N = p.shape[0]
+    parts = [F.linear(x, dequantize(p.rows(n, min(n + _FALLBACK_ROWS, N)))) for n in
+             range(0, N, _FALLBACK_ROWS)]  # fmt: skip
+    return torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]
+
+
+def _check_weight(weight: Tensor) -> Tensor:
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be a 2-D floating-point tensor (N, K), got {shape}")
+    if weight.shape[1] % GROUP:
+        raise ValueError(
+            f"a packed weight's rows must be whole blocks of {GROUP} values, got "
+            f"{weight.shape[1]} input features"
+        )
+    return weight.detach().float()
+
+
+def quantize_q8(weight: Tensor) -> PackedWeight:
+    """``weight`` (N, K) as Q8_0: per block of 32, d = max |w| / 127, q = round(w / d) + 128
+    (|w − dequantised| ≤ d / 2)."""
+    w = _check_weight(weight)
+    N, K = w.shape
+    blocks = w.view(N, K // GROUP, GROUP)
+    d = blocks.abs().amax(dim=-1) / 127
+    q = torch.where(d[..., None] > 0, torch.round(blocks / d[..., None]), 0.0) + 128
+    return PackedWeight(q.to(torch.uint8).view(N, K), d, None, 128, 8, GROUP, "q8")
+
+
+def quantize_q4(weight: Tensor) -> PackedWeight:
+    """``weight`` (N, K) as Q4_0: per block of 32, the value of largest magnitude m maps to −8,
+    d = m / −8, q = clamp(round(w / d) + 8, 0, 15) (|w − dequantised| ≤ |d| / 2 but at the
+    block's far end, where the one-sided range clips it)."""
+    w = _check_weight(weight)
+    N, K = w.shape
+    blocks = w.view(N, K // GROUP, GROUP)
+    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # (N, K/32, 1)
+    d = largest / -8
+    q = torch.where(d != 0, torch.round(blocks / d), 0.0).add_(8).clamp_(0, 15)
+    return PackedWeight(pack_nibbles(q.view(N, K)), d[..., 0], None, 8, 4, GROUP, "q4")
+
+
+class PackedLinear(InferenceLinear):
+    """A linear layer holding its weight as :class:`PackedWeight` row blocks: the product of
+    :func:`packed_linear`, plus the bias. ``packed`` may be several weights stacked by rows (a
+    fused q/k/v projection whose parts a GGUF file quantised differently); consecutive parts
+    of one layout are joined into one at construction, so a product calls the kernel once per
+    layout. Its ``weights_format`` is "q8" or "q4" (dikkat's own quantisation,
+    :class:`Q8Linear`, :class:`Q4Linear`) or "gguf" (as a GGUF file held it)."""
+
+    weights_format = "gguf"
+
+    def __init__(
+        self,
+        packed: PackedWeight | Sequence[PackedWeight],
+        bias: nn.Parameter | None,
+        batched: bool,
+    ) -> None:
+        parts = _joined([packed] if isinstance(packed, PackedWeight) else list(packed))
+        if {p.shape[1] for p in parts} != {parts[0].shape[1]}:
+            raise ValueError(f"packed parts must share K, got {[p.shape for p in parts]}")
+        where = {str(p.device) for p in parts}
+        if where != {"cpu"}:
+            raise ValueError(f"packed weights run on the CPU only, got them on {where}")
+        N = sum(p.shape[0] for p in parts)
+        super().__init__(torch.empty(N, parts[0].shape[1], device="meta"), bias, batched)
+        self._device = torch.device("cpu")
+        self.parts = tuple(parts)
+        ends = torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()
+        self._spans = list(zip([0, *ends[:-1]], ends, strict=True))
+
+    @property
+    def weight(self) -> HeldWeight:
+        shape = torch.Size((self.out_features, self.in_features))
+        return HeldWeight(self.weights_format, shape, torch.float32, self._device)  # type: ignore[arg-type]
+
+    @property
+    def nbytes(self) -> int:
+        b = self.bias
+        held = sum(p.nbytes for p in self.parts)
+        return held + (0 if b is None else b.numel() * b.element_size())
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        outs = []
+        for (a, b), p in zip(self._spans, self.parts, strict=True):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                outs.append(packed_linear(x, p if (lo, hi) == (a, b) else p.rows(lo - a, hi - a)))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        bias = self._bias(start, stop)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kinds={[p.kind for p in self.parts]}"
+
+
+def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Consecutive parts of one layout (bits, block, zero point or offsets) stacked into one."""
+    if not parts:
+        raise ValueError("a packed layer needs at least one packed weight")
+    out = [parts[0]]
+    for p in parts[1:]:
+        q = out[-1]
+        if (p.bits, p.block, p.zero, p.offset is None) != (
+            q.bits,
+            q.block,
+            q.zero,
+            q.offset is None,
+        ):
+            out.append(p)
+            continue
+        offset = None if p.offset is None or q.offset is None else torch.cat([q.offset, p.offset])
+        kind = q.kind if q.kind == p.kind else f"{q.kind}+{p.kind}"
+        out[-1] = PackedWeight(
+            torch.cat([q.values, p.values]), torch.cat([q.scale, p.scale]), offset, q.zero,
+            q.bits, q.block, kind,
+        )  # fmt: skip
+    return out
+
+
+class Q8Linear(PackedLinear):
+    """A weight quantised as Q8_0 (:func:`quantize_q8`): ``inference_model(model, "q8")``."""
+
+    weights_format = "q8"
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
+        super().__init__(quantize_q8(weight), bias, batched)
+
+
+class Q4Linear(PackedLinear):
+    """A weight quantised as Q4_0 (:func:`quantize_q4`): ``inference_model(model, "q4")``."""
+
+    weights_format = "q4"
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
+        super().__init__(quantize_q4(weight), bias, batched)
+
+
+class PackedEmbedding(nn.Module):
+    """A token embedding (V, C) held as a :class:`PackedWeight`: the rows of the ids looked up
+    are dequantised, in fp32. Its ``weight`` shows the shape, dtype and device (for the model's
+    input checks and cache layout); the table itself is ``packed``, which a tied output layer
+    (:class:`PackedLinear`) shares."""
+
+    def __init__(self, packed: PackedWeight) -> None:
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.shape
+
+    @property
+    def weight(self) -> HeldWeight:
+        return HeldWeight("gguf", torch.Size(self.packed.shape), torch.float32, self.packed.device)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.packed.take(ids.reshape(-1))
+        return dequantize(rows).view(*ids.shape, self.embedding_dim)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PackedEmbedding:
+        raise TypeError("a packed embedding cannot be moved or converted: load the model again")
+
+    def extra_repr(self) -> str:
+        p = self.packed
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={p.kind!r}"

@@ -1,0 +1,163 @@
+"""A GGUF file's quantised tensors repacked, without expanding them to fp32, into the one layout
+of :class:`dikkat.layers.packed.PackedWeight`.
+
+Each GGML block format is read into unsigned integers, one fp32 scale per block of 32 (16 for
+Q6_K) and, for the formats with a minimum, one fp32 offset per block, such that
+``dequantize(packed)`` equals the ``gguf`` package's own ``dequantize`` of the same bytes, bit
+for bit (tests/pretrained/test_gguf_packed.py). The block layouts are those of ggml's
+``ggml-common.h`` (https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h):
+
+=====  ======================================  =====================  ===================
+type   block (bytes: fields)                   becomes                w = …
+=====  ======================================  =====================  ===================
+Q8_0   32 values, 34: d f16, q int8 ×32         8 bits, zero 128       d·(q − 128)
+Q4_0   32 values, 18: d f16, nibbles ×16        4 bits, zero 8         d·(q − 8)
+Q4_1   32 values, 20: d, m f16, nibbles ×16     4 bits, offset m       d·q + m
+Q5_0   32 values, 22: d f16, high bits u32, …   8 bits, zero 16        d·(q − 16)
+Q5_1   32 values, 24: d, m f16, high bits, …    8 bits, offset m       d·q + m
+Q4_K   256 values, 144: d, dmin f16, 6-bit      4 bits, per 32:        d·sc·q − dmin·mn
+       sub-scales and mins ×8 (12 bytes), …
+Q5_K   256 values, 176: as Q4_K, high bits …    8 bits, per 32         d·sc·q − dmin·mn
+Q6_K   256 values, 210: low 4 bits, high 2      8 bits, per 16,        d·sc·(q − 32)
+       bits, int8 sub-scales ×16, d f16         zero 32
+=====  ======================================  =====================  ===================
+
+5- and 6-bit integers take a byte each here: the kernels read 4 or 8 bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dikkat.layers.packed import PackedWeight, pack_nibbles
+
+__all__ = ["PACKED_KINDS", "repack"]
+
+_QK_K = 256
+
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    """A (n, 2) uint8 column of fp16 → (n,) fp32."""
+    return np.ascontiguousarray(column).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _low_high(qs: np.ndarray) -> np.ndarray:
+    """(n, 16) bytes of two nibbles → (n, 32): values 0-15 the low nibbles, 16-31 the high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """(n, 4) bytes: a little-endian bit j per value j → (n, 32) of 0/1."""
+    return np.unpackbits(qh, axis=1, bitorder="little")
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit sub-scales and eight 6-bit mins → (n, 8), (n, 8).
+
+    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3 likewise; bytes 8-11
+    hold the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top 2
+    bits are the top 2 bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    s, m, both = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([s & 0x3F, (both & 0x0F) | ((s >> 6) << 4)], axis=1)
+    mn = np.concatenate([m & 0x3F, (both >> 4) | ((m >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _q8_0(b: np.ndarray) -> tuple:
+    return b[:, 2:] ^ 0x80, _f16(b[:, 0:2]), None, 128  # int8 → offset binary: x + 128
+
+
+def _q4_0(b: np.ndarray) -> tuple:
+    return _low_high(b[:, 2:18]), _f16(b[:, 0:2]), None, 8
+
+
+def _q4_1(b: np.ndarray) -> tuple:
+    return _low_high(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0
+
+
+def _q5_0(b: np.ndarray) -> tuple:
+    q = _low_high(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)
+    return q, _f16(b[:, 0:2]), None, 16
+
+
+def _q5_1(b: np.ndarray) -> tuple:
+    q = _low_high(b[:, 8:24]) | (_high_bits(b[:, 4:8]) << 4)
+    return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0
+
+
+def _k_low(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 128 bytes → (n, 8, 32) low 4 bits: 32 bytes per pair of sub-blocks, the
+    low nibbles the first sub-block, the high nibbles the second."""
+    chunks = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _q4_k(b: np.ndarray) -> tuple:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    scale = d[:, None] * sc.astype(np.float32)
+    offset = -(dmin[:, None] * mn.astype(np.float32))
+    return _k_low(b[:, 16:144]), scale, offset, 0
+
+
+def _q5_k(b: np.ndarray) -> tuple:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    # bit i of high byte j: the fifth bit of value j of sub-block i
+    high = (b[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # (n, 32, 8)
+    q = _k_low(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)
+    scale = d[:, None] * sc.astype(np.float32)
+    offset = -(dmin[:, None] * mn.astype(np.float32))
+    return q, scale, offset, 0
+
+
+def _q6_k(b: np.ndarray) -> tuple:
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    # 64 bytes of low 4 bits per half (128 values): low nibbles values 0-63, high 64-127;
+    # 32 bytes of high 2 bits per half: bits 0-1, 2-3, 4-5, 6-7 for values 0-31, 32-63, …
+    halves = ql.reshape(-1, 2, 1, 64)
+    low = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(-1, 8, 32)
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+    q = low | (high.reshape(-1, 8, 32) << 4)
+    return q, d[:, None] * sc, None, 32
+
+
+# name → (values a block, bytes a block, reader, bits, block of a scale)
+_FORMATS = {
+    "Q8_0": (32, 34, _q8_0, 8, 32),
+    "Q4_0": (32, 18, _q4_0, 4, 32),
+    "Q4_1": (32, 20, _q4_1, 4, 32),
+    "Q5_0": (32, 22, _q5_0, 8, 32),
+    "Q5_1": (32, 24, _q5_1, 8, 32),
+    "Q4_K": (_QK_K, 144, _q4_k, 4, 32),
+    "Q5_K": (_QK_K, 176, _q5_k, 8, 32),
+    "Q6_K": (_QK_K, 210, _q6_k, 8, 16),
+}
+PACKED_KINDS: tuple[str, ...] = tuple(_FORMATS)
+
+
+def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
+    """The bytes ``raw`` (rows, bytes a row) of a GGUF tensor of type ``kind`` and torch shape
+    ``shape`` (N, K) as a :class:`PackedWeight`."""
+    if kind not in _FORMATS:
+        raise ValueError(f"GGUF type {kind} is not packed by dikkat; packed: {PACKED_KINDS}")
+    per_block, nbytes, read, bits, block = _FORMATS[kind]
+    N, K = shape
+    if K % per_block or raw.shape != (N, K // per_block * nbytes):
+        raise ValueError(
+            f"a {kind} tensor of shape {shape} must be ({N}, {K // per_block * nbytes}) bytes "
+            f"of {per_block}-value blocks, got {raw.shape}"
+        )
+    q, scale, offset, zero = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
+    q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
+    values = pack_nibbles(q) if bits == 4 else q
+    scale_t = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(N, -1))
+    offset_t = (
+        None
+        if offset is None
+        else torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(N, -1))
+    )
+    return PackedWeight(values, scale_t, offset_t, zero, bits, block, kind)

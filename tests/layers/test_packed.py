@@ -1,0 +1,148 @@
+"""Packed 4- and 8-bit block weights (dikkat.layers.packed): dikkat's own Q8_0/Q4_0
+quantisation, and the product — the dequantised weight times the activations rounded to int8
+per block of 32 — against an fp64 reference, in the native kernel and in PyTorch operations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dikkat.core.native import qmm_op
+from dikkat.layers import Linear, inference_model
+from dikkat.layers.packed import (
+    PackedLinear,
+    PackedWeight,
+    _product,
+    dequantize,
+    pack_nibbles,
+    packed_linear,
+    quantize_q4,
+    quantize_q8,
+    round_activations,
+    unpack,
+)
+
+
+def reference(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
+    """fp64: the dequantised weight times x rounded as the product rounds it."""
+    a, d = round_activations(x)
+    M, K = x.shape
+    rounded = (a.double().view(M, K // 32, 32) * d.double()[..., None]).view(M, K)
+    return rounded @ dequantize(p).double().T
+
+
+def random_packed(N: int, K: int, bits: int, block: int, offsets: bool, seed: int) -> PackedWeight:
+    """A packed weight of random integers, scales (some negative) and offsets."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    scale = torch.randn(N, K // block, generator=g) * 0.01
+    offset = torch.randn(N, K // block, generator=g) * 0.05 if offsets else None
+    zero = 0 if offsets else 2 ** (bits - 1)
+    values = pack_nibbles(q) if bits == 4 else q
+    return PackedWeight(values, scale, offset, zero, bits, block, "test")
+
+
+LAYOUTS = [(bits, block, offsets) for bits in (4, 8) for block in (16, 32) for offsets in
+           (False, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("bits,block,offsets", LAYOUTS)
+@pytest.mark.parametrize("K", [32, 64, 96, 640])  # a lone last block of 32 where K % 64 = 32
+@pytest.mark.parametrize("M", [1, 3, 4, 9])  # tiles of four rows and what is left
+def test_the_product_is_the_dequantised_weight_times_the_rounded_rows(bits, block, offsets, K, M):
+    p = random_packed(37, K, bits, block, offsets, seed=K + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    want = reference(x, p)
+    tol = 1e-5 * want.abs().max().item() + 1e-6  # fp32 sums of K products
+    for got in (packed_linear(x, p), _product(x, p)):
+        assert got.dtype == torch.float32 and got.shape == (M, 37)
+        assert (got.double() - want).abs().max().item() <= tol
+
+
+def test_the_native_kernel_is_built_here():
+    """The machines the suite runs on have a C++ compiler: the kernel must build (the PyTorch
+    product is the fallback elsewhere, and is tested above either way)."""
+    assert qmm_op() is not None
+
+
+def test_rows_are_independent_and_leading_dims_kept():
+    p = quantize_q8(torch.randn(24, 64))
+    x = torch.randn(2, 5, 64)
+    whole = packed_linear(x, p)
+    assert whole.shape == (2, 5, 24)
+    alone = torch.stack([packed_linear(x[i, j : j + 1], p)[0] for i in range(2) for j in range(5)])
+    assert torch.equal(whole.view(10, 24), alone)  # each row rounded on its own
+    assert packed_linear(torch.zeros(0, 64), p).shape == (0, 24)
+
+
+def test_zeros_round_to_zero():
+    p = quantize_q4(torch.randn(8, 64))
+    assert torch.equal(packed_linear(torch.zeros(3, 64), p), torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("quantize,bound", [(quantize_q8, 0.5), (quantize_q4, 1.0)])
+def test_quantizers_round_each_value_within_its_block_step(quantize, bound):
+    w = torch.randn(16, 128) * torch.logspace(-3, 1, 16)[:, None]  # rows of many magnitudes
+    w[3, :32] = 0  # a block of zeros
+    p = quantize(w)
+    step = p.scale.abs().repeat_interleave(32, dim=1)  # d of each value's block
+    error = (dequantize(p) - w).abs()
+    assert torch.all(error <= bound * step + 1e-12)
+    assert torch.equal(dequantize(p)[3, :32], torch.zeros(32))
+    # each block's largest value is kept to its rounding: Q8_0 to ±127 d, Q4_0 to −8 d
+    assert p.nbytes < w.numel() * 4 / (3 if p.bits == 8 else 6)
+
+
+def test_q4_packs_two_values_a_byte_and_unpacks_them():
+    q = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
+    packed = pack_nibbles(q)
+    assert packed.shape == (5, 48)
+    p = PackedWeight(packed, torch.ones(5, 3), None, 8, 4, 32, "test")
+    assert torch.equal(unpack(p), q)
+    assert torch.equal(packed[:, 0] & 0x0F, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 16])
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        quantize_q8(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        quantize_q4(torch.ones(4, 32, dtype=torch.long))
+    p = quantize_q8(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="64 input features"):
+        packed_linear(torch.randn(2, 32), p)
+    with pytest.raises(ValueError, match="scale must be"):
+        PackedWeight(p.values, p.scale[:, :1], None, 128, 8, 32, "x")
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        PackedWeight(p.values, p.scale, None, 128, 6, 32, "x")
+
+
+def test_a_layer_of_parts_in_two_layouts_multiplies_each_part():
+    """A fused q/k/v projection whose parts a file quantised differently (Q5_0 beside Q8_0 ...)."""
+    parts = [random_packed(8, 64, 8, 32, False, 1), random_packed(4, 64, 4, 32, True, 2),
+             random_packed(4, 64, 4, 32, True, 3)]  # fmt: skip
+    bias = torch.nn.Parameter(torch.randn(16), requires_grad=False)
+    layer = PackedLinear(parts, bias, False)
+    assert len(layer.parts) == 2  # the two 4-bit parts joined into one
+    x = torch.randn(3, 64)
+    want = torch.cat([reference(x, p) for p in parts], dim=1) + bias.double()
+    assert (layer(x).double() - want).abs().max() <= 1e-4
+    assert torch.allclose(layer.forward_rows(x, 6, 14), layer(x)[:, 6:14], atol=1e-6)
+    assert layer.weight.shape == (16, 64) and layer.weight.dtype == torch.float32
+    assert layer.nbytes == sum(p.nbytes for p in parts) + 16 * 4
+
+
+@pytest.mark.parametrize("weights", ["q8", "q4"])
+def test_any_dikkat_model_gets_the_packed_formats(weights):
+    from dikkat.models import Decoder, DecoderConfig
+
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=64, d_model=64, n_heads=2, d_ff=96, n_layers=2))
+    copy = inference_model(model, weights)
+    layers = [m for m in copy.modules() if isinstance(m, PackedLinear)]
+    assert layers and {m.weights_format for m in layers} == {weights}
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        want, got = model(ids), copy(ids)
+    assert (got - want).abs().max() < (0.05 if weights == "q8" else 0.3) * want.abs().max()
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        inference_model(Linear(40, 8), weights)
