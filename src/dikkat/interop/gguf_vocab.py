@@ -130,8 +130,9 @@ def _byte_level_bpe(spec: dict[str, Any]) -> GGUFVocab:
 def _is_gpt2_byte_level(pre: dict[str, Any] | None) -> bool:
     """GPT-2's pre-tokenizer: ByteLevel with its expression and no space put before the text
     (alone, or the one step of a Sequence)."""
-    if pre is not None and pre.get("type") == "Sequence" and len(pre.get("pretokenizers")) == 1:
-        pre = pre["pretokenizers"][0]
+    if pre is not None and pre.get("type") == "Sequence":
+        steps = pre.get("pretokenizers") or []
+        pre = steps[0] if len(steps) == 1 else None
     return (
         pre is not None
         and pre.get("type") == "ByteLevel"
