@@ -145,6 +145,7 @@ WRITES: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "vit-attention": lambda a: [Path(a.out or Path(a.run) / "vit_attention.png")],
     "detect": lambda a: [Path(a.out or Path(a.run) / "detections.png")],
     "bench attention": bench_files,
+    "export": lambda a: [Path(a.gguf)],
     "show": lambda a: (
         # a pretrained or Hugging Face model's pictures go to runs/show/NAME, never to "."
         [

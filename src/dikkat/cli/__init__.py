@@ -16,12 +16,24 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dikkat.cli import audit, bench, chat, demo, generate, seeds, serve, show, train, vision
+from dikkat.cli import (
+    audit,
+    bench,
+    chat,
+    demo,
+    export,
+    generate,
+    seeds,
+    serve,
+    show,
+    train,
+    vision,
+)
 from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
 from dikkat.version import __version__
 
 # the families of commands, in the order `dikkat --help` lists them
-COMMANDS = (train, demo, generate, chat, serve, audit, vision, show, bench, seeds)
+COMMANDS = (train, demo, generate, export, chat, serve, audit, vision, show, bench, seeds)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,8 @@
   a ``.gguf`` file, or a Hugging Face folder of a Llama, Mistral, Qwen2 or Gemma 3 text model →
   a :class:`Pretrained` (``.model``, a :class:`~dikkat.models.Decoder`; ``.tokenizer``;
   ``.generate``; ``.chat``). docs/models.md lists the families and what each GGUF quantisation
-  becomes.
+  becomes. A GPT-2 GGUF file (llama.cpp's converter, ``dikkat export --gguf``) loads as a
+  :class:`~dikkat.models.GPT`.
 - :func:`minilm` — the real all-MiniLM-L6-v2 sentence encoder (a :class:`~dikkat.models.BERT`).
 """
 

@@ -43,7 +43,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], source: str) 
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"{source}: GGUF architecture {arch!r} is not one dikkat runs; it reads "
-            f"{', '.join(GGUF_ARCHITECTURES)}"
+            f"{', '.join(GGUF_ARCHITECTURES)} and gpt2 (as a GPT)"
         )
 
     def get(key: str, default: Any = None) -> Any:

@@ -1,5 +1,6 @@
 """``dikkat.pretrained.load``: a GGUF file or an HF folder → a native
-:class:`~dikkat.models.Decoder` with its tokenizer and chat template.
+:class:`~dikkat.models.Decoder` (or, from a GPT-2 GGUF file, a :class:`~dikkat.models.GPT`) with
+its tokenizer and chat template.
 
 A GGUF file's quantised matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay packed by
 default: each is repacked once, exactly, into :class:`~dikkat.layers.packed.PackedWeight`
@@ -26,10 +27,12 @@ from dikkat.layers.inference import inference_model
 from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.models.decoder import Decoder, DecoderConfig
+from dikkat.models.gpt import GPT
 from dikkat.models.io import load_checked
 from dikkat.pretrained import families
 from dikkat.pretrained.gguf_file import GGUFFile
 from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
+from dikkat.pretrained.gpt2_gguf import gpt_from_gguf
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
@@ -49,7 +52,9 @@ def load(
 ) -> Pretrained:
     """Load a pretrained decoder: ``source`` is a name (``"smollm2"``, ``"gemma3-270m"``), a
     ``.gguf`` file, or a Hugging Face folder (``config.json``, safetensors weights,
-    ``tokenizer.json``) of a Llama, Mistral, Qwen2 or Gemma 3 (text) model.
+    ``tokenizer.json``) of a Llama, Mistral, Qwen2 or Gemma 3 (text) model. A GGUF file of the
+    ``gpt2`` architecture (llama.cpp's converter, ``dikkat export --gguf``) becomes a
+    :class:`~dikkat.models.GPT`, any other a :class:`~dikkat.models.Decoder`.
 
     ``weights`` is the format the linear layers hold: None keeps a GGUF file's quantised
     matrices packed as the file holds them (on the CPU, in fp32 arithmetic; an HF folder's
@@ -83,8 +88,11 @@ def load(
     return Pretrained(model, tokenizer, template, found.name, found.path)
 
 
-def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder, Tokenizer, str | None]:
+def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder | GPT, Tokenizer, str | None]:
     file = GGUFFile(path)
+    if file.architecture == "gpt2":  # GPT-2's layout, a dikkat GPT (gpt2_gguf.py), dequantised
+        model, tokenizer = gpt_from_gguf(file)
+        return model, tokenizer, file.metadata.get("tokenizer.chat_template")
     config = families.config_from_gguf(file.metadata, set(file.tensors), str(path))
     names = families.gguf_names(config)
     _check_names(set(file.tensors), set(names), (), str(path))

@@ -19,6 +19,7 @@ from dikkat.generation.generate import iter_generate
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.quantized import WeightFormat
 from dikkat.models.decoder import Decoder
+from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.pretrained.chat_template import render_chat
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.text.stream import TextStream
@@ -27,8 +28,9 @@ __all__ = ["Pretrained"]
 
 
 class Pretrained:
-    """``model`` (a :class:`~dikkat.models.Decoder`), ``tokenizer``, and the model's chat
-    template (None for a base model without one).
+    """``model`` (a :class:`~dikkat.models.Decoder`, or a :class:`~dikkat.models.GPT` read from
+    a GPT-2 GGUF file), ``tokenizer``, and the model's chat template (None for a base model
+    without one).
 
     >>> lm = dikkat.pretrained.load("smollm2")  # doctest: +SKIP
     >>> lm.chat([{"role": "user", "content": "What is the capital of France?"}])  # doctest: +SKIP
@@ -37,7 +39,7 @@ class Pretrained:
 
     def __init__(
         self,
-        model: Decoder,
+        model: Decoder | GPT,
         tokenizer: Tokenizer,
         chat_template: str | None,
         name: str,
@@ -49,9 +51,13 @@ class Pretrained:
 
     def __repr__(self) -> str:
         c = self.model.config
+        if isinstance(c, GPTConfig):  # a GPT-2 GGUF file's
+            family, kv_heads = "gpt2", c.block().kv_heads
+        else:
+            family, kv_heads = c.family, c.kv_heads
         return (
-            f"Pretrained({self.name!r}: {c.family}, {c.n_layers} layers, width {c.d_model}, "
-            f"{c.n_heads} heads over {c.kv_heads}, {self.model.n_params / 1e6:.0f}M parameters)"
+            f"Pretrained({self.name!r}: {family}, {c.n_layers} layers, width {c.d_model}, "
+            f"{c.n_heads} heads over {kv_heads}, {self.model.n_params / 1e6:.0f}M parameters)"
         )
 
     def generate(

@@ -71,7 +71,7 @@ _TEKKEN_SPLIT = (
 _GPT2, _DIGITS_GPT2 = "gpt2", "digits+gpt2"  # GPT-2's expression; every digit split off first
 # name → (the expression, or one of the two above; whether a word that is a token is taken whole)
 _PRE: dict[str, tuple[str, bool]] = {
-    **dict.fromkeys(("default", "gpt2", "mpt", "olmo"), (_GPT2, False)),
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo"), (_GPT2, False)),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
         (_DIGITS_GPT2, False),
