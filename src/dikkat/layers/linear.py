@@ -11,6 +11,8 @@ replaced by a layer that holds its weight packed for oneDNN or in a smaller form
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -88,7 +90,10 @@ class LinearRows(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        return self.source.weight[self.start : self.stop]  # (out_features, in_features)
+        w = self.source.weight
+        if not isinstance(w, Tensor):  # an inference copy's layer shows a HeldWeight
+            return dataclasses.replace(w, shape=torch.Size((self.out_features, w.shape[1])))
+        return w[self.start : self.stop]  # (out_features, in_features)
 
     @property
     def bias(self) -> Tensor | None:

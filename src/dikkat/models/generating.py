@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +15,10 @@ from dikkat.core.masks import Mask, as_mask, causal, padding
 from dikkat.generation.generate import Prompts, generate
 from dikkat.generation.protocol import CacheLayout
 from dikkat.generation.sampling import Sampling, SamplingParams
+from dikkat.layers.held import HeldWeight
 from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import valid_positions
 from dikkat.layers.quantized import WeightFormat
 from dikkat.validate import check_int
@@ -38,8 +41,15 @@ class Generates:
 
     @property
     def n_params(self) -> int:
-        """Parameters, counting a tied embedding once."""
-        return sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+        """Parameters, counting a tied embedding once, and the weights an inference copy holds
+        in another format (packed, int8, bf16: they are no parameters)."""
+        total = sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+        for name, m in self.named_modules():  # type: ignore[attr-defined]
+            w = getattr(m, "weight", None)
+            owned = not isinstance(m, LinearRows) and not self.is_tied(f"{name}.weight")
+            if isinstance(w, HeldWeight) and owned:  # LinearRows: views of another layer's rows
+                total += math.prod(w.shape)
+        return total
 
     def forward_inputs(
         self,
