@@ -317,4 +317,4 @@ def test_generate_in_a_smaller_format_is_the_recompute_loop_in_that_format(weigh
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not any(isinstance(m, InferenceLinear) for m in model.modules())
     with pytest.raises(ValueError, match="weights must be one of"):
-        model.generate(src, 3, bos_id=BOS, weights="q4")
+        model.generate(src, 3, bos_id=BOS, weights="q3")

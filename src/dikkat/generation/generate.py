@@ -182,6 +182,7 @@ def iter_generate(
     *,
     pad_id: int = 0,
     weights: WeightFormat | None = None,
+    compile: bool = False,
     **sampling: Unpack[Sampling],
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, (B · n,), one step at a time (for streaming).
@@ -196,8 +197,10 @@ def iter_generate(
     None: the format of ``model`` if it is an inference copy already, else "fp32". Generation
     runs on an inference copy of the model made here (:func:`dikkat.layers.inference_model`; a
     copy given is used as it is): the model's own parameters are never changed, and changes to
-    them after this call do not reach its tokens. The arguments are checked here, when it is
-    called, not at the first ``next``.
+    them after this call do not reach its tokens. ``compile=True`` decodes with the model's
+    static, ``torch.compile``'d step (``model.static_step``: a :class:`~dikkat.models.Decoder`,
+    prompts of one length): the first step compiles, the later ones cost what they read. The
+    arguments are checked here, when it is called, not at the first ``next``.
     """
     params = as_params(params, sampling)
     params.refuse("iter_generate", *TOKEN_LEVEL)
@@ -218,11 +221,15 @@ def iter_generate(
         full_valid = torch.ones(B, T + max_new, dtype=torch.bool, device=layout.device)
         full_valid[:, :T] = valid
     cache = model.new_cache(B, T + max_new) if max_new else []
-    return sample_loop(
-        lambda: prefill(model, ids, cache, full_valid),
-        lambda token, i: decode_step(model, token, cache, T + i, full_valid),
-        params,
-    )
+    step: Step = lambda token, i: decode_step(model, token, cache, T + i, full_valid)  # noqa: E731
+    if compile:
+        static = getattr(model, "static_step", None)
+        if static is None or full_valid is not None:
+            why = "a model with static_step (a Decoder)" if static is None else "no padding"
+            raise ValueError(f"compile=True needs {why}: prompts of one length")
+        compiled = static(cache, compile=True) if max_new else None
+        step = lambda token, i: compiled(token, T + i)  # noqa: E731
+    return sample_loop(lambda: prefill(model, ids, cache, full_valid), step, params)
 
 
 def generate(
@@ -232,6 +239,7 @@ def generate(
     *,
     pad_id: int = 0,
     weights: WeightFormat | None = None,
+    compile: bool = False,
     **sampling: Unpack[Sampling],
 ) -> list[list[int]]:
     """Each prompt followed by its new tokens, cut after its first stop token: one list per
@@ -246,7 +254,9 @@ def generate(
     True
     """
     params = as_params(params, sampling)
-    tokens = list(iter_generate(model, prompts, params, pad_id=pad_id, weights=weights))
+    tokens = list(
+        iter_generate(model, prompts, params, pad_id=pad_id, weights=weights, compile=compile)
+    )
     rows = token_rows(tokens, len(prompts) * params.n, params.stop_ids)
     starts = [_as_list(p) for p in prompts for _ in range(params.n)]
     return [p + row for p, row in zip(starts, rows, strict=True)]

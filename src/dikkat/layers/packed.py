@@ -32,7 +32,7 @@ that cannot be built, with PyTorch operations that compute the same product.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,7 +176,7 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
     if x.shape[-1] != K:
         raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
     rows = x.reshape(-1, K).float()
-    op = qmm_op() if x.device.type == "cpu" else None
+    op = _native() if x.device.type == "cpu" else None
     if op is not None:
         out = op(rows, p.values, p.scale, p.offset, p.bits, p.block, p.zero)
     else:
@@ -185,6 +185,17 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
     if bias is not None:
         out = out + bias
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+_NATIVE: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up
+
+
+def _native() -> Callable[..., Tensor] | None:
+    """:func:`dikkat.core.native.qmm_op`, kept in a list that torch.compile reads as a constant
+    (it warns at every traced call of a functools.cache'd function)."""
+    if not _NATIVE:
+        _NATIVE.append(qmm_op())
+    return _NATIVE[0]
 
 
 def _product(rows: Tensor, p: PackedWeight) -> Tensor:

@@ -27,6 +27,7 @@ __all__ = [
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "resolve_positions",
+    "rotate_half",
     "sinusoidal_table",
     "valid_positions",
 ]
@@ -155,8 +156,17 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}"
             )
         cos, sin = self._cos_sin(positions, x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return rotate_half(x, cos, sin)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles at ``positions`` (T,) or (B, T), in ``dtype``: (T, D/2) or
+        (B, 1, T, D/2) — computed, not kept, and not checked against ``max_len`` (a compiled
+        decode step calls it; :meth:`rotate` checks and keeps its table)."""
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
+        if positions.dim() == 2:
+            angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles at ``positions``, in ``dtype``: (T, D/2) or (B, 1, T, D/2).
@@ -167,11 +177,7 @@ class RotaryEmbedding(nn.Module):
         if table is not None and table[0] is positions and table[1:3] == (version, dtype):
             return table[3], table[4]
         _check_max_len(positions, self.max_len, "RotaryEmbedding")
-        inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
-        if positions.dim() == 2:
-            angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = self.cos_sin(positions, dtype)
         self._table = (positions, version, dtype, cos, sin)
         return cos, sin
 
@@ -217,3 +223,9 @@ class ALiBi(nn.Module):
         if self.symmetric:
             distance = distance.abs()
         return -self.slopes.view(1, -1, 1, 1) * distance.unsqueeze(1)  # (B, H, T, S)
+
+
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (…, D) with each pair (x[j], x[D/2 + j]) rotated by the angle of cos, sin (…, D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)

@@ -49,6 +49,7 @@ from dikkat.layers.norm import RMSNorm
 from dikkat.layers.positional import RotaryEmbedding, resolve_positions
 from dikkat.models.generating import Generates
 from dikkat.models.io import SaveLoad
+from dikkat.models.static_step import StaticStep
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
@@ -287,6 +288,11 @@ class Decoder(Generates, SaveLoad, nn.Module):
                     nn.init.zeros_(module.bias)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+
+    def static_step(self, cache: Sequence[KVCache], *, compile: bool = False) -> StaticStep:
+        """Decode steps over ``cache`` with static shapes, compiled or not
+        (:class:`~dikkat.models.static_step.StaticStep`)."""
+        return StaticStep(self, cache, compile=compile)
 
     def cache_layout(self) -> CacheLayout:
         c = self.config

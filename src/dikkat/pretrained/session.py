@@ -47,6 +47,9 @@ class Pretrained:
     ) -> None:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.name, self.path = name, path
+        # True: one prompt at a time decodes with the model's torch.compile'd static step
+        # (dikkat.models.static_step; a Decoder): a minute's compile, then faster steps
+        self.compile_steps = False
         self._text = _TextOf(tokenizer)
 
     def __repr__(self) -> str:
@@ -191,7 +194,10 @@ class Pretrained:
         params = dataclasses.replace(
             params, stop=(), stop_ids=(*params.stop_ids, *sorted(self.tokenizer.eos_ids))
         )
-        return iter_generate(self.model, prompts, params, pad_id=pad, weights=weights)
+        compile = self.compile_steps and len(prompts) == 1 and hasattr(self.model, "static_step")
+        return iter_generate(
+            self.model, prompts, params, pad_id=pad, weights=weights, compile=compile
+        )
 
 
 class _TextOf:
