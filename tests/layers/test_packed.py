@@ -10,6 +10,7 @@ import torch
 from dikkat.core.native import qmm_op
 from dikkat.layers import Linear, inference_model
 from dikkat.layers.packed import (
+    DENSE_ROWS,
     PackedLinear,
     PackedWeight,
     _product,
@@ -146,3 +147,24 @@ def test_any_dikkat_model_gets_the_packed_formats(weights):
     assert (got - want).abs().max() < (0.05 if weights == "q8" else 0.3) * want.abs().max()
     with pytest.raises(ValueError, match="whole blocks of 32"):
         inference_model(Linear(40, 8), weights)
+
+
+@pytest.mark.parametrize("bits,block,offsets", LAYOUTS)
+def test_a_prefill_multiplies_the_dequantised_weight_by_the_rows_themselves(bits, block, offsets):
+    """From DENSE_ROWS rows on, x is not rounded: x times the dequantised weight, in fp32."""
+    p = random_packed(300, 96, bits, block, offsets, seed=7)
+    x = torch.randn(DENSE_ROWS + 3, 96)
+    want = x.double() @ dequantize(p).double().T
+    got = packed_linear(x, p)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # fewer rows round: the same rows, one short of the threshold, are rounded
+    few = packed_linear(x[: DENSE_ROWS - 1], p)
+    assert (few.double() - reference(x[: DENSE_ROWS - 1], p)).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_the_native_dequantisation_is_pytorch_s_bit_for_bit():
+    from dikkat.layers.packed import _dequantize
+
+    for bits, block, offsets in LAYOUTS:
+        p = random_packed(9, 128, bits, block, offsets, seed=bits + block)
+        assert torch.equal(dequantize(p), _dequantize(p))

@@ -27,7 +27,10 @@ llama.cpp rounds activations to 8 bits (its Q8_0/Q8_1 blocks); on SmolLM2 that m
 of a chat prompt by up to 0.5 from the dequantised model's and changed its first answer token,
 where 16 bits keep them within 0.01 (tests/pretrained/test_real_models.py checks the losses).
 :func:`packed_linear` runs it in dikkat's native kernel (:mod:`dikkat.core.native`), or, where
-that cannot be built, with PyTorch operations that compute the same product.
+that cannot be built, with PyTorch operations that compute the same product. From
+:data:`DENSE_ROWS` rows on (a prompt's prefill) it multiplies x itself by the dequantised weight
+in fp32 instead — exact, and faster there; a decode step of fewer sequences never does, so a
+row's result does not depend on the others in its batch.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ __all__ = [
 
 GROUP = 32  # values an activation block (and most weight blocks) holds
 _LEVELS = 32767  # activations' integers: int16
+# from this many rows on (a prompt's prefill, not a decode step of a batch of up to DENSE_ROWS - 1
+# sequences), x is multiplied by the dequantised weight instead: at such sizes the product is
+# bound by arithmetic, which oneDNN's fp32 kernels do faster than the integer one, and the
+# dequantising is paid once for all rows
+DENSE_ROWS = 32
 _FALLBACK_ROWS = 4096  # weight rows dequantised at a time by the PyTorch product
 
 
@@ -151,12 +159,20 @@ def pack_nibbles(q: Tensor) -> Tensor:
 
 def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
     """The weight (N, K) that ``p`` stands for, computed in fp32 (exactly what the file's own
-    dequantisation gives for a repacked GGUF tensor), in ``dtype``."""
+    dequantisation gives for a repacked GGUF tensor), in ``dtype``; in the native kernel where
+    it is built, else with PyTorch operations (the same numbers)."""
+    if _native() is not None and p.device.type == "cpu":
+        w = torch.ops.dikkat_native.dequantize(p.values, p.scale, p.offset, p.bits, p.block, p.zero)
+        return w.to(dtype)
+    return _dequantize(p).to(dtype)
+
+
+def _dequantize(p: PackedWeight) -> Tensor:
     N, K = p.shape
     q = unpack(p).view(N, K // p.block, p.block).float()
     scale = p.scale[..., None]
     w = scale * (q - p.zero) if p.offset is None else scale * q + p.offset[..., None]
-    return w.view(N, K).to(dtype)
+    return w.view(N, K)
 
 
 def round_activations(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -177,7 +193,9 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
         raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
     rows = x.reshape(-1, K).float()
     op = _native() if x.device.type == "cpu" else None
-    if op is not None:
+    if rows.shape[0] >= DENSE_ROWS:
+        out = _dense(rows, p)
+    elif op is not None:
         out = op(rows, p.values, p.scale, p.offset, p.bits, p.block, p.zero)
     else:
         out = _product(rows, p)
@@ -196,6 +214,15 @@ def _native() -> Callable[..., Tensor] | None:
     if not _NATIVE:
         _NATIVE.append(qmm_op())
     return _NATIVE[0]
+
+
+def _dense(rows: Tensor, p: PackedWeight) -> Tensor:
+    """Many rows (a prompt's prefill): x times the dequantised weight, in fp32, a few thousand
+    weight rows dequantised at a time."""
+    N = p.shape[0]
+    parts = [F.linear(rows, dequantize(p.rows(n, min(n + _FALLBACK_ROWS, N)))) for n in
+             range(0, N, _FALLBACK_ROWS)]  # fmt: skip
+    return torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]
 
 
 def _product(rows: Tensor, p: PackedWeight) -> Tensor:

@@ -1,12 +1,13 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
-One kernel so far, ``qmm`` (``qmm.cpp``): fp32 activations times a weight packed in blocks of
+Two kernels so far, in ``qmm.cpp``: ``qmm``, fp32 activations times a weight packed in blocks of
 4- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the product
-is). It is compiled with the system's C++ compiler against the installed PyTorch, for this CPU
-(``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
-compiler and CPU; the library is kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``),
-written under a temporary name and renamed into place, so a half-written library is never
-loaded. Its threads are PyTorch's own (``at::parallel_for``; ``torch.set_num_threads``).
+is), and ``dequantize``, the fp32 weight such blocks stand for. The file is compiled with the
+system's C++ compiler against the installed PyTorch, for this CPU (``-march=native``: AVX-512
+VNNI where the CPU has it), once per source, PyTorch version, compiler and CPU; the library is
+kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``), written under a temporary name and
+renamed into place, so a half-written library is never loaded. Its threads are PyTorch's own
+(``at::parallel_for``; ``torch.set_num_threads``).
 
 Where there is no compiler, or ``DIKKAT_NATIVE=0`` is set, :func:`qmm_op` is None and the
 callers compute the same product with PyTorch operations; a failed build says why, once, in a
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["build", "native_dir", "qmm_op"]
+__all__ = ["build", "dequantize_op", "native_dir", "qmm_op"]
 
 _SOURCE = Path(__file__).with_name("qmm.cpp")
 _LIBRARY = "dikkat_native"
@@ -62,6 +63,7 @@ def _command(compiler: str, source: Path, out: Path) -> list[str]:
         "-O3",
         "-march=native",
         "-fopenmp",  # at::parallel_for's OpenMP region; libgomp resolves to torch's own copy
+        "-ffp-contract=off",  # a · b + c rounded twice, as PyTorch computes it (no fused FMA)
         "-shared",
         "-fPIC",
         "-std=c++20",
@@ -137,6 +139,11 @@ def qmm_op() -> Callable[..., Tensor] | None:
     return torch.ops.dikkat_native.qmm
 
 
+def dequantize_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.dequantize`` where :func:`qmm_op` is available, else None."""
+    return None if qmm_op() is None else torch.ops.dikkat_native.dequantize
+
+
 def _register_fake() -> None:
     """The op's output shape for torch.compile / export (which trace it without running it)."""
 
@@ -151,3 +158,9 @@ def _register_fake() -> None:
         zero: int,
     ) -> Tensor:
         return x.new_empty(x.shape[0], values.shape[0])
+
+    @torch.library.register_fake(f"{_LIBRARY}::dequantize")
+    def _(
+        values: Tensor, scale: Tensor, offset: Tensor | None, bits: int, block: int, zero: int
+    ) -> Tensor:
+        return scale.new_empty(values.shape[0], values.shape[1] * 8 // bits)

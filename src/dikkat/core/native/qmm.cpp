@@ -310,14 +310,67 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   return out;
 }
 
+// the weight (N, K) that the blocks stand for, in fp32: a prefill multiplies it with oneDNN
+at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block,
+                      int64_t zero) {
+  TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t N = values.size(0), K = values.size(1) * 8 / bits, per_row = K / block;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.size(0) == N && scale.size(1) == per_row,
+              "scale must be (N, K / block) fp32");
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor vc = values.contiguous(), sc = scale.contiguous();
+  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({N, K}, scale.options());
+  const uint8_t* v = vc.data_ptr<uint8_t>();
+  const float* s = sc.data_ptr<float>();
+  const float* o = has_offset ? oc.data_ptr<float>() : nullptr;
+  float* w = out.data_ptr<float>();
+  const float z = static_cast<float>(zero);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    std::vector<float> q(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = v + n * (K * bits / 8);
+      if (bits == 8) {
+        for (int64_t k = 0; k < K; ++k) q[k] = static_cast<float>(row[k]);
+      } else {
+        for (int64_t g = 0; g < K / kGroup; ++g) {
+          for (int j = 0; j < 16; ++j) {
+            q[g * 32 + j] = static_cast<float>(row[g * 16 + j] & 0x0F);
+            q[g * 32 + j + 16] = static_cast<float>(row[g * 16 + j] >> 4);
+          }
+        }
+      }
+      float* out_row = w + n * K;
+      for (int64_t b = 0; b < per_row; ++b) {
+        const float sb = s[n * per_row + b];
+        const float add = has_offset ? o[n * per_row + b] : 0.f;
+        const float* qb = q.data() + b * block;
+        float* wb = out_row + b * block;
+        if (has_offset) {
+          for (int64_t j = 0; j < block; ++j) wb[j] = sb * qb[j] + add;
+        } else {
+          for (int64_t j = 0; j < block; ++j) wb[j] = sb * (qb[j] - z);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 bool vnni() { return DIKKAT_VNNI; }
 
 }  // namespace
 
 TORCH_LIBRARY(dikkat_native, m) {
   m.def("qmm(Tensor x, Tensor values, Tensor scale, Tensor? offset, int bits, int block, int zero) -> Tensor");
+  m.def("dequantize(Tensor values, Tensor scale, Tensor? offset, int bits, int block, int zero) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) { m.impl("qmm", &qmm); }
+TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) {
+  m.impl("qmm", &qmm);
+  m.impl("dequantize", &dequantize);
+}
 
 extern "C" int dikkat_native_vnni() { return vnni() ? 1 : 0; }
