@@ -161,6 +161,8 @@ def test_kv_bytes_count_keys_and_values_and_stop_at_a_window():
 def test_random_ids_avoid_the_special_ids():
     ids = random_ids(2000, 10, {0, 1, 7}, torch.Generator().manual_seed(0))
     assert set(ids) == {2, 3, 4, 5, 6, 8, 9}
+    with pytest.raises(ValueError, match="every id"):
+        random_ids(3, 2, {0, 1}, torch.Generator())
 
 
 def test_read_bandwidth_is_a_positive_rate():

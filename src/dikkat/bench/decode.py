@@ -150,6 +150,8 @@ def random_ids(n: int, vocab_size: int, avoid: set[int], generator: torch.Genera
     allowed = torch.ones(vocab_size, dtype=torch.bool)
     allowed[[i for i in avoid if i < vocab_size]] = False
     pool = allowed.nonzero().flatten()
+    if not len(pool):
+        raise ValueError(f"every id of the vocabulary of {vocab_size} is special: {sorted(avoid)}")
     return pool[torch.randint(len(pool), (n,), generator=generator)].tolist()
 
 
