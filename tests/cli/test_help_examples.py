@@ -35,6 +35,7 @@ from helpers import run_cli
 # --out, --resume, --masks …). Each entry: example → (flags appended, why).
 TRAIN_SMALL = "--steps 2 --batch-size 2 --eval-every 0"
 LM_SMALL = f"{TRAIN_SMALL} --seq-len 32 --max-bytes 20000"  # and a window and text to match
+DECODE_SMALL = "--prompt-tokens 4 --new-tokens 2 --prefill-tokens 4 --repeat 1 --probe-mib 8"
 DEMO_SMALL = "--steps 2 --leak-steps 2 --sample-tokens 8 --seq-len 32 --batch-size 2"
 SHRINK: dict[str, tuple[str, str]] = {
     "dikkat train --task lm --out runs/gpt": (
@@ -97,6 +98,14 @@ SHRINK: dict[str, tuple[str, str]] = {
     "dikkat bench attention --backends sdpa,tiled,flex --masks causal --out runs/bench": (
         "--sizes 128 --min-time 0.001",
         "the default sizes, n = 1k … 32k, fp32 and bf16",
+    ),
+    "dikkat bench decode smollm2": (
+        DECODE_SMALL,
+        "three repetitions of 128 decoded tokens and a 512-token prefill, a 1 GiB read",
+    ),
+    "dikkat bench decode smollm2 --weights int8 --threads 1 --json": (
+        DECODE_SMALL,
+        "three repetitions of 128 decoded tokens and a 512-token prefill, a 1 GiB read",
     ),
 }
 

@@ -1,9 +1,12 @@
-"""The ``dikkat bench`` commands: ``bench attention`` (backends side by side) and
-``bench cost`` (what the n × n score matrix weighs, as a table)."""
+"""The ``dikkat bench`` commands: ``bench attention`` (backends side by side), ``bench cost``
+(what the n × n score matrix weighs, as a table) and ``bench decode`` (a pretrained model's
+prefill and decode speed against the machine's read bandwidth)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -21,6 +24,7 @@ from dikkat.bench.attention import (
     save_results,
 )
 from dikkat.bench.cost import DEFAULT_NS, format_cost_table
+from dikkat.bench.decode import DecodeBenchConfig, format_decode_table, run_decode_benchmark
 from dikkat.cli.args import positive_float, positive_int
 from dikkat.cli.common import add_command, format_examples
 from dikkat.core.tiled import CELLS
@@ -148,16 +152,77 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+_DECODE_EXAMPLES = (
+    ("dikkat bench decode smollm2", "decode and prefill tok/s, bytes/token, bandwidth share"),
+    ("dikkat bench decode smollm2 --weights int8 --threads 1 --json", "one JSON object"),
+)
+
+_DECODE_NOTES = (
+    "Progress goes to stderr, the report (or --json's object) to stdout. Decoding ignores EOS:\n"
+    "every decode is --new-tokens long. The figures of a shared machine are noisy; compare runs\n"
+    'made one after the other (docs/models.md, "Measuring speed").'
+)
+
+
+def _at_least_two(text: str) -> int:
+    """argparse type of --new-tokens: decode speed is timed over the tokens after the first."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected at least 2 (decoding is timed over the tokens after the first), got {value}"
+        )
+    return value
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    config = DecodeBenchConfig(
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        prefill_tokens=args.prefill_tokens,
+        threads=args.threads,
+        weights=args.weights,
+        repeat=args.repeat,
+        probe_bytes=args.probe_mib * 2**20,
+    )
+
+    def progress(line: str) -> None:
+        print(f"dikkat: {line}", file=sys.stderr, flush=True)
+
+    result = run_decode_benchmark(args.model, config, progress)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_decode_table(result))
+    return 0
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``dikkat bench decode``."""
+    add = parser.add_argument
+    add("model", metavar="MODEL", help="a name (smollm2, gemma3-270m), a .gguf file or HF folder")
+    add("--prompt-tokens", type=positive_int, default=16, help="prompt of each decode (16)")
+    add("--new-tokens", type=_at_least_two, default=128, help="tokens each decode makes (128)")
+    add("--prefill-tokens", type=positive_int, default=512, help="prompt of the prefill (512)")
+    add("--threads", type=positive_int, default=2, help="torch threads (2)")
+    add(
+        "--weights",
+        default=None,
+        help="format of the linear layers: fp32, bf16, int8, w8a8, or what the loader offers "
+        "(default: the model's own)",
+    )
+    add("--repeat", type=positive_int, default=3, help="timed repetitions after a warm-up (3)")
+    add("--probe-mib", type=positive_int, default=1024, help="bandwidth buffer, MiB (1024)")
+    add("--json", action="store_true", help="print one JSON object instead of the table")
+
+
 def add_commands(sub: Any) -> None:
-    """Register ``bench attention`` and ``bench cost``."""
+    """Register ``bench attention``, ``bench cost`` and ``bench decode``."""
 
     bench = add_command(
         sub,
         "bench",
         lambda args: bench.print_help() or 0,
-        help="measure attention backends; the cost of the score matrix",
-        description="Benchmarks of attention: `bench attention` times every backend side by "
-        "side, `bench cost` tabulates what the n × n score matrix weighs.",
+        help="measure attention backends; the cost of the score matrix; a model's decode speed",
+        description="Benchmarks: `bench attention` times every attention backend side by side, "
+        "`bench cost` tabulates what the n × n score matrix weighs, `bench decode` measures a "
+        "pretrained model's prefill and decode speed against the read bandwidth.",
         examples=[("dikkat bench attention --quick", "backends side by side, in seconds")],
     )
     commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
@@ -195,3 +260,18 @@ def add_commands(sub: Any) -> None:
     cost.add_argument(
         "--tile-cells", type=positive_int, default=CELLS, help="score cells of a tiled tile"
     )
+
+    decode = add_command(
+        commands,
+        "decode",
+        _cmd_decode,
+        help="prefill and decode tok/s of a pretrained model, and its share of read bandwidth",
+        description="llama.cpp's llama-bench in dikkat's words: a greedy decode of --new-tokens "
+        "from a random --prompt-tokens prompt (EOS ignored) and a prefill of --prefill-tokens, "
+        "after one warm-up, --repeat times; the bytes a decoded token reads (weights and KV "
+        "cache), the read bandwidth measured in the same run, the share of it decoding reaches, "
+        "and the peak resident memory.",
+        examples=list(_DECODE_EXAMPLES),
+        notes=_DECODE_NOTES,
+    )
+    add_decode_arguments(decode)
