@@ -198,21 +198,22 @@ def test_the_adapter_passes_weights_to_a_loader_that_takes_them(monkeypatch, wei
 
 
 @pytest.mark.parametrize("weights", [None, "int8"])
-def test_the_adapter_copies_what_an_older_loader_gives(monkeypatch, weights):
-    calls = []
+def test_a_plain_model_is_copied_once_into_its_format(monkeypatch, weights):
+    """A loader's plain model (an HF folder's fp32 weights) becomes an inference copy here, so
+    that the repetitions do not each make their own."""
 
-    def load(source, *, device="cpu", dtype=None):
-        calls.append(source)
+    def load(source, *, device="cpu", dtype=None, weights=None):
         return _Loaded(tiny_decoder())
 
     monkeypatch.setattr(dikkat.pretrained, "load", load)
     model, _ = _load("tiny", weights)
-    assert calls == ["tiny"]
     held = {m.weights_format for m in model.modules() if hasattr(m, "weights_format")}
     assert held == {weights or "fp32"}
+
+
+def test_an_unknown_format_is_refused_before_loading():
     with pytest.raises(ValueError, match="q9"):
-        _load("tiny", "q9")
-    assert calls == ["tiny"]  # refused before loading
+        _load("no-such-model", "q9")  # the format is named, not the missing model
 
 
 # --- the command line ---------------------------------------------------------------------------

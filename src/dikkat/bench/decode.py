@@ -9,7 +9,6 @@ bandwidth they are compared with come from :mod:`dikkat.bench.bandwidth`.
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,6 @@ from dikkat.bench.bandwidth import (
 from dikkat.bench.record import machine
 from dikkat.generation import SamplingParams, iter_generate, prefill
 from dikkat.layers.inference import InferenceLinear, inference_model
-from dikkat.layers.quantized import check_weights
 from dikkat.validate import check_int
 
 __all__ = [
@@ -53,6 +51,7 @@ class DecodeBenchConfig:
     repeat: int = 3  # timed repetitions, after one warm-up that is not reported
     seed: int = 0  # seeds the random prompts
     probe_bytes: int = 2**30  # the buffer read to time the bandwidth (less if memory is short)
+    compile: bool = False  # decode with the model's torch.compile'd static step (a Decoder)
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "prefill_tokens", "threads", "repeat", "probe_bytes"):
@@ -117,10 +116,14 @@ class DecodeBenchResult:
 # --- the measurements --------------------------------------------------------------------------
 
 
-def _time_decode(model: nn.Module, prompt: list[int], new_tokens: int) -> tuple[int, float]:
+def _time_decode(
+    model: nn.Module, prompt: list[int], new_tokens: int, compile: bool = False
+) -> tuple[int, float]:
     """(tokens decoded, tok/s after the first): greedy, with no stop token, so exactly
-    ``new_tokens`` come (the model's EOS included, as any other token)."""
-    steps = iter_generate(model, [prompt], SamplingParams(max_new_tokens=new_tokens))
+    ``new_tokens`` come (the model's EOS included, as any other token); ``compile``: through
+    the model's compiled static step (the warm-up compiles it)."""
+    params = SamplingParams(max_new_tokens=new_tokens)
+    steps = iter_generate(model, [prompt], params, compile=compile)
     next(steps)  # the prefill and the first token
     start = time.perf_counter()
     count = 1 + sum(1 for _ in steps)
@@ -160,21 +163,14 @@ def random_ids(n: int, vocab_size: int, avoid: set[int], generator: torch.Genera
 
 def _load(model: str, weights: str | None) -> tuple[nn.Module, Any]:
     """The model ``model`` names as an inference copy (its linear layers in ``weights``; None:
-    the model's own format), and its tokenizer. Where :func:`dikkat.pretrained.load` takes
-    ``weights`` it makes the copy; otherwise it loads fp32 and the copy is made here."""
+    the model's own format, a GGUF file's packed blocks), and its tokenizer."""
     from dikkat.pretrained import load  # it brings the GGUF reader: `dikkat --help` stays light
 
-    if "weights" in inspect.signature(load).parameters:
-        lm = load(model, weights=weights)
-        net = lm.model
-        if not any(isinstance(m, InferenceLinear) for m in net.modules()):
-            net = inference_model(net, weights)
-    else:
-        if weights is not None:
-            check_weights("weights", weights)  # before the load, not after it
-        lm = load(model)
+    lm = load(model, weights=weights)  # type: ignore[arg-type]
+    net = lm.model
+    if not any(isinstance(m, InferenceLinear) for m in net.modules()):
         # made once, here: generation uses a copy it is given as it is (None: fp32)
-        net = inference_model(lm.model, weights)
+        net = inference_model(net, weights)  # type: ignore[arg-type]
     return net, lm.tokenizer
 
 
@@ -221,13 +217,13 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
     long_prompt = random_ids(config.prefill_tokens, vocab, avoid, generator)
 
     say("warm-up …")
-    _time_decode(model, prompt, config.new_tokens)
+    _time_decode(model, prompt, config.new_tokens, config.compile)
     _time_prefill(model, long_prompt)
     decode: list[float] = []
     prefills: list[float] = []
     counts: list[int] = []
     for r in range(config.repeat):
-        count, tok_s = _time_decode(model, prompt, config.new_tokens)
+        count, tok_s = _time_decode(model, prompt, config.new_tokens, config.compile)
         counts.append(count)
         decode.append(tok_s)
         prefills.append(_time_prefill(model, long_prompt))

@@ -183,6 +183,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         weights=args.weights,
         repeat=args.repeat,
         probe_bytes=args.probe_mib * 2**20,
+        compile=args.compile,
     )
 
     def progress(line: str) -> None:
@@ -204,8 +205,13 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--weights",
         default=None,
-        help="format of the linear layers: fp32, bf16, int8, w8a8, or what the loader offers "
-        "(default: the model's own)",
+        help="format of the linear layers: fp32, bf16, int8, w8a8, q8, q4 (default: the "
+        "model's own: a GGUF file's quantisation, kept packed)",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="decode with the model's torch.compile'd static step (the warm-up compiles it)",
     )
     add("--repeat", type=positive_int, default=3, help="timed repetitions after a warm-up (3)")
     add("--probe-mib", type=positive_int, default=1024, help="bandwidth buffer, MiB (1024)")
