@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dikkat
+from dikkat.layers import PackedEmbedding, PackedLinear
 from dikkat.models import GPT
 
 transformers = pytest.importorskip("transformers")
@@ -167,10 +168,21 @@ def test_quantised_tensors_are_dequantised(qtype, hf, bpe, tmp_path):
     ref.lm_head.weight = ref.transformer.wte.weight
     x = torch.tensor([bpe.encode(TEXTS[0]).ids])
     with torch.no_grad():
-        got = dikkat.pretrained.load(path, dtype=torch.float64).model(x)
+        got = dikkat.pretrained.load(path, dtype=torch.float64, weights="fp32").model(x)
         want, unrounded = ref(x).logits, hf(x).logits
+        packed = dikkat.pretrained.load(path).model  # the default: the file's blocks kept
+        kept = packed(x)
     assert (got - want).abs().max() < 1e-10
     assert (got - unrounded).abs().max() > 1e-7  # the file's rounding is there
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    if qtype == "F16":
+        assert not layers  # nothing packed: fp32, as dequantised
+    else:  # qkv, out, up, down per layer, and the tied head
+        assert len(layers) == 4 * packed.config.n_layers + 1
+        assert isinstance(packed.tok_emb, PackedEmbedding)
+        assert packed.lm_head.parts[0] is packed.tok_emb.packed
+    # the packed product rounds the activations to 16 bits per block of 32
+    assert (kept.double() - want).abs().max() < 1e-3 * want.abs().max()
 
 
 def test_files_that_do_not_fit_are_refused(hf, bpe, tmp_path):

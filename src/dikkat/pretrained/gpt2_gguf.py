@@ -16,18 +16,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from dikkat.interop.gguf_gpt2 import ARCHITECTURE, gguf_names, gpt_state
+from dikkat.interop.gguf_gpt2 import _BLOCK, ARCHITECTURE, gguf_names, gpt_state
+from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.models.io import load_checked
 from dikkat.pretrained.gguf_file import GGUFFile
+from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
 from dikkat.pretrained.tokenizer import Tokenizer
 
 __all__ = ["config_from_gguf", "gpt_from_gguf"]
 
 
-def gpt_from_gguf(file: GGUFFile) -> tuple[GPT, Tokenizer]:
+def gpt_from_gguf(file: GGUFFile, *, packed: bool = False) -> tuple[GPT, Tokenizer]:
     """The GPT and the tokenizer of an open ``gpt2`` GGUF file (fp32, built once: each tensor
-    read and dequantised once, and kept as the parameter)."""
+    read and dequantised once, and kept as the parameter). ``packed``: the matrices the file
+    quantised (Q8_0, Q4_0, …) are kept in their blocks instead (``PackedLinear``, a
+    ``PackedEmbedding`` shared with a tied output), as for a Llama's file."""
     source = str(file.path)
     config = config_from_gguf(file.metadata, file.tensors, source)
     wanted, stored = gguf_names(config), set(file.tensors)
@@ -37,13 +41,58 @@ def gpt_from_gguf(file: GGUFFile) -> tuple[GPT, Tokenizer]:
             f"{source} does not hold the tensors of a GGUF 'gpt2' model: missing {missing[:4]}"
             f"{' …' * (len(missing) > 4)}, not used by dikkat {extra[:4]}{' …' * (len(extra) > 4)}"
         )
-    state = gpt_state({name: file.read(name) for name in sorted(wanted)}, config)
+    held = {n: _repacked(file, n) for n in sorted(wanted) if packed and _packable(file, n)}
+    tensors = {
+        n: torch.empty(file.tensors[n].shape, device="meta") if n in held else file.read(n)
+        for n in sorted(wanted)
+    }  # a held matrix is a meta placeholder until its packed layer takes its place
+    state = gpt_state(tensors, config)
     with torch.device("meta"):
         model = GPT(config)
     load_checked(model, state, source, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight  # assign=True replaced the shared parameter
+    for name, weight in held.items():
+        _hold(model, name, weight)
     return model, Tokenizer.from_gguf_metadata(file.metadata)
+
+
+_LINEAR = ("token_embd.weight", "output.weight", ".attn_qkv.weight", ".attn_output.weight",
+           ".ffn_up.weight", ".ffn_down.weight")  # fmt: skip
+
+
+def _packable(file: GGUFFile, name: str) -> bool:
+    """A matrix of a linear layer (or the token table) the file quantised; the position table,
+    added rather than multiplied, is dequantised."""
+    return name.endswith(_LINEAR) and file.tensors[name].kind_name in PACKED_KINDS
+
+
+def _repacked(file: GGUFFile, name: str) -> PackedWeight:
+    info = file.tensors[name]
+    return repack(file.raw(name), info.kind_name, info.shape)  # type: ignore[arg-type]
+
+
+def _hold(model: GPT, name: str, weight: PackedWeight) -> None:
+    """The layer GGUF tensor ``name`` belongs to, replaced by its packed form."""
+    if name == "token_embd.weight":
+        model.tok_emb = PackedEmbedding(weight)  # type: ignore[assignment]
+        if model.config.tie_embeddings:
+            model.lm_head = PackedLinear(weight, None, False)  # the same table
+        return
+    if name == "output.weight":
+        model.lm_head = PackedLinear(weight, None, False)
+        return
+    _, i, kind, _ = name.split(".")  # blk.N.KIND.weight
+    block = model.blocks[int(i)]
+    if kind == "attn_qkv":  # the fused q/k/v rows, and the q/k/v views of them
+        layer = PackedLinear(weight, block.attn.qkv_proj.bias, False)
+        block.attn.qkv_proj = layer
+        for part in ("q_proj", "k_proj", "v_proj"):
+            object.__setattr__(getattr(block.attn, part), "source", layer)
+        return
+    parent_path, _, leaf = _BLOCK[kind].rpartition(".")
+    parent = block.get_submodule(parent_path)
+    setattr(parent, leaf, PackedLinear(weight, getattr(parent, leaf).bias, False))
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> GPTConfig:

@@ -90,8 +90,8 @@ def load(
 
 def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder | GPT, Tokenizer, str | None]:
     file = GGUFFile(path)
-    if file.architecture == "gpt2":  # GPT-2's layout, a dikkat GPT (gpt2_gguf.py), dequantised
-        model, tokenizer = gpt_from_gguf(file)
+    if file.architecture == "gpt2":  # GPT-2's layout, a dikkat GPT (gpt2_gguf.py)
+        model, tokenizer = gpt_from_gguf(file, packed=packed)
         return model, tokenizer, file.metadata.get("tokenizer.chat_template")
     config = families.config_from_gguf(file.metadata, set(file.tensors), str(path))
     names = families.gguf_names(config)
