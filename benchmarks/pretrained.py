@@ -10,8 +10,10 @@ program holding the model has them), and greedy decoding of ``--new``
 tokens after a ``--prompt``-token prompt, never stopping at an end token (transformers with
 ``min_new_tokens``). The engines run in turn, ``--rounds`` times, and each figure is the median
 of its rounds, so that a machine shared with other work slows both alike. dikkat decodes in fp32,
-bf16, int8 and w8a8 (the weights prepared once, as a server holding the model would). The text is
-this Python's own standard-library source.
+bf16, int8, w8a8, q8 and q4 (the weights prepared once, as a server holding the model would), in
+the file's own quantisation kept packed ("gguf", what ``dikkat.pretrained.load`` gives by
+default), and in that with the compiled static decode step ("gguf+compile"; its compile is part
+of the warm-up, not of the timing). The text is this Python's own standard-library source.
 
 Quality beside speed: for each weight format, the fraction of fp32's greedy tokens it reproduces
 and the mean log-likelihood (nats per token) of ``--quality-tokens`` held-out tokens. Bandwidth:
@@ -32,14 +34,15 @@ import torch
 from torch import nn
 
 from common import save_json
-from dikkat.layers import Linear, inference_model, w8a8_available
+from dikkat.bench.bandwidth import weight_bytes
+from dikkat.generation import generate
+from dikkat.layers import inference_model, w8a8_available
 from dikkat.models import Decoder
 from dikkat.pretrained import Pretrained, load
 from dikkat.pretrained.sources import resolve
 from generation import read_bandwidth
 
-FORMATS = ("fp32", "bf16", "int8", "w8a8")
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "w8a8": 1}
+FORMATS = ("fp32", "bf16", "int8", "w8a8", "q8", "q4", "gguf", "gguf+compile")
 
 
 def stdlib_ids(lm: Pretrained, n: int, skip: int = 0) -> list[int]:
@@ -52,23 +55,12 @@ def stdlib_ids(lm: Pretrained, n: int, skip: int = 0) -> list[int]:
     return ids[skip : skip + n]
 
 
-def bytes_per_token(model: Decoder, weights: str, mean_len: float) -> int:
-    """Bytes one decoding step reads: each Linear's weight in ``weights`` (int8's fp32 scales
-    too), every other parameter whole except embeddings (one row), and the fp32 keys and values
-    of ``mean_len`` cached tokens in every layer."""
-    c, seen, total = model.config, set(), 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            n, k = m.weight.shape
-            total += n * k * WEIGHT_BYTES[weights] + (4 * n if weights in ("int8", "w8a8") else 0)
-            seen.add(id(m.weight))
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                one_row = isinstance(m, nn.Embedding)
-                total += (p.shape[-1] if one_row else p.numel()) * p.element_size()
-    return total + int(2 * c.n_layers * c.kv_heads * c.dim * mean_len * 4)
+def bytes_per_token(model: nn.Module, mean_len: float) -> int:
+    """Bytes one decoding step reads: every weight in its format (``dikkat bench decode``'s
+    count: one embedding row, a tied table once), and the fp32 keys and values of ``mean_len``
+    cached tokens in every layer."""
+    c = model.config
+    return weight_bytes(model) + int(2 * c.n_layers * c.kv_heads * c.dim * mean_len * 4)
 
 
 def median_time(fn, rounds: list[float]) -> None:
@@ -77,10 +69,12 @@ def median_time(fn, rounds: list[float]) -> None:
     rounds.append(time.perf_counter() - t0)
 
 
-def mean_loglik(model: nn.Module, ids: list[int], weights: str) -> float:
+def mean_loglik(model: nn.Module, ids: list[int]) -> float:
+    """The mean log-likelihood of ``ids`` in one forward pass (a packed model's prefill path:
+    the dequantised weights; its decode steps' rounding shows in the greedy agreement)."""
     x = torch.tensor([ids])
     with torch.inference_mode():
-        logp = torch.log_softmax(inference_model(model, weights)(x)[0, :-1].double(), -1)
+        logp = torch.log_softmax(model(x)[0, :-1].double(), -1)
     return logp.gather(-1, x[0, 1:, None]).mean().item()
 
 
@@ -88,13 +82,19 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict:
     from transformers import AutoModelForCausalLM
 
     path = resolve(name).path
-    lm = load(name)
+    lm = load(name, weights="fp32")
+    packed = load(name).model  # the file's blocks
     hf = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     prompt = torch.tensor([stdlib_ids(lm, args.prompt)])
     prefill_ids = torch.tensor([stdlib_ids(lm, args.prefill)])
     formats = [f for f in FORMATS if f != "w8a8" or w8a8_available()]
+
+    def model_for(weights: str) -> Decoder:
+        if weights.startswith("gguf"):
+            return packed
+        return inference_model(lm.model, weights)  # type: ignore[return-value]
 
     def hf_decode():
         with torch.inference_mode():
@@ -112,21 +112,29 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict:
         with torch.inference_mode():
             held(prefill_ids, cache=held.new_cache(1, args.prefill), last_only=True)
 
-    times: dict[str, list[float]] = {k: [] for k in ("hf_prefill", "ours_prefill", "hf", *formats)}
+    def packed_prefill():
+        with torch.inference_mode():
+            packed(prefill_ids, cache=packed.new_cache(1, args.prefill), last_only=True)
+
+    keys = ("hf_prefill", "ours_prefill", "gguf_prefill", "hf", *formats)
+    times: dict[str, list[float]] = {k: [] for k in keys}
     tokens: dict[str, list[int]] = {}
-    hf_decode(), ours_prefill(), hf_prefill()  # warm-up
+    hf_decode(), ours_prefill(), hf_prefill(), packed_prefill()  # warm-up
+    generate(packed, prompt, 2, compile=True)  # the compiled step's compile, outside the timing
     for _ in range(args.rounds):
         median_time(hf_prefill, times["hf_prefill"])
         median_time(ours_prefill, times["ours_prefill"])
+        median_time(packed_prefill, times["gguf_prefill"])
         t0 = time.perf_counter()
         tokens["hf"] = hf_decode()
         times["hf"].append(time.perf_counter() - t0)
         for weights in formats:
-            copy = inference_model(lm.model, weights)  # outside the timing, one at a time
+            copy = model_for(weights)  # outside the timing, one at a time
+            compiled = weights.endswith("+compile")
             with torch.inference_mode():
-                copy.generate(prompt, 2)  # packs the weights outside the timing too
+                generate(copy, prompt, 2, compile=compiled)  # packs outside the timing too
                 t0 = time.perf_counter()
-                out = copy.generate(prompt, args.new)[0][args.prompt :]
+                out = generate(copy, prompt, args.new, compile=compiled)[0][args.prompt :]
                 times[weights].append(time.perf_counter() - t0)
             tokens[weights] = out
             del copy
@@ -134,9 +142,8 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict:
     held_out = stdlib_ids(lm, args.quality_tokens, skip=args.prefill)
     rows = {}
     for key in ("hf", *formats):
-        weights = "fp32" if key == "hf" else key
         tok_s = args.new / statistics.median(times[key])
-        nbytes = bytes_per_token(lm.model, weights, mean_len)
+        nbytes = bytes_per_token(lm.model if key == "hf" else model_for(key), mean_len)
         rows[key] = {
             "decode_tok_s": tok_s,
             "rounds_tok_s": [args.new / t for t in times[key]],
@@ -145,9 +152,11 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict:
             "same_tokens_as_fp32": sum(map(int.__eq__, tokens[key], tokens["fp32"])) / args.new,
         }
         if key != "hf":
-            rows[key]["mean_loglik"] = mean_loglik(lm.model, held_out, weights)
+            rows[key]["mean_loglik"] = mean_loglik(model_for(key), held_out)
             rows[key]["vs_transformers"] = tok_s / (args.new / statistics.median(times["hf"]))
-    prefill = {k: args.prefill / statistics.median(times[f"{k}_prefill"]) for k in ("hf", "ours")}
+    prefill = {
+        k: args.prefill / statistics.median(times[f"{k}_prefill"]) for k in ("hf", "ours", "gguf")
+    }
     return {
         "model": repr(lm),
         "decode": rows,
@@ -177,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         r = bench_model(name, args, bandwidth)
         results["models"][name] = r
         print(f"\n{r['model']}: prefill {args.prefill} tokens, tok/s: dikkat "
-              f"{r['prefill_tok_s']['ours']:.0f}, transformers {r['prefill_tok_s']['hf']:.0f} "
+              f"{r['prefill_tok_s']['ours']:.0f} (packed {r['prefill_tok_s']['gguf']:.0f}), "
+              f"transformers {r['prefill_tok_s']['hf']:.0f} "
               f"({r['prefill_vs_transformers']:.2f}x); fp32 tokens identical: "
               f"{r['identical_tokens']}")  # fmt: skip
         print(f"{'decode':>14} {'tok/s':>7} {'x HF':>6} {'MB/tok':>7} {'BW share':>8} "
