@@ -15,6 +15,8 @@ that. The model is built on the ``meta`` device and takes the loaded tensors as 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 from collections.abc import Callable
@@ -85,7 +87,16 @@ def load(
         model.to(device=device, dtype=dtype or torch.float32).eval()
         if weights not in (None, "fp32"):
             model = inference_model(model, weights)
+    _give_back_freed_memory()
     return Pretrained(model, tokenizer, template, found.name, found.path)
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap the load's temporaries freed to the system (glibc keeps freed memory for
+    later allocations: after repacking Gemma 3's blocks, ~100 MB of resident memory that nothing
+    uses); a no-op where the C library has no ``malloc_trim``."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder | GPT, Tokenizer, str | None]:
