@@ -32,6 +32,8 @@ import torch
 from llamacpp_build import LlamaCppError, build_llamacpp, cache_dir, run
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when a goldsmith"
+# llama.cpp's tools turn "\\n" in a -f file's text into a newline unless told not to
+NO_ESCAPE = "--no-escape"
 STDLIB_FILES = ("textwrap.py", "csv.py", "shlex.py", "fnmatch.py", "colorsys.py", "difflib.py")
 
 
@@ -49,7 +51,7 @@ def text_file(text: str) -> Iterator[str]:
 def llama_ids(bins: Path, path: Path, text: str, *, parse_special: bool) -> list[int]:
     """``text``'s ids by llama.cpp's tokenizer, BOS as the model wants it."""
     with text_file(text) as name:
-        cmd = [str(bins / "llama-tokenize"), "-m", str(path), "-f", name, "--ids", "--log-disable"]
+        cmd = [str(bins / "llama-tokenize"), "-m", str(path), "-f", name, "--ids", NO_ESCAPE]
         if not parse_special:
             cmd.append("--no-parse-special")
         out = run(cmd, f"llama-tokenize on {path.name}").stdout
@@ -85,6 +87,8 @@ def token_pieces(decode, row: list[int]) -> list[str]:
 
 
 def greedy(bins: Path, path: Path, lm, n: int) -> dict:
+    """Both engines' greedy continuations of :data:`PROMPT`; where they part, dikkat's margin
+    between its two most likely tokens and whether llama.cpp took dikkat's second choice."""
     from dikkat.generation import generate
 
     ids = lm.tokenizer.encode(PROMPT)
@@ -93,17 +97,29 @@ def greedy(bins: Path, path: Path, lm, n: int) -> dict:
     with torch.inference_mode():
         row = generate(lm.model, [ids], n, stop_ids=eos)[0][len(ids) :]
     row = row[:-1] if row and row[-1] in eos else row
-    pieces = token_pieces(lambda r: lm.tokenizer.decode(r, skip_special=True), row)
+    decode = lambda r: lm.tokenizer.decode(r, skip_special=True)  # noqa: E731
+    pieces = token_pieces(decode, row)
     text = llama_greedy(bins, path, PROMPT, n)
-    return {
+    k = agreeing_tokens(pieces, text)
+    found = {
         "prompt_ids": ids,
         "same_prompt_ids": ids == theirs,
         "dikkat_tokens": len(row),
-        "agreeing_tokens": agreeing_tokens(pieces, text),
+        "agreeing_tokens": k,
         "same_text": "".join(pieces) == text,
         "dikkat_text": "".join(pieces),
         "llama_text": text,
     }
+    if k < len(row):
+        with torch.inference_mode():
+            logits = lm.model(torch.tensor([ids + row[:k]]), last_only=True)[0, -1].double()
+        top = logits.topk(2)
+        second = token_pieces(decode, [*row[:k], int(top.indices[1])])[-1]
+        found["margin_at_split"] = float(top.values[0] - top.values[1])
+        found["llama_took_second"] = bool(second) and text.startswith(
+            second, len("".join(pieces[:k]))
+        )
+    return found
 
 
 def heldout_text(nbytes: int) -> str:
@@ -153,9 +169,14 @@ def parse_llama_perplexity(output: str) -> float:
 def perplexity(bins: Path, path: Path, lm, text: str, n_ctx: int, threads: int) -> dict:
     theirs = llama_ids(bins, path, text, parse_special=False)  # as llama-perplexity tokenizes
     ids = lm.tokenizer.encode(text)
+    if min(len(ids), len(theirs)) < 2 * n_ctx:
+        raise LlamaCppError(
+            f"the text is {min(len(ids), len(theirs))} tokens, fewer than 2 × -c {n_ctx}: "
+            "give more text (--text-bytes) or a shorter --ctx"
+        )
     with text_file(text) as name:
         cmd = [str(bins / "llama-perplexity"), "-m", str(path), "-f", name, "-c", str(n_ctx)]
-        done = run([*cmd, "-t", str(threads)], f"llama-perplexity on {path.name}")
+        done = run([*cmd, "-t", str(threads), NO_ESCAPE], f"llama-perplexity on {path.name}")
     llama_ppl = parse_llama_perplexity(done.stdout + done.stderr)
     ours = dikkat_perplexity(
         lm.model, ids, n_ctx, lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
@@ -173,13 +194,18 @@ def perplexity(bins: Path, path: Path, lm, text: str, n_ctx: int, threads: int) 
 def quality_table(per_model: dict[str, dict]) -> str:
     """Markdown: per model, the greedy agreement and both perplexities."""
     lines = [
-        "| model | prompt ids equal | greedy tokens agreeing | text ids equal | chunks "
-        "| ppl llama.cpp | ppl dikkat | difference |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| model | prompt ids equal | greedy tokens agreeing | margin where they part "
+        "| text ids equal | chunks | ppl llama.cpp | ppl dikkat | difference |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|",
     ]
     for model, q in per_model.items():
         g, p = q["greedy"], q["perplexity"]
         agree = f"{g['agreeing_tokens']}/{g['dikkat_tokens']}"
+        if "margin_at_split" in g:  # dikkat's top two logits there; llama.cpp took the second?
+            took = "llama.cpp took dikkat's 2nd" if g["llama_took_second"] else "another token"
+            agree += f" | {g['margin_at_split']:.3f} ({took})"
+        else:
+            agree += " | "
         ppl = f"{p['llama_ppl']:.4f} | {p['dikkat_ppl']:.4f} | {100 * p['rel_diff']:+.2f} %"
         lines.append(
             f"| {model} | {g['same_prompt_ids']} | {agree} | {p['same_ids']} | {p['chunks']} "

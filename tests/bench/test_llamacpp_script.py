@@ -179,3 +179,19 @@ def test_a_missing_cmake_is_one_line_and_a_non_zero_exit(lc, build, tmp_path, mo
     with pytest.raises(SystemExit, match=r"^llamacpp.py: cmake is not installed[^\n]*$"):
         lc.main(argv)
     assert not any(tmp_path.iterdir())  # nothing downloaded, built or written
+
+
+def test_quality_table_has_a_row_per_model(quality):
+    ppl = {"same_ids": True, "chunks": 10, "llama_ppl": 8.0, "dikkat_ppl": 8.04, "rel_diff": 0.005}
+    parted = {"same_prompt_ids": True, "agreeing_tokens": 2, "dikkat_tokens": 64,
+              "margin_at_split": 0.27, "llama_took_second": True}  # fmt: skip
+    same = {"same_prompt_ids": False, "agreeing_tokens": 64, "dikkat_tokens": 64}
+    rows = quality.quality_table(
+        {"a": {"greedy": parted, "perplexity": ppl}, "b": {"greedy": same, "perplexity": ppl}}
+    ).splitlines()
+    assert rows[2] == (
+        "| a | True | 2/64 | 0.270 (llama.cpp took dikkat's 2nd) | True | 10 | 8.0000 | 8.0400 "
+        "| +0.50 % |"
+    )
+    assert rows[3].startswith("| b | False | 64/64 |  | True | 10 |")
+    assert all(r.count("|") == rows[0].count("|") for r in rows)
