@@ -95,7 +95,11 @@ def build_llamacpp(cache: Path, version: str = VERSION, jobs: int = 2) -> Path:
             ["cmake", "-S", str(source), "-B", str(build), *ninja, *CMAKE_FLAGS],
             ["cmake", "--build", str(build), f"-j{jobs}", "--target", *TARGETS],
         ):
-            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+            try:  # a 2-core build takes minutes; two hours means something is stuck
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=7200)
+            except subprocess.TimeoutExpired:
+                raise LlamaCppError(f"building llama.cpp took over 2 hours: see {log}") from None
+            if done.returncode != 0:
                 raise LlamaCppError(f"building llama.cpp failed: see {log}")
     atomic_write(stamp, lambda tmp: Path(tmp).write_text(stamp_text(version)))
     return bins
