@@ -1,0 +1,123 @@
+"""Build llama.cpp's tools once, for benchmarks/llamacpp.py: the copy vendored by the
+llama-cpp-python sdist, fetched with ``pip download`` and built with cmake.
+
+    python benchmarks/llamacpp_build.py [--version 0.3.36] [--cache DIR] [--jobs 2]
+
+The sdist, its unpacked tree and the build live in a cache outside the checkout
+(``$XDG_CACHE_HOME/dikkat/llamacpp``, else ``~/.cache/dikkat/llamacpp``). A stamp file beside the
+binaries holds the version and the cmake flags: while it matches and the binaries are there, they
+are reused as they are. Prints the folder of the binaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from dikkat.files import atomic_write
+
+VERSION = "0.3.36"
+TARGETS = ("llama-bench", "llama-perplexity", "llama-simple", "llama-tokenize", "llama-quantize")
+# llama.cpp's own, nothing that reaches the network: no HTTPS, no web UI, no server, no tests
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-simple
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+)
+
+
+class LlamaCppError(Exception):
+    """A step that cannot go on, said in one line (the scripts exit non-zero with it)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dikkat" / "llamacpp"
+
+
+def run(cmd: list[str], what: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``cmd`` run to its end, or a LlamaCppError naming ``what`` with its last stderr line."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LlamaCppError(f"{what} failed: {e}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LlamaCppError(f"{what} failed (exit {done.returncode}): {last}")
+    return done
+
+
+def stamp_text(version: str) -> str:
+    return f"llama-cpp-python {version}\n" + "\n".join(CMAKE_FLAGS) + "\n"
+
+
+def build_llamacpp(cache: Path, version: str = VERSION, jobs: int = 2) -> Path:
+    """The folder of the built binaries, building them first unless the stamp says they are."""
+    build = cache / f"build-{version}"
+    bins, stamp = build / "bin", build / "dikkat-stamp"
+    built = all((bins / t).is_file() for t in TARGETS)
+    if built and stamp.is_file() and stamp.read_text() == stamp_text(version):
+        return bins
+    if shutil.which("cmake") is None:
+        raise LlamaCppError("cmake is not installed: install it (`pip install cmake` in a venv)")
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")):
+        raise LlamaCppError("no C++ compiler (c++, g++, clang++ or $CXX): install one")
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = cache / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        print(f"downloading the llama-cpp-python {version} sdist into {cache}", flush=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        what = f"pip download of llama-cpp-python=={version}"
+        run([*pip, f"llama-cpp-python=={version}", "-d", str(cache)], what, timeout=900)
+    source = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (source / "CMakeLists.txt").is_file():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(cache, filter="data")
+    ninja = ["-G", "Ninja"] if shutil.which("ninja") else []
+    log = cache / f"build-{version}.log"
+    print(f"building llama.cpp with -j{jobs} (minutes; the log: {log})", flush=True)
+    with log.open("w") as out:
+        for cmd in (
+            ["cmake", "-S", str(source), "-B", str(build), *ninja, *CMAKE_FLAGS],
+            ["cmake", "--build", str(build), f"-j{jobs}", "--target", *TARGETS],
+        ):
+            try:  # a 2-core build takes minutes; two hours means something is stuck
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=7200)
+            except subprocess.TimeoutExpired:
+                raise LlamaCppError(f"building llama.cpp took over 2 hours: see {log}") from None
+            if done.returncode != 0:
+                raise LlamaCppError(f"building llama.cpp failed: see {log}")
+    atomic_write(stamp, lambda tmp: Path(tmp).write_text(stamp_text(version)))
+    return bins
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", default=VERSION, help="the llama-cpp-python sdist's")
+    parser.add_argument("--cache", type=Path, default=cache_dir())
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    args = parser.parse_args(argv)
+    try:
+        bins = build_llamacpp(args.cache, args.version, args.jobs)
+    except LlamaCppError as e:
+        raise SystemExit(f"llamacpp_build.py: {e}") from None
+    print(bins)
+    return bins
+
+
+if __name__ == "__main__":
+    main()
