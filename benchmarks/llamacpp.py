@@ -94,6 +94,7 @@ def speed_rounds(bins: Path, dikkat_cmd: list[str], path: Path, args) -> dict[st
     for flag, value in {**sizes, "prompt-tokens": args.prompt, "repeat": 1}.items():
         ours += [f"--{flag}", str(value)]
     ours += ["--json", *(["--weights", args.weights] if args.weights else [])]
+    ours += ["--compile"] if args.compile else []
     runs: dict[str, list[dict]] = {"llama.cpp": [], "dikkat": []}
     for r in range(args.rounds):
         for engine in ("llama.cpp", "dikkat")[:: 1 if r % 2 == 0 else -1]:
@@ -145,6 +146,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--new", type=int, default=128, help="decoded tokens timed")
     add("--prompt", type=int, default=16, help="prompt tokens before decoding")
     add("--weights", default=None, help="dikkat's weight format (default: the file's, packed)")
+    add(
+        "--compile",
+        action="store_true",
+        help="dikkat decodes with its compiled static step (dikkat bench decode --compile)",
+    )
     add("--greedy", type=int, default=64, help="greedy tokens compared")
     add("--ctx", type=int, default=512, help="perplexity chunk length (llama-perplexity -c)")
     add("--text-bytes", type=int, default=24_000, help="held-out text, characters")
