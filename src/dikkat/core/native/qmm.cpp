@@ -130,6 +130,21 @@ inline float block_part(const float* s, const float* o, const float* da, int64_t
 }
 
 #if DIKKAT_VNNI
+// block_part's terms, unsummed: lanes the product's accumulator starts from (one reduction a row)
+template <bool OFFSET>
+inline __m512 block_part_lanes(const float* s, const float* o, const float* da, int64_t per_row,
+                               int32_t zero) {
+  const float* w = OFFSET ? o : s;
+  __m512 ev = _mm512_setzero_ps();
+  for (int64_t b = 0; b < per_row; b += 16) {
+    const __mmask16 k = per_row - b >= 16 ? 0xFFFF : (1u << (per_row - b)) - 1;
+    ev = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + b), _mm512_maskz_loadu_ps(k, da + b), ev);
+  }
+  return OFFSET ? ev : _mm512_mul_ps(ev, _mm512_set1_ps(-static_cast<float>(zero)));
+}
+#endif
+
+#if DIKKAT_VNNI
 // which scale of a register of 16 block scales the lanes of a step's two products take: for
 // blocks of 32, lanes of the first product all block 2j, of the second 2j + 1; for blocks of
 // 16, half the lanes each
@@ -183,17 +198,16 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
     const uint8_t* row = values + n * row_bytes;
     const float* s = scale + n * per_row;
     const float* o = OFFSET ? offset + n * per_row : nullptr;
-    float extra[TILE];
-    for (int t = 0; t < TILE; ++t) {
-      extra[t] = block_part<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
-    }
 #if DIKKAT_VNNI
     // 64 values a step: lanes 0-7 hold block 2i, 8-15 block 2i + 1 (or lanes 0-3, 4-7, … four
     // blocks of 16); the scales of 16 blocks at a time sit in one register, spread by a permute
     constexpr int64_t per_step = 64 / BLOCK, steps_per_load = 16 / per_step;
     const auto& spread = kSpread[BLOCK == 32 ? 0 : 1];
     __m512 acc[TILE], acc2[TILE], sd[TILE];
-    for (int t = 0; t < TILE; ++t) acc[t] = acc2[t] = sd[t] = _mm512_setzero_ps();
+    for (int t = 0; t < TILE; ++t) {
+      acc[t] = sd[t] = _mm512_setzero_ps();
+      acc2[t] = block_part_lanes<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
+    }
     const int64_t steps = (K + 63) / 64;
     for (int64_t i = 0; i < steps; ++i) {
       const int64_t j = i % steps_per_load;
@@ -220,9 +234,13 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
       }
     }
     for (int t = 0; t < TILE; ++t) {
-      out[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + extra[t];
+      out[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
     }
 #else
+    float extra[TILE];
+    for (int t = 0; t < TILE; ++t) {
+      extra[t] = block_part<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
+    }
     const int64_t G = K / kGroup;
     float acc[TILE] = {};
     uint8_t w[kGroup];
