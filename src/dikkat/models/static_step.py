@@ -1,0 +1,132 @@
+"""One decode step of a :class:`~dikkat.models.Decoder` over a static KV cache, so that every step
+has the same shapes and one ``torch.compile``'d graph serves them all.
+
+The eager step (:func:`dikkat.generation.decode_step`) attends to the cache's filled slots: a key
+tensor one slot longer at every step, a position held in a Python int, and the checks of each
+layer run on the host — 30 layers of SmolLM2 cost more in Python and dispatch than in reading
+their weights. Here, as in gpt-fast (https://github.com/pytorch-labs/gpt-fast, ``generate.py``),
+the position is a tensor, the new key and value are written into the cache's preallocated
+buffers at it (``index_copy_``), and the attention reads every slot with a mask of those filled
+(and, in a sliding layer, of those within its window). Compiled, the norms, RoPE and attention
+of a step become a few fused kernels around the products of its weights.
+
+The step uses the model's own modules (embedding, norms, projections, MLPs — packed or not) and
+the same RoPE angles (:meth:`~dikkat.layers.RotaryEmbedding.cos_sin`); what it leaves out are the
+eager path's input checks, which :class:`StaticStep` does once, outside the compiled region.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.positional import rotate_half
+
+if TYPE_CHECKING:
+    from dikkat.models.decoder import Decoder
+
+__all__ = ["StaticStep"]
+
+
+def _step(model: Decoder, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
+          pos: Tensor) -> Tensor:  # fmt: skip
+    """Logits (B, V) of ``tokens`` (B,) at slot and position ``pos`` (a 0-d long tensor); the
+    caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
+    c = model.config
+    B = tokens.shape[0]
+    x = model.tok_emb(tokens[:, None])  # (B, 1, C)
+    if c.embed_scale:
+        x = x * torch.tensor(math.sqrt(c.d_model), dtype=x.dtype)
+    where = pos.view(1)
+    slots = torch.arange(keys[0].shape[2], device=x.device)
+    filled = (slots <= pos).view(1, 1, 1, -1)  # (1, 1, 1, S): over (B, H, 1, S) scores
+    tables: dict[int, tuple[Tensor, Tensor]] = {}
+    for block, kc, vc in zip(model.blocks, keys, values, strict=True):
+        attn = block.attn
+        H, G, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        q, k, v = attn.qkv_proj(block.attn_norm(x)).split(attn.qkv_sizes, dim=-1)
+        q = q.view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
+        k = k.view(B, 1, G, D).transpose(1, 2)  # (B, G, 1, D)
+        v = v.view(B, 1, G, D).transpose(1, 2)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        rope = attn.rope
+        if id(rope) not in tables:
+            tables[id(rope)] = rope.cos_sin(where, x.dtype)  # (1, D/2)
+        cos, sin = tables[id(rope)]
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        kc.index_copy_(2, where, k)
+        vc.index_copy_(2, where, v)
+        mask = filled if block.window is None else filled & (slots > pos - block.window)
+        out = F.scaled_dot_product_attention(
+            q, kc, vc, attn_mask=mask, scale=attn.scale, enable_gqa=G != H
+        )  # (B, H, 1, D)
+        a = attn.out_proj(out.transpose(1, 2).reshape(B, 1, H * D))
+        if block.post_attn_norm is not None:
+            a = block.post_attn_norm(a)
+        x = x + a
+        m = block.mlp(block.mlp_norm(x))
+        if block.post_mlp_norm is not None:
+            m = block.post_mlp_norm(m)
+        x = x + m
+    return model.lm_head(model.norm_f(x))[:, 0]  # (B, V)
+
+
+@functools.cache
+def _compiled() -> Callable[..., Tensor]:
+    """:func:`_step` through ``torch.compile``, one wrapper for every model and cache (dynamo
+    keeps a graph per model and, after a second cache length, one for any length)."""
+    return torch.compile(_step)
+
+
+class StaticStep:
+    """Decode steps of ``model`` (a Decoder) over ``cache`` (its :class:`KVCache` list, filled by
+    a prefill up to some slot): ``step(tokens, slot)`` feeds ``tokens`` (B,) at ``slot`` (the
+    next free one) and returns their logits (B, V). Every row sits at the same slot and
+    position (no padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
+    first step compiles, in a minute or so, then every later step reuses the graph, and
+    inductor keeps its compiled code on disk for the next process).
+
+    >>> from dikkat.models import Decoder, DecoderConfig
+    >>> model = Decoder(DecoderConfig()).eval()
+    >>> cache = model.new_cache(1, 8)
+    >>> _ = model(torch.tensor([[1, 2, 3]]), cache=cache)  # the prefill fills slots 0-2
+    >>> StaticStep(model, cache)(torch.tensor([4]), 3).shape
+    torch.Size([1, 256])
+    """
+
+    def __init__(self, model: Decoder, cache: Sequence[KVCache], *, compile: bool = False) -> None:
+        if len(cache) != len(model.blocks) or not all(isinstance(c, KVCache) for c in cache):
+            raise TypeError(f"cache must hold one KVCache per layer ({len(model.blocks)})")
+        self.model, self.cache = model, list(cache)
+        self._keys = [c.k for c in self.cache]
+        self._values = [c.v for c in self.cache]
+        self._fn: Callable[..., Tensor] = _compiled() if compile else _step
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor, slot: int) -> Tensor:
+        B, S = self._keys[0].shape[0], self._keys[0].shape[2]
+        if tokens.shape != (B,):
+            raise ValueError(
+                f"tokens must be ({B},), one per cached row, got {tuple(tokens.shape)}"
+            )
+        if not 0 <= slot < S or slot > self.cache[0].length:
+            raise ValueError(
+                f"slot {slot} must be the next free one ({self.cache[0].length}) of {S}"
+            )
+        if slot >= self.model.config.max_len:
+            raise ValueError(
+                f"slot {slot} is past the model's context of {self.model.config.max_len}"
+            )
+        pos = torch.tensor(slot, device=tokens.device)
+        logits = self._fn(self.model, self._keys, self._values, tokens, pos)
+        for c in self.cache:
+            c.length = slot + 1
+        return logits

@@ -1,0 +1,58 @@
+"""The static decode step (dikkat.models.static_step): the eager step's logits and tokens, with
+sliding windows, query/key norms and grouped heads; compiled once for every later step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dikkat.generation import generate
+from dikkat.generation.generate import decode_step, prefill
+from dikkat.models import Decoder, DecoderConfig
+from dikkat.models.static_step import StaticStep
+
+CONFIGS = {
+    "llama": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2),
+    "gemma3": DecoderConfig.preset(
+        "gemma3-270m", vocab_size=64, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48,
+        n_layers=3, sliding_window=4, layer_kinds=("sliding", "full", "sliding"), max_len=64,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_static_steps_give_the_eager_steps_logits(family):
+    torch.manual_seed(0)
+    model = Decoder(CONFIGS[family]).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    eager, static = model.new_cache(2, 16), model.new_cache(2, 16)
+    tokens = prefill(model, ids, eager).argmax(-1)
+    assert torch.equal(prefill(model, ids, static).argmax(-1), tokens)
+    step = StaticStep(model, static)
+    for slot in range(5, 14):  # past the 4-key window of the sliding layers
+        want = decode_step(model, tokens, eager, slot)
+        got = step(tokens, slot)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        tokens = want.argmax(-1)
+    assert static[0].length == eager[0].length == 14
+
+
+def test_a_compiled_step_gives_the_eager_tokens():
+    torch.manual_seed(0)
+    model = Decoder(CONFIGS["gemma3"]).eval()
+    prompt = [[3, 1, 4, 1, 5]]
+    assert generate(model, prompt, 10, compile=True) == generate(model, prompt, 10)
+
+
+def test_bad_steps_are_refused():
+    model = Decoder(CONFIGS["llama"]).eval()
+    cache = model.new_cache(1, 8)
+    step = StaticStep(model, cache)
+    with pytest.raises(ValueError, match="next free one"):
+        step(torch.tensor([1]), 3)
+    with pytest.raises(ValueError, match=r"tokens must be \(1,\)"):
+        step(torch.tensor([1, 2]), 0)
+    with pytest.raises(TypeError, match="one KVCache per layer"):
+        StaticStep(model, cache[:1])
+    with pytest.raises(ValueError, match="no padding"):
+        generate(model, [[1, 2, 3], [4]], 2, compile=True)
