@@ -5,6 +5,7 @@ from dikkat.models.bert import BERT, BERT_PRESETS, BERTConfig
 from dikkat.models.decoder import DECODER_PRESETS, Decoder, DecoderBlock, DecoderConfig
 from dikkat.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from dikkat.models.seq2seq import SEQ2SEQ_PRESETS, Seq2Seq, Seq2SeqConfig
+from dikkat.models.static_step import StaticStep
 
 __all__ = [
     "BERT",
@@ -20,4 +21,5 @@ __all__ = [
     "GPTConfig",
     "Seq2Seq",
     "Seq2SeqConfig",
+    "StaticStep",
 ]
