@@ -48,7 +48,7 @@ def test_bad_steps_are_refused():
     model = Decoder(CONFIGS["llama"]).eval()
     cache = model.new_cache(1, 8)
     step = StaticStep(model, cache)
-    with pytest.raises(ValueError, match="next free one"):
+    with pytest.raises(ValueError, match="the filled length"):
         step(torch.tensor([1]), 3)
     with pytest.raises(ValueError, match=r"tokens must be \(1,\)"):
         step(torch.tensor([1, 2]), 0)

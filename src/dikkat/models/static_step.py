@@ -89,7 +89,8 @@ def _compiled() -> Callable[..., Tensor]:
 class StaticStep:
     """Decode steps of ``model`` (a Decoder) over ``cache`` (its :class:`KVCache` list, filled by
     a prefill up to some slot): ``step(tokens, slot)`` feeds ``tokens`` (B,) at ``slot`` (the
-    next free one) and returns their logits (B, V). Every row sits at the same slot and
+    next free one, or an earlier one to overwrite, as :meth:`KVCache.update` allows) and returns
+    their logits (B, V). Every row sits at the same slot and
     position (no padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
     first step compiles, in a minute or so, then every later step reuses the graph, and
     inductor keeps its compiled code on disk for the next process).
@@ -119,7 +120,8 @@ class StaticStep:
             )
         if not 0 <= slot < S or slot > self.cache[0].length:
             raise ValueError(
-                f"slot {slot} must be the next free one ({self.cache[0].length}) of {S}"
+                f"slot {slot} must lie in 0 … {self.cache[0].length} (the filled length) and "
+                f"below the cache's {S} slots"
             )
         if slot >= self.model.config.max_len:
             raise ValueError(
