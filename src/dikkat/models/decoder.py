@@ -224,6 +224,11 @@ class DecoderBlock(nn.Module):
         a = self.attn(
             self.attn_norm(x), None, mask, offset=offset, positions=positions, cache=cache
         )
+        return self.after_attention(x, a)
+
+    def after_attention(self, x: Tensor, a: Tensor) -> Tensor:
+        """The rest of the block once its attention gave ``a`` for x: the residuals and the MLP
+        (a static decode step computes the attention its own way, then calls this)."""
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         x = x + a

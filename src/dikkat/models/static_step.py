@@ -68,14 +68,7 @@ def _step(model: Decoder, keys: list[Tensor], values: list[Tensor], tokens: Tens
         out = F.scaled_dot_product_attention(
             q, kc, vc, attn_mask=mask, scale=attn.scale, enable_gqa=G != H
         )  # (B, H, 1, D)
-        a = attn.out_proj(out.transpose(1, 2).reshape(B, 1, H * D))
-        if block.post_attn_norm is not None:
-            a = block.post_attn_norm(a)
-        x = x + a
-        m = block.mlp(block.mlp_norm(x))
-        if block.post_mlp_norm is not None:
-            m = block.post_mlp_norm(m)
-        x = x + m
+        x = block.after_attention(x, attn.out_proj(out.transpose(1, 2).reshape(B, 1, H * D)))
     return model.lm_head(model.norm_f(x))[:, 0]  # (B, V)
 
 
