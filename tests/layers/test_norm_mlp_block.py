@@ -181,6 +181,20 @@ def test_block_is_its_formula(norm, mask):
         torch.testing.assert_close(block(x, m), by_hand(block, x, m), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_a_block_split_around_its_attention_is_the_block(norm):
+    """attention_input, then the attention, then after_attention: what a static decode step
+    runs, the block's own output."""
+    block = make_block(15, norm=norm)
+    x = randn(2, 5, 16, seed=16)
+    m = masks.causal()
+    with torch.no_grad():
+        a = block.attn(block.attention_input(x), None, m)
+        torch.testing.assert_close(block.after_attention(x, a), block(x, m), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="without cross-attention"):
+        make_block(15, cross_attention=True).after_attention(x, a)
+
+
 def test_pre_and_post_norm_really_differ():
     pre, post = make_block(12, norm="pre"), make_block(12, norm="post")
     post.load_state_dict(pre.state_dict())  # same weights, only the norm placement differs

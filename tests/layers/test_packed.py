@@ -1,5 +1,5 @@
 """Packed 4- and 8-bit block weights (dikkat.layers.packed): dikkat's own Q8_0/Q4_0
-quantisation, and the product — the dequantised weight times the activations rounded to int8
+quantisation, and the product — the dequantised weight times the activations rounded to int16
 per block of 32 — against an fp64 reference, in the native kernel and in PyTorch operations."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dikkat.layers.packed import (
     unpack,
 )
 
+F32 = torch.float32
+
 
 def reference(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
     """fp64: the dequantised weight times x rounded as the product rounds it."""
@@ -32,26 +34,31 @@ def reference(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
     return rounded @ dequantize(p).double().T
 
 
-def random_packed(N: int, K: int, bits: int, block: int, offsets: bool, seed: int) -> PackedWeight:
-    """A packed weight of random integers, scales (some negative) and offsets."""
+def random_packed(
+    N: int, K: int, bits: int, block: int, offsets: bool, seed: int, dtype: torch.dtype = F32
+) -> PackedWeight:
+    """A packed weight of random integers, scales (some negative) and offsets, in ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
-    scale = torch.randn(N, K // block, generator=g) * 0.01
-    offset = torch.randn(N, K // block, generator=g) * 0.05 if offsets else None
+    scale = (torch.randn(N, K // block, generator=g) * 0.01).to(dtype)
+    offset = (torch.randn(N, K // block, generator=g) * 0.05).to(dtype) if offsets else None
     zero = 0 if offsets else 2 ** (bits - 1)
     values = pack_nibbles(q) if bits == 4 else q
     return PackedWeight(values, scale, offset, zero, bits, block, "test")
 
 
-LAYOUTS = [(bits, block, offsets) for bits in (4, 8) for block in (16, 32) for offsets in
-           (False, True)]  # fmt: skip
+# bits, block, offsets, the scales' dtype
+LAYOUTS = [(bits, block, offsets, dtype) for bits in (4, 8) for block in (16, 32) for offsets in
+           (False, True) for dtype in (torch.float32, torch.float16)]  # fmt: skip
 
 
-@pytest.mark.parametrize("bits,block,offsets", LAYOUTS)
+@pytest.mark.parametrize("bits,block,offsets,dtype", LAYOUTS)
 @pytest.mark.parametrize("K", [32, 64, 96, 640])  # a lone last block of 32 where K % 64 = 32
 @pytest.mark.parametrize("M", [1, 3, 4, 9])  # tiles of four rows and what is left
-def test_the_product_is_the_dequantised_weight_times_the_rounded_rows(bits, block, offsets, K, M):
-    p = random_packed(37, K, bits, block, offsets, seed=K + M)
+def test_the_product_is_the_dequantised_weight_times_the_rounded_rows(
+    bits, block, offsets, dtype, K, M
+):
+    p = random_packed(37, K, bits, block, offsets, seed=K + M, dtype=dtype)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
     want = reference(x, p)
     tol = 1e-5 * want.abs().max().item() + 1e-6  # fp32 sums of K products
@@ -115,6 +122,10 @@ def test_bad_shapes_are_refused():
         PackedWeight(p.values, p.scale[:, :1], None, 128, 8, 32, "x")
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         PackedWeight(p.values, p.scale, None, 128, 6, 32, "x")
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        PackedWeight(p.values, p.scale.double(), None, 128, 8, 32, "x")
+    with pytest.raises(ValueError, match="shaped and typed as scale"):
+        PackedWeight(p.values, p.scale, p.scale.half(), 0, 8, 32, "x")
 
 
 def test_a_layer_of_parts_in_two_layouts_multiplies_each_part():
@@ -149,10 +160,12 @@ def test_any_dikkat_model_gets_the_packed_formats(weights):
         inference_model(Linear(40, 8), weights)
 
 
-@pytest.mark.parametrize("bits,block,offsets", LAYOUTS)
-def test_a_prefill_multiplies_the_dequantised_weight_by_the_rows_themselves(bits, block, offsets):
+@pytest.mark.parametrize("bits,block,offsets,dtype", LAYOUTS)
+def test_a_prefill_multiplies_the_dequantised_weight_by_the_rows_themselves(
+    bits, block, offsets, dtype
+):
     """From DENSE_ROWS rows on, x is not rounded: x times the dequantised weight, in fp32."""
-    p = random_packed(300, 96, bits, block, offsets, seed=7)
+    p = random_packed(300, 96, bits, block, offsets, seed=7, dtype=dtype)
     x = torch.randn(DENSE_ROWS + 3, 96)
     want = x.double() @ dequantize(p).double().T
     got = packed_linear(x, p)
@@ -165,6 +178,6 @@ def test_a_prefill_multiplies_the_dequantised_weight_by_the_rows_themselves(bits
 def test_the_native_dequantisation_is_pytorch_s_bit_for_bit():
     from dikkat.layers.packed import _dequantize
 
-    for bits, block, offsets in LAYOUTS:
-        p = random_packed(9, 128, bits, block, offsets, seed=bits + block)
+    for bits, block, offsets, dtype in LAYOUTS:
+        p = random_packed(9, 128, bits, block, offsets, seed=bits + block, dtype=dtype)
         assert torch.equal(dequantize(p), _dequantize(p))

@@ -8,7 +8,7 @@ import torch
 
 from dikkat.generation import generate
 from dikkat.generation.generate import decode_step, prefill
-from dikkat.models import Decoder, DecoderConfig
+from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig
 from dikkat.models.static_step import StaticStep
 
 CONFIGS = {
@@ -17,13 +17,21 @@ CONFIGS = {
         "gemma3-270m", vocab_size=64, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48,
         n_layers=3, sliding_window=4, layer_kinds=("sliding", "full", "sliding"), max_len=64,
     ),
+    "gpt2": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_len=64),
+    "gpt-rope": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                          position="rope", max_len=64),
 }  # fmt: skip
+
+
+def build(family: str) -> Decoder | GPT:
+    config = CONFIGS[family]
+    return (GPT if isinstance(config, GPTConfig) else Decoder)(config).eval()
 
 
 @pytest.mark.parametrize("family", CONFIGS)
 def test_static_steps_give_the_eager_steps_logits(family):
     torch.manual_seed(0)
-    model = Decoder(CONFIGS[family]).eval()
+    model = build(family)
     ids = torch.randint(0, 64, (2, 5))
     eager, static = model.new_cache(2, 16), model.new_cache(2, 16)
     tokens = prefill(model, ids, eager).argmax(-1)
@@ -37,9 +45,10 @@ def test_static_steps_give_the_eager_steps_logits(family):
     assert static[0].length == eager[0].length == 14
 
 
-def test_a_compiled_step_gives_the_eager_tokens():
+@pytest.mark.parametrize("family", ["gemma3", "gpt2"])
+def test_a_compiled_step_gives_the_eager_tokens(family):
     torch.manual_seed(0)
-    model = Decoder(CONFIGS["gemma3"]).eval()
+    model = build(family)
     prompt = [[3, 1, 4, 1, 5]]
     assert generate(model, prompt, 10, compile=True) == generate(model, prompt, 10)
 

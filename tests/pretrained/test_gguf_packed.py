@@ -45,6 +45,8 @@ def test_repacked_blocks_dequantise_bit_for_bit_as_gguf_does(kind):
     got = dequantize(p).numpy()
     assert np.array_equal(got, want.astype(np.float32)), np.abs(got - want).max()
     assert p.kind == kind and p.shape == (6, K)
+    if kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # their blocks hold fp16 d (and m)
+        assert p.scale.dtype == torch.float16, "the file's fp16 scales are kept in fp16"
 
 
 def test_a_wrong_size_or_kind_is_refused():

@@ -51,7 +51,7 @@ class DecodeBenchConfig:
     repeat: int = 3  # timed repetitions, after one warm-up that is not reported
     seed: int = 0  # seeds the random prompts
     probe_bytes: int = 2**30  # the buffer read to time the bandwidth (less if memory is short)
-    compile: bool = False  # decode with the model's torch.compile'd static step (a Decoder)
+    compile: bool = False  # decode with the model's torch.compile'd static step
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "prefill_tokens", "threads", "repeat", "probe_bytes"):

@@ -198,8 +198,8 @@ def iter_generate(
     runs on an inference copy of the model made here (:func:`dikkat.layers.inference_model`; a
     copy given is used as it is): the model's own parameters are never changed, and changes to
     them after this call do not reach its tokens. ``compile=True`` decodes with the model's
-    static, ``torch.compile``'d step (``model.static_step``: a :class:`~dikkat.models.Decoder`,
-    prompts of one length): the first step compiles, the later ones cost what they read. The
+    static, ``torch.compile``'d step (``model.static_step``: a :class:`~dikkat.models.Decoder`
+    or GPT, prompts of one length): the first step compiles, the later ones cost what they read. The
     arguments are checked here, when it is called, not at the first ``next``.
     """
     params = as_params(params, sampling)
@@ -225,7 +225,7 @@ def iter_generate(
     if compile:
         static = getattr(model, "static_step", None)
         if static is None or full_valid is not None:
-            why = "a model with static_step (a Decoder)" if static is None else "no padding"
+            why = "a model with static_step (a Decoder or GPT)" if static is None else "no padding"
             raise ValueError(f"compile=True needs {why}: prompts of one length")
         compiled = static(cache, compile=True) if max_new else None
         step = lambda token, i: compiled(token, T + i)  # noqa: E731

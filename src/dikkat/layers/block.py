@@ -227,6 +227,23 @@ class Block(nn.Module):
         x, _ = self._residual(x, self.norm2, lambda h: (self.mlp(h), None))
         return (x, BlockWeights(w_self, w_cross)) if return_weights else x
 
+    def attention_input(self, x: Tensor) -> Tensor:
+        """What the self-attention reads of x: ``norm1(x)`` in a pre-norm block, x in a
+        post-norm one."""
+        return self.norm1(x) if self.config.norm == "pre" else x
+
+    def after_attention(self, x: Tensor, a: Tensor) -> Tensor:
+        """The rest of a block without cross-attention once its self-attention gave ``a`` for
+        :meth:`attention_input` of x: the residuals, norms and MLP (a static decode step
+        computes the attention its own way, then calls this)."""
+        if self.cross_attn is not None:
+            raise ValueError("after_attention serves blocks without cross-attention")
+        x = x + self._dropout(a)
+        if self.config.norm == "post":
+            x = self.norm1(x)
+        x, _ = self._residual(x, self.norm2, lambda h: (self.mlp(h), None))
+        return x
+
     @staticmethod
     def _attend(
         layer: MultiHeadAttention,

@@ -3,7 +3,7 @@
 Notation: ``N`` output features (rows of the weight), ``K`` input features, ``B`` values a block.
 
 A row of K values is cut into blocks of B = 32 (16 for Q6_K) consecutive values; block b keeps
-unsigned integers q and one fp32 ``scale`` (and, in formats with a per-block minimum, one fp32
+unsigned integers q and one ``scale`` (and, in formats with a per-block minimum, one
 ``offset``), and stands for
 
     wⱼ = scale_b · (qⱼ − zero)          (symmetric: Q8_0, Q4_0, Q5_0, Q6_K; dikkat's q8, q4)
@@ -12,8 +12,10 @@ unsigned integers q and one fp32 ``scale`` (and, in formats with a per-block min
 This is llama.cpp's family of block formats (https://github.com/ggml-org/ggml/blob/master/
 docs/gguf.md) in one layout that one kernel reads: 8-bit q one byte a value, 4-bit q two a
 byte (16 bytes a block of 32: value j in the low nibble of byte j, value j + 16 in the high
-one), scales in fp32 so that every GGUF format repacks exactly (a K-quant's scale is its
-super-block's fp16 scale times a 6-bit sub-scale, which fp16 cannot always hold).
+one). Scales and offsets are fp16 where the file holds them so (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1:
+kept as they are, a sixth fewer bytes to read than fp32 would take) and fp32 otherwise, so that
+every GGUF format repacks exactly (a K-quant's scale is its super-block's fp16 scale times a
+6-bit sub-scale, which fp16 cannot always hold).
 :mod:`dikkat.pretrained.gguf_packed` repacks the file's blocks; :func:`quantize_q8` and
 :func:`quantize_q4` pack any weight as Q8_0 and Q4_0 do.
 
@@ -73,8 +75,9 @@ _FALLBACK_ROWS = 4096  # weight rows dequantised at a time by the PyTorch produc
 class PackedWeight:
     """A weight (N, K) as blocks of unsigned integers (see the module's notes).
 
-    ``values``: (N, K) uint8 for 8 bits, (N, K / 2) for 4 bits; ``scale`` (N, K / block) fp32;
-    ``offset`` the same shape, or None for symmetric formats, whose integers are centred on
+    ``values``: (N, K) uint8 for 8 bits, (N, K / 2) for 4 bits; ``scale`` (N, K / block) fp32
+    or fp16; ``offset`` the same shape and dtype, or None for symmetric formats, whose integers
+    are centred on
     ``zero``. ``kind`` names where it came from ("Q4_1", "Q6_K", "q8", …).
     """
 
@@ -99,8 +102,15 @@ class PackedWeight:
                 f"scale must be (N, K / {self.block}) = {(N, K // self.block)} with K a multiple "
                 f"of {GROUP}, got {tuple(self.scale.shape)}"
             )
-        if self.offset is not None and self.offset.shape != self.scale.shape:
-            raise ValueError(f"offset must be shaped as scale, got {tuple(self.offset.shape)}")
+        if self.scale.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"scale must be fp32 or fp16, got {self.scale.dtype}")
+        if self.offset is not None and (
+            self.offset.shape != self.scale.shape or self.offset.dtype != self.scale.dtype
+        ):
+            raise ValueError(
+                f"offset must be shaped and typed as scale {tuple(self.scale.shape)} "
+                f"{self.scale.dtype}, got {tuple(self.offset.shape)} {self.offset.dtype}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -170,8 +180,8 @@ def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
 def _dequantize(p: PackedWeight) -> Tensor:
     N, K = p.shape
     q = unpack(p).view(N, K // p.block, p.block).float()
-    scale = p.scale[..., None]
-    w = scale * (q - p.zero) if p.offset is None else scale * q + p.offset[..., None]
+    scale = p.scale[..., None].float()
+    w = scale * (q - p.zero) if p.offset is None else scale * q + p.offset[..., None].float()
     return w.view(N, K)
 
 
@@ -328,17 +338,19 @@ class PackedLinear(InferenceLinear):
 
 
 def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
-    """Consecutive parts of one layout (bits, block, zero point or offsets) stacked into one."""
+    """Consecutive parts of one layout (bits, block, zero point or offsets, the scales' dtype)
+    stacked into one."""
     if not parts:
         raise ValueError("a packed layer needs at least one packed weight")
     out = [parts[0]]
     for p in parts[1:]:
         q = out[-1]
-        if (p.bits, p.block, p.zero, p.offset is None) != (
+        if (p.bits, p.block, p.zero, p.offset is None, p.scale.dtype) != (
             q.bits,
             q.block,
             q.zero,
             q.offset is None,
+            q.scale.dtype,
         ):
             out.append(p)
             continue

@@ -49,7 +49,6 @@ from dikkat.layers.norm import RMSNorm
 from dikkat.layers.positional import RotaryEmbedding, resolve_positions
 from dikkat.models.generating import Generates
 from dikkat.models.io import SaveLoad
-from dikkat.models.static_step import StaticStep
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
@@ -226,6 +225,10 @@ class DecoderBlock(nn.Module):
         )
         return self.after_attention(x, a)
 
+    def attention_input(self, x: Tensor) -> Tensor:
+        """What the attention reads of x: its norm."""
+        return self.attn_norm(x)
+
     def after_attention(self, x: Tensor, a: Tensor) -> Tensor:
         """The rest of the block once its attention gave ``a`` for x: the residuals and the MLP
         (a static decode step computes the attention its own way, then calls this)."""
@@ -293,11 +296,6 @@ class Decoder(Generates, SaveLoad, nn.Module):
                     nn.init.zeros_(module.bias)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-
-    def static_step(self, cache: Sequence[KVCache], *, compile: bool = False) -> StaticStep:
-        """Decode steps over ``cache`` with static shapes, compiled or not
-        (:class:`~dikkat.models.static_step.StaticStep`)."""
-        return StaticStep(self, cache, compile=compile)
 
     def cache_layout(self) -> CacheLayout:
         c = self.config

@@ -21,6 +21,7 @@ from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import valid_positions
 from dikkat.layers.quantized import WeightFormat
+from dikkat.models.static_step import StaticStep
 from dikkat.validate import check_int
 
 
@@ -38,6 +39,11 @@ class Generates:
     def is_tied(self, name: str) -> bool:
         """True for a parameter stored under another name (the tied output embedding)."""
         return self.config.tie_embeddings and name == "lm_head.weight"
+
+    def static_step(self, cache: Sequence[KVCache], *, compile: bool = False) -> StaticStep:
+        """Decode steps over ``cache`` with static shapes, compiled or not
+        (:class:`~dikkat.models.static_step.StaticStep`)."""
+        return StaticStep(self, cache, compile=compile)  # type: ignore[arg-type]
 
     @property
     def n_params(self) -> int:

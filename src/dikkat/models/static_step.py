@@ -1,5 +1,6 @@
-"""One decode step of a :class:`~dikkat.models.Decoder` over a static KV cache, so that every step
-has the same shapes and one ``torch.compile``'d graph serves them all.
+"""One decode step of a :class:`~dikkat.models.Decoder` or a :class:`~dikkat.models.GPT` over a
+static KV cache, so that every step has the same shapes and one ``torch.compile``'d graph serves
+them all.
 
 The eager step (:func:`dikkat.generation.decode_step`) attends to the cache's filled slots: a key
 tensor one slot longer at every step, a position held in a Python int, and the checks of each
@@ -10,9 +11,10 @@ buffers at it (``index_copy_``), and the attention reads every slot with a mask 
 (and, in a sliding layer, of those within its window). Compiled, the norms, RoPE and attention
 of a step become a few fused kernels around the products of its weights.
 
-The step uses the model's own modules (embedding, norms, projections, MLPs — packed or not) and
-the same RoPE angles (:meth:`~dikkat.layers.RotaryEmbedding.cos_sin`); what it leaves out are the
-eager path's input checks, which :class:`StaticStep` does once, outside the compiled region.
+The step uses the model's own modules (embeddings, norms, projections, MLPs — packed or not, and
+each block's ``attention_input`` and ``after_attention``) and the same RoPE angles
+(:meth:`~dikkat.layers.RotaryEmbedding.cos_sin`); what it leaves out are the eager path's input
+checks, which :class:`StaticStep` does once, outside the compiled region.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dikkat.layers.kv_cache import KVCache
@@ -31,45 +32,65 @@ from dikkat.layers.positional import rotate_half
 
 if TYPE_CHECKING:
     from dikkat.models.decoder import Decoder
+    from dikkat.models.gpt import GPT
 
 __all__ = ["StaticStep"]
 
 
-def _step(model: Decoder, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
+def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
           pos: Tensor) -> Tensor:  # fmt: skip
     """Logits (B, V) of ``tokens`` (B,) at slot and position ``pos`` (a 0-d long tensor); the
     caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
     c = model.config
     B = tokens.shape[0]
     x = model.tok_emb(tokens[:, None])  # (B, 1, C)
-    if c.embed_scale:
+    if getattr(c, "embed_scale", False):
         x = x * torch.tensor(math.sqrt(c.d_model), dtype=x.dtype)
     where = pos.view(1)
+    learned = getattr(model, "pos_emb", None)
+    if learned is not None:
+        x = x + learned.weight[where].to(x.dtype)
     slots = torch.arange(keys[0].shape[2], device=x.device)
     filled = (slots <= pos).view(1, 1, 1, -1)  # (1, 1, 1, S): over (B, H, 1, S) scores
     tables: dict[int, tuple[Tensor, Tensor]] = {}
     for block, kc, vc in zip(model.blocks, keys, values, strict=True):
         attn = block.attn
         H, G, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        q, k, v = attn.qkv_proj(block.attn_norm(x)).split(attn.qkv_sizes, dim=-1)
+        q, k, v = attn.qkv_proj(block.attention_input(x)).split(attn.qkv_sizes, dim=-1)
         q = q.view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
         k = k.view(B, 1, G, D).transpose(1, 2)  # (B, G, 1, D)
         v = v.view(B, 1, G, D).transpose(1, 2)
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         rope = attn.rope
-        if id(rope) not in tables:
-            tables[id(rope)] = rope.cos_sin(where, x.dtype)  # (1, D/2)
-        cos, sin = tables[id(rope)]
-        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        if rope is not None:
+            if id(rope) not in tables:
+                tables[id(rope)] = rope.cos_sin(where, x.dtype)  # (1, D/2)
+            cos, sin = tables[id(rope)]
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         kc.index_copy_(2, where, k)
         vc.index_copy_(2, where, v)
-        mask = filled if block.window is None else filled & (slots > pos - block.window)
-        out = F.scaled_dot_product_attention(
-            q, kc, vc, attn_mask=mask, scale=attn.scale, enable_gqa=G != H
-        )  # (B, H, 1, D)
+        window = getattr(block, "window", None)
+        mask = filled if window is None else filled & (slots > pos - window)
+        scale = attn.scale if attn.scale is not None else D**-0.5
+        out = _attend(q, kc, vc, mask, scale)  # (B, H, 1, D)
         x = block.after_attention(x, attn.out_proj(out.transpose(1, 2).reshape(B, 1, H * D)))
     return model.lm_head(model.norm_f(x))[:, 0]  # (B, V)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(q kᵀ · scale over the slots ``mask`` keeps) v for one query a head: q (B, H, 1,
+    D), k and v (B, G, S, D) with G dividing H (grouped queries share their key head), mask
+    broadcasting over (B, G, H/G, S). Written as broadcast products and sums rather than
+    through SDPA or matmul, so that inductor makes loops over the cache of it, fused with the
+    mask and softmax: for one query a head, SDPA's CPU kernel and two bmm calls cost more in
+    each call's overhead than in their arithmetic."""
+    B, H, _, D = q.shape
+    G = k.shape[1]
+    q = q.reshape(B, G, H // G, 1, D)
+    scores = (q * k[:, :, None]).sum(-1) * scale  # (B, G, H/G, S)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (weights[..., None] * v[:, :, None]).sum(-2).view(B, H, 1, D)
 
 
 @functools.cache
@@ -80,11 +101,11 @@ def _compiled() -> Callable[..., Tensor]:
 
 
 class StaticStep:
-    """Decode steps of ``model`` (a Decoder) over ``cache`` (its :class:`KVCache` list, filled by
-    a prefill up to some slot): ``step(tokens, slot)`` feeds ``tokens`` (B,) at ``slot`` (the
-    next free one, or an earlier one to overwrite, as :meth:`KVCache.update` allows) and returns
-    their logits (B, V). Every row sits at the same slot and
-    position (no padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
+    """Decode steps of ``model`` (a Decoder, or a GPT) over ``cache`` (its :class:`KVCache`
+    list, filled by a prefill up to some slot): ``step(tokens, slot)`` feeds ``tokens`` (B,) at
+    ``slot`` (the next free one, or an earlier one to overwrite, as :meth:`KVCache.update`
+    allows) and returns their logits (B, V). Every row sits at the same slot and position (no
+    padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
     first step compiles, in a minute or so, then every later step reuses the graph, and
     inductor keeps its compiled code on disk for the next process).
 
@@ -96,7 +117,9 @@ class StaticStep:
     torch.Size([1, 256])
     """
 
-    def __init__(self, model: Decoder, cache: Sequence[KVCache], *, compile: bool = False) -> None:
+    def __init__(
+        self, model: Decoder | GPT, cache: Sequence[KVCache], *, compile: bool = False
+    ) -> None:
         if len(cache) != len(model.blocks) or not all(isinstance(c, KVCache) for c in cache):
             raise TypeError(f"cache must hold one KVCache per layer ({len(model.blocks)})")
         self.model, self.cache = model, list(cache)

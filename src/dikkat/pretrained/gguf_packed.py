@@ -1,8 +1,9 @@
 """A GGUF file's quantised tensors repacked, without expanding them to fp32, into the one layout
 of :class:`dikkat.layers.packed.PackedWeight`.
 
-Each GGML block format is read into unsigned integers, one fp32 scale per block of 32 (16 for
-Q6_K) and, for the formats with a minimum, one fp32 offset per block, such that
+Each GGML block format is read into unsigned integers, one scale per block of 32 (16 for Q6_K)
+and, for the formats with a minimum, one offset per block — in fp16 where fp16 holds them all
+(the formats whose blocks store them so: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), else in fp32 — such that
 ``dequantize(packed)`` equals the ``gguf`` package's own ``dequantize`` of the same bytes, bit
 for bit (tests/pretrained/test_gguf_packed.py). The block layouts are those of ggml's
 ``ggml-common.h`` (https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h):
@@ -154,10 +155,15 @@ def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
     q, scale, offset, zero = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
     q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
     values = pack_nibbles(q) if bits == 4 else q
-    scale_t = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(N, -1))
-    offset_t = (
-        None
-        if offset is None
-        else torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(N, -1))
+    kept = [a for a in (scale, offset) if a is not None]
+    dtype = np.float16 if all(_fits_f16(a) for a in kept) else np.float32
+    scale_t, offset_t = (
+        None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(N, -1))
+        for a in (scale, offset)
     )
     return PackedWeight(values, scale_t, offset_t, zero, bits, block, kind)
+
+
+def _fits_f16(a: np.ndarray) -> bool:
+    """Whether fp16 holds every value of ``a`` exactly (the file's own fp16 scales do)."""
+    return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a.astype(np.float32)))

@@ -2,7 +2,8 @@
 //
 // A weight row of K values is stored as K/B blocks (B = 32, or 16); value j of block b is
 //   scale[b] * (q[j] - zero)        (symmetric formats: no offset tensor), or
-//   scale[b] * q[j] + offset[b]     (formats with a per-block minimum).
+//   scale[b] * q[j] + offset[b]     (formats with a per-block minimum),
+// scales and offsets in fp32, or in fp16 (a file's own fp16 values, read a quarter fewer bytes).
 // 8-bit q: one byte a value. 4-bit q: 16 bytes a block of 32, byte j holding value j in its low
 // nibble and value j + 16 in its high nibble (ggml's Q4_0 order,
 // https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
@@ -35,8 +36,19 @@
 namespace {
 
 constexpr int64_t kGroup = 32;  // activation block
-constexpr int64_t kTile = 4;    // activation rows multiplied with one unpacked weight block
+constexpr int64_t kTile = 4;     // activation rows multiplied with one unpacked weight block
+constexpr int64_t kAhead = 4096;  // bytes of weight rows asked for ahead of their turn
 constexpr int32_t kLevels = 32767;  // activations: round(x / d), d = max |x| / kLevels
+
+// Scales and offsets are fp32, or fp16 where a file's fp16 values are kept as they are.
+inline float to_float(float v) { return v; }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+#if DIKKAT_VNNI
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const at::Half* p, __mmask16 k) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+#endif
 
 struct Rounded {
   std::vector<int16_t> q;    // (M, K)
@@ -53,10 +65,26 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t g = 0; g < G; ++g) {
         const float* v = x + m * K + g * kGroup;
+        int16_t* q = r.q.data() + m * K + g * kGroup;
+#if DIKKAT_VNNI
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / static_cast<float>(kLevels);
+        // x / d rounded half to even, as std::nearbyint below and torch.round do
+        const __m512 dv = _mm512_set1_ps(d > 0.f ? d : 1.f);
+        constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v0, dv), kNearest);
+        __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v1, dv), kNearest);
+        if (!(d > 0.f)) i0 = i1 = _mm512_setzero_si512();
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(i0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(i1));
+        r.d[m * G + g] = d;
+        r.sum[(m * G + g) * 2] = _mm512_reduce_add_epi32(i0);
+        r.sum[(m * G + g) * 2 + 1] = _mm512_reduce_add_epi32(i1);
+#else
         float amax = 0.f;
         for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
         const float d = amax / static_cast<float>(kLevels);
-        int16_t* q = r.q.data() + m * K + g * kGroup;
         int32_t s[2] = {0, 0};
         for (int j = 0; j < kGroup; ++j) {
           const int v8 = d > 0.f ? static_cast<int>(std::nearbyint(v[j] / d)) : 0;
@@ -66,6 +94,7 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
         r.d[m * G + g] = d;
         r.sum[(m * G + g) * 2] = s[0];
         r.sum[(m * G + g) * 2 + 1] = s[1];
+#endif
       }
     }
   });
@@ -112,33 +141,33 @@ inline __m512i load_pair(const uint8_t* row, int64_t i) {
 
 // the zero point's (or the offsets') part of a product: a dot product over the row's blocks,
 // -zero * sum_b scale_b * da_b, or sum_b offset_b * da_b
-template <bool OFFSET>
-inline float block_part(const float* s, const float* o, const float* da, int64_t per_row, int32_t zero) {
-  const float* w = OFFSET ? o : s;
+template <bool OFFSET, typename S>
+inline float block_part(const S* s, const S* o, const float* da, int64_t per_row, int32_t zero) {
+  const S* w = OFFSET ? o : s;
   float e = 0.f;
 #if DIKKAT_VNNI
   __m512 ev = _mm512_setzero_ps();
   for (int64_t b = 0; b < per_row; b += 16) {
     const __mmask16 k = per_row - b >= 16 ? 0xFFFF : (1u << (per_row - b)) - 1;
-    ev = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + b), _mm512_maskz_loadu_ps(k, da + b), ev);
+    ev = _mm512_fmadd_ps(load16(w + b, k), _mm512_maskz_loadu_ps(k, da + b), ev);
   }
   e = _mm512_reduce_add_ps(ev);
 #else
-  for (int64_t b = 0; b < per_row; ++b) e += w[b] * da[b];
+  for (int64_t b = 0; b < per_row; ++b) e += to_float(w[b]) * da[b];
 #endif
   return OFFSET ? e : -static_cast<float>(zero) * e;
 }
 
 #if DIKKAT_VNNI
 // block_part's terms, unsummed: lanes the product's accumulator starts from (one reduction a row)
-template <bool OFFSET>
-inline __m512 block_part_lanes(const float* s, const float* o, const float* da, int64_t per_row,
+template <bool OFFSET, typename S>
+inline __m512 block_part_lanes(const S* s, const S* o, const float* da, int64_t per_row,
                                int32_t zero) {
-  const float* w = OFFSET ? o : s;
+  const S* w = OFFSET ? o : s;
   __m512 ev = _mm512_setzero_ps();
   for (int64_t b = 0; b < per_row; b += 16) {
     const __mmask16 k = per_row - b >= 16 ? 0xFFFF : (1u << (per_row - b)) - 1;
-    ev = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + b), _mm512_maskz_loadu_ps(k, da + b), ev);
+    ev = _mm512_fmadd_ps(load16(w + b, k), _mm512_maskz_loadu_ps(k, da + b), ev);
   }
   return OFFSET ? ev : _mm512_mul_ps(ev, _mm512_set1_ps(-static_cast<float>(zero)));
 }
@@ -182,10 +211,23 @@ inline __m512i load_step(const uint8_t* row, int64_t i, bool half) {
 }
 #endif
 
+#if DIKKAT_VNNI
+// ask for weight row n (its values, scales and offsets) ahead of its turn: the hardware
+// prefetchers stop at page boundaries, and a layer's share of a thread is a few pages
+template <bool OFFSET, typename S>
+inline void prefetch_row(const uint8_t* values, const S* scale, const S* offset, int64_t n,
+                         int64_t row_bytes, int64_t per_row) {
+  const char* v = reinterpret_cast<const char*>(values + n * row_bytes);
+  for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scale + n * per_row), _MM_HINT_T0);
+  if constexpr (OFFSET) _mm_prefetch(reinterpret_cast<const char*>(offset + n * per_row), _MM_HINT_T0);
+}
+#endif
+
 // out[m, n] for the TILE rows m from m0 and weight rows n in [n0, n1)
-template <int BITS, int BLOCK, bool OFFSET, int TILE>
+template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
 void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const uint8_t* values,
-              const float* scale, const float* offset, int32_t zero, int64_t m0, int64_t n0,
+              const S* scale, const S* offset, int32_t zero, int64_t m0, int64_t n0,
               int64_t n1, float* out) {
   const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK, stride = per_row + 4;
   const int16_t* aq[TILE];
@@ -194,11 +236,18 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
     aq[t] = r.q.data() + (m0 + t) * K;
     ad[t] = p.d.data() + (m0 + t) * stride;
   }
+#if DIKKAT_VNNI
+  const int64_t ahead = std::max<int64_t>(1, kAhead / row_bytes);
+  for (int64_t n = n0; n < std::min(n0 + ahead, n1); ++n) {  // the first rows of the share
+    prefetch_row<OFFSET>(values, scale, offset, n, row_bytes, per_row);
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = values + n * row_bytes;
-    const float* s = scale + n * per_row;
-    const float* o = OFFSET ? offset + n * per_row : nullptr;
+    const S* s = scale + n * per_row;
+    const S* o = OFFSET ? offset + n * per_row : nullptr;
 #if DIKKAT_VNNI
+    if (n + ahead < n1) prefetch_row<OFFSET>(values, scale, offset, n + ahead, row_bytes, per_row);
     // 64 values a step: lanes 0-7 hold block 2i, 8-15 block 2i + 1 (or lanes 0-3, 4-7, … four
     // blocks of 16); the scales of 16 blocks at a time sit in one register, spread by a permute
     constexpr int64_t per_step = 64 / BLOCK, steps_per_load = 16 / per_step;
@@ -214,7 +263,7 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
       if (j == 0) {  // scale · activation scale of the next 16 blocks
         const int64_t b = i * per_step, left = per_row - b;
         const __mmask16 k = left >= 16 ? 0xFFFF : (1u << left) - 1;
-        const __m512 sv = _mm512_maskz_loadu_ps(k, s + b);
+        const __m512 sv = load16(s + b, k);
         for (int t = 0; t < TILE; ++t) sd[t] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, ad[t] + b));
       }
       const bool half = 64 * (i + 1) > K;
@@ -258,10 +307,10 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
         int32_t dot[2] = {0, 0};
         for (int j = 0; j < kGroup; ++j) dot[j / 16] += static_cast<int32_t>(w[j]) * a[j];
         if constexpr (BLOCK == 32) {
-          acc[t] += s[g] * ad[t][g] * static_cast<float>(dot[0] + dot[1]);
+          acc[t] += to_float(s[g]) * ad[t][g] * static_cast<float>(dot[0] + dot[1]);
         } else {
-          acc[t] += s[2 * g] * ad[t][2 * g] * static_cast<float>(dot[0]) +
-                    s[2 * g + 1] * ad[t][2 * g + 1] * static_cast<float>(dot[1]);
+          acc[t] += to_float(s[2 * g]) * ad[t][2 * g] * static_cast<float>(dot[0]) +
+                    to_float(s[2 * g + 1]) * ad[t][2 * g + 1] * static_cast<float>(dot[1]);
         }
       }
     }
@@ -270,10 +319,11 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
   }
 }
 
-template <int BITS, int BLOCK, bool OFFSET>
+template <int BITS, int BLOCK, bool OFFSET, typename S>
 void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* values,
-         const float* scale, const float* offset, int32_t zero, float* out) {
-  Prepared p;
+         const S* scale, const S* offset, int32_t zero, float* out) {
+  thread_local Prepared kept;  // the calling thread's, kept between calls
+  Prepared& p = kept;  // (the workers below must see this one, not their own thread_local)
   prepare<BLOCK>(r, M, K, p);
   // weight rows split among the threads; each thread runs every activation row over its rows,
   // so that a weight block is read from memory once per tile of activation rows
@@ -281,70 +331,78 @@ void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* value
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     int64_t m0 = 0;
     for (; m0 + kTile <= M; m0 += kTile) {
-      multiply<BITS, BLOCK, OFFSET, kTile>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out);
+      multiply<BITS, BLOCK, OFFSET, kTile, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out);
     }
     switch (M - m0) {
-      case 3: multiply<BITS, BLOCK, OFFSET, 3>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
-      case 2: multiply<BITS, BLOCK, OFFSET, 2>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
-      case 1: multiply<BITS, BLOCK, OFFSET, 1>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
+      case 3: multiply<BITS, BLOCK, OFFSET, 3, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
+      case 2: multiply<BITS, BLOCK, OFFSET, 2, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
+      case 1: multiply<BITS, BLOCK, OFFSET, 1, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
       default: break;
     }
   });
 }
 
-at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale,
-               const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
+// checks shared by both ops: values (N, K · bits / 8) uint8, scale (N, K / block) fp32 or fp16,
+// offset absent or shaped and typed as scale
+void check_blocks(const at::Tensor& values, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t K) {
   TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
-  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
   TORCH_CHECK(values.size(1) == K * bits / 8, "values do not hold K values a row");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.size(0) == N && scale.size(1) == K / block,
-              "scale must be (N, K / block) fp32");
-  const bool has_offset = offset.has_value() && offset->defined();
-  if (has_offset) {
-    TORCH_CHECK(offset->scalar_type() == at::kFloat && offset->sizes() == scale.sizes(),
-                "offset must be shaped as scale, fp32");
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) &&
+                  scale.dim() == 2 && scale.size(0) == values.size(0) && scale.size(1) == K / block,
+              "scale must be (N, K / block) fp32 or fp16");
+  if (offset.has_value() && offset->defined()) {
+    TORCH_CHECK(offset->scalar_type() == scale.scalar_type() && offset->sizes() == scale.sizes(),
+                "offset must be shaped and typed as scale");
   }
-  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
-  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  Rounded r;
-  round_rows(xc.data_ptr<float>(), M, K, r);
-  const uint8_t* v = vc.data_ptr<uint8_t>();
-  const float* s = sc.data_ptr<float>();
-  const float* o = has_offset ? oc.data_ptr<float>() : nullptr;
+}
+
+template <typename S>
+void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
+            const at::Tensor& offset, int64_t bits, int64_t block, int64_t zero, int64_t M,
+            int64_t K, at::Tensor& out) {
+  const int64_t N = values.size(0);
+  const uint8_t* v = values.data_ptr<uint8_t>();
+  const S* s = scale.data_ptr<S>();
+  const S* o = offset.defined() ? offset.data_ptr<S>() : nullptr;
   float* y = out.data_ptr<float>();
   const int32_t z = static_cast<int32_t>(zero);
-#define DIKKAT_RUN(B, L, O) run<B, L, O>(r, M, K, N, v, s, o, z, y)
+  const bool has_offset = o != nullptr;
+#define DIKKAT_RUN(B, L, O) run<B, L, O, S>(r, M, K, N, v, s, o, z, y)
   if (bits == 8 && block == 32) { if (has_offset) DIKKAT_RUN(8, 32, true); else DIKKAT_RUN(8, 32, false); }
   else if (bits == 8) { if (has_offset) DIKKAT_RUN(8, 16, true); else DIKKAT_RUN(8, 16, false); }
   else if (block == 32) { if (has_offset) DIKKAT_RUN(4, 32, true); else DIKKAT_RUN(4, 32, false); }
   else { if (has_offset) DIKKAT_RUN(4, 16, true); else DIKKAT_RUN(4, 16, false); }
 #undef DIKKAT_RUN
+}
+
+at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale,
+               const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
+  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+  check_blocks(values, scale, offset, bits, block, K);
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
+  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  thread_local Rounded r;  // the calling thread's, kept between calls
+  round_rows(xc.data_ptr<float>(), M, K, r);
+  if (sc.scalar_type() == at::kHalf) {
+    qmm_as<at::Half>(r, vc, sc, oc, bits, block, zero, M, K, out);
+  } else {
+    qmm_as<float>(r, vc, sc, oc, bits, block, zero, M, K, out);
+  }
   return out;
 }
 
-// the weight (N, K) that the blocks stand for, in fp32: a prefill multiplies it with oneDNN
-at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block,
-                      int64_t zero) {
-  TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t N = values.size(0), K = values.size(1) * 8 / bits, per_row = K / block;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.size(0) == N && scale.size(1) == per_row,
-              "scale must be (N, K / block) fp32");
-  const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor vc = values.contiguous(), sc = scale.contiguous();
-  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({N, K}, scale.options());
-  const uint8_t* v = vc.data_ptr<uint8_t>();
-  const float* s = sc.data_ptr<float>();
-  const float* o = has_offset ? oc.data_ptr<float>() : nullptr;
-  float* w = out.data_ptr<float>();
+template <typename S>
+void dequantize_as(const uint8_t* v, const S* s, const S* o, int64_t bits, int64_t block,
+                   int64_t zero, int64_t N, int64_t K, float* w) {
+  const int64_t per_row = K / block;
   const float z = static_cast<float>(zero);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     std::vector<float> q(K);
@@ -362,11 +420,11 @@ at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
       }
       float* out_row = w + n * K;
       for (int64_t b = 0; b < per_row; ++b) {
-        const float sb = s[n * per_row + b];
-        const float add = has_offset ? o[n * per_row + b] : 0.f;
+        const float sb = to_float(s[n * per_row + b]);
         const float* qb = q.data() + b * block;
         float* wb = out_row + b * block;
-        if (has_offset) {
+        if (o != nullptr) {
+          const float add = to_float(o[n * per_row + b]);
           for (int64_t j = 0; j < block; ++j) wb[j] = sb * qb[j] + add;
         } else {
           for (int64_t j = 0; j < block; ++j) wb[j] = sb * (qb[j] - z);
@@ -374,6 +432,28 @@ at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
       }
     }
   });
+}
+
+// the weight (N, K) that the blocks stand for, in fp32: a prefill multiplies it with oneDNN
+at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block,
+                      int64_t zero) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t N = values.size(0), K = values.size(1) * 8 / bits;
+  check_blocks(values, scale, offset, bits, block, K);
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor vc = values.contiguous(), sc = scale.contiguous();
+  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({N, K}, scale.options().dtype(at::kFloat));
+  const uint8_t* v = vc.data_ptr<uint8_t>();
+  float* w = out.data_ptr<float>();
+  if (sc.scalar_type() == at::kHalf) {
+    dequantize_as<at::Half>(v, sc.data_ptr<at::Half>(),
+                            has_offset ? oc.data_ptr<at::Half>() : nullptr, bits, block, zero, N, K, w);
+  } else {
+    dequantize_as<float>(v, sc.data_ptr<float>(), has_offset ? oc.data_ptr<float>() : nullptr, bits,
+                         block, zero, N, K, w);
+  }
   return out;
 }
 
