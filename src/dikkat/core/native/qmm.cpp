@@ -122,22 +122,6 @@ void prepare(const Rounded& r, int64_t M, int64_t K, Prepared& p) {
   }
 }
 
-#if DIKKAT_VNNI
-// the 64 unsigned values of blocks 2i, 2i + 1 of a weight row (32-value blocks)
-template <int BITS>
-inline __m512i load_pair(const uint8_t* row, int64_t i) {
-  if constexpr (BITS == 8) {
-    return _mm512_loadu_si512(row + i * 64);
-  } else {
-    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * 32));
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-    // [lo of block 2i | lo of 2i+1 | hi of 2i | hi of 2i+1] → [lo 2i | hi 2i | lo 2i+1 | hi 2i+1]
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
-  }
-}
-#endif
 
 // the zero point's (or the offsets') part of a product: a dot product over the row's blocks,
 // -zero * sum_b scale_b * da_b, or sum_b offset_b * da_b
@@ -174,39 +158,58 @@ inline __m512 block_part_lanes(const S* s, const S* o, const float* da, int64_t 
 #endif
 
 #if DIKKAT_VNNI
-// which scale of a register of 16 block scales the lanes of a step's two products take: for
-// blocks of 32, lanes of the first product all block 2j, of the second 2j + 1; for blocks of
-// 16, half the lanes each
-alignas(64) constexpr int32_t kSpread[2][8][2][16] = {
-    {{{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}},
-     {{2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3}},
-     {{4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5}},
-     {{6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}},
-     {{8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8}, {9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9}},
-     {{10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10},
-      {11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11}},
-     {{12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12},
-      {13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13}},
-     {{14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14},
-      {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15}}},
-    {{{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3}},
-     {{4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}},
-     {{8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
-      {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11}},
-     {{12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
-      {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}}}};
+// A step multiplies 64 values of a weight row (32 bytes of 4-bit, 64 of 8-bit integers) as two
+// products of 32 16-bit words (vpdpwssd), W0 · A0 and W1 · A1, whose 16 int32 lanes each sum
+// two neighbouring words. Which blocks the lanes of each product belong to, in its lanes 0-7
+// and 8-15, relative to the step's first block (64 / BLOCK blocks a step):
+//   4 bits, blocks of 32: W0 the low nibbles of the 32 bytes (values 0-15 of both blocks), W1
+//     the high ones (values 16-31): both products (0 | 1), so they are summed as integers;
+//   4 bits, blocks of 16: W0 (0 | 2), W1 (1 | 3);
+//   8 bits, blocks of 32: W0 (0 | 0), W1 (1 | 1);
+//   8 bits, blocks of 16: W0 (0 | 1), W1 (2 | 3).
+// The activations of a 4-bit weight are laid out to match (nibble_order); a lone last block
+// of 32 (K % 64 = 32) fills W0's and W1's lanes 0-7 alone, the rest being zero words.
+template <int BITS, int BLOCK>
+constexpr int kLanes[2][2] = {{0, 0}, {0, 0}};
+template <> constexpr int kLanes<4, 32>[2][2] = {{0, 1}, {0, 1}};
+template <> constexpr int kLanes<4, 16>[2][2] = {{0, 2}, {1, 3}};
+template <> constexpr int kLanes<8, 32>[2][2] = {{0, 0}, {1, 1}};
+template <> constexpr int kLanes<8, 16>[2][2] = {{0, 1}, {2, 3}};
 
-// the 64 values of step i (the last step may hold one block of 32 alone: the rest zeros)
+// the weight words W0, W1 of step i (see kLanes)
 template <int BITS>
-inline __m512i load_step(const uint8_t* row, int64_t i, bool half) {
-  if (!half) return load_pair<BITS>(row, i);
-  if constexpr (BITS == 8) {
-    return _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + i * 64);
+inline void load_step(const uint8_t* row, int64_t i, bool half, __m512i& w0, __m512i& w1) {
+  if constexpr (BITS == 4) {
+    const uint8_t* p = row + i * 32;
+    const __m512i w = half ? _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
+                           : _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    w0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
+    w1 = _mm512_srli_epi16(w, 4);
   } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * 32));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    return _mm512_zextsi256_si512(
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low)));
+    const uint8_t* p = row + i * 64;
+    w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    w1 = half ? _mm512_setzero_si512()
+              : _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  }
+}
+
+// 16 lanes holding sd[lo] in lanes 0-7 and sd[hi] in lanes 8-15
+inline __m512 spread(const float* sd, int lo, int hi) {
+  const __m512 a = _mm512_set1_ps(sd[lo]);
+  return lo == hi ? a : _mm512_mask_blend_ps(0xFF00, a, _mm512_set1_ps(sd[hi]));
+}
+
+// activations of a 4-bit weight: per 64 values [0-15, 32-47, 16-31, 48-63], so that A0 holds
+// values 0-15 of both blocks and A1 values 16-31 (a lone last block of 32 stays as it is)
+void nibble_order(int16_t* q, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k + 64 <= K; k += 64) {
+      int16_t* v = q + m * K + k;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 16), b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 32), a);
+    }
   }
 }
 #endif
@@ -248,40 +251,62 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
     const S* o = OFFSET ? offset + n * per_row : nullptr;
 #if DIKKAT_VNNI
     if (n + ahead < n1) prefetch_row<OFFSET>(values, scale, offset, n + ahead, row_bytes, per_row);
-    // 64 values a step: lanes 0-7 hold block 2i, 8-15 block 2i + 1 (or lanes 0-3, 4-7, … four
-    // blocks of 16); the scales of 16 blocks at a time sit in one register, spread by a permute
+    // sd: a block's scale times the activation's block scale, for the 16 blocks from step i's
+    // (see kLanes for which lanes take which); two accumulators a row, even and odd steps
     constexpr int64_t per_step = 64 / BLOCK, steps_per_load = 16 / per_step;
-    const auto& spread = kSpread[BLOCK == 32 ? 0 : 1];
-    __m512 acc[TILE], acc2[TILE], sd[TILE];
+    constexpr auto& lanes = kLanes<BITS, BLOCK>;
+    alignas(64) float sd[TILE][16];
+    __m512 acc[TILE], acc2[TILE];
     for (int t = 0; t < TILE; ++t) {
-      acc[t] = sd[t] = _mm512_setzero_ps();
+      acc[t] = _mm512_setzero_ps();
       acc2[t] = block_part_lanes<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
     }
     const int64_t steps = (K + 63) / 64;
-    for (int64_t i = 0; i < steps; ++i) {
-      const int64_t j = i % steps_per_load;
-      if (j == 0) {  // scale · activation scale of the next 16 blocks
+    auto step = [&](int64_t i, __m512 (&into)[TILE]) {
+      const int64_t j = (i % steps_per_load) * per_step;  // the step's first block in sd
+      if (j == 0) {
         const int64_t b = i * per_step, left = per_row - b;
         const __mmask16 k = left >= 16 ? 0xFFFF : (1u << left) - 1;
         const __m512 sv = load16(s + b, k);
-        for (int t = 0; t < TILE; ++t) sd[t] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, ad[t] + b));
-      }
-      const bool half = 64 * (i + 1) > K;
-      const __m512i w8 = load_step<BITS>(row, i, half);  // 64 values, one byte each
-      const __m512i w_lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w8));  // values 0-31
-      const __m512i w_hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w8, 1));  // 32-63
-      const __m512i idx_lo = _mm512_load_si512(spread[j][0]);
-      const __m512i idx_hi = _mm512_load_si512(spread[j][1]);
-      for (int t = 0; t < TILE; ++t) {
-        const int16_t* a = aq[t] + i * 64;
-        const __m512i dot_lo = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w_lo, _mm512_loadu_si512(a));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_lo), _mm512_permutexvar_ps(idx_lo, sd[t]), acc[t]);
-        if (!half) {
-          const __m512i dot_hi = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w_hi, _mm512_loadu_si512(a + 32));
-          acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi), _mm512_permutexvar_ps(idx_hi, sd[t]), acc2[t]);
+        for (int t = 0; t < TILE; ++t) {
+          _mm512_store_ps(sd[t], _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, ad[t] + b)));
         }
       }
+      const bool half = 64 * (i + 1) > K;
+      __m512i w0, w1;
+      load_step<BITS>(row, i, half, w0, w1);
+      for (int t = 0; t < TILE; ++t) {
+        const int16_t* a = aq[t] + i * 64;
+        // (a lone last block: its 32 words, as W0 and W1 of 4 bits want them, or all in W0)
+        const bool split = half && BITS == 4;
+        const __m512i a0 = split ? _mm512_maskz_loadu_epi16(0xFFFF, a) : _mm512_loadu_si512(a);
+        const __m512i a1 = split ? _mm512_maskz_loadu_epi16(0xFFFF, a + 16)
+                                 : half ? _mm512_setzero_si512() : _mm512_loadu_si512(a + 32);
+        const float* f = sd[t] + j;
+        if constexpr (BITS == 4 && BLOCK == 32) {  // both products over the same blocks
+          const __m512i dot = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, a0), w1, a1);
+          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), spread(f, 0, half ? 0 : 1), into[t]);
+        } else if (half) {  // the lone block: lanes 0-7 of each product (BITS == 4), or W0 alone
+          const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, a0);
+          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), spread(f, lanes[0][0], lanes[0][BITS == 8]), into[t]);
+          if constexpr (BITS == 4) {
+            const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, a1);
+            into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), spread(f, lanes[1][0], lanes[1][0]), into[t]);
+          }
+        } else {
+          const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, a0);
+          const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, a1);
+          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), spread(f, lanes[0][0], lanes[0][1]), into[t]);
+          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), spread(f, lanes[1][0], lanes[1][1]), into[t]);
+        }
+      }
+    };
+    int64_t i = 0;
+    for (; i + 1 < steps; i += 2) {  // two accumulators: even and odd steps
+      step(i, acc);
+      step(i + 1, acc2);
     }
+    if (i < steps) step(i, acc);
     for (int t = 0; t < TILE; ++t) {
       out[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
     }
@@ -391,6 +416,9 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   if (M == 0 || N == 0) return out;
   thread_local Rounded r;  // the calling thread's, kept between calls
   round_rows(xc.data_ptr<float>(), M, K, r);
+#if DIKKAT_VNNI
+  if (bits == 4) nibble_order(r.q.data(), M, K);
+#endif
   if (sc.scalar_type() == at::kHalf) {
     qmm_as<at::Half>(r, vc, sc, oc, bits, block, zero, M, K, out);
   } else {
