@@ -1,5 +1,6 @@
-"""Build llama.cpp's tools once, for benchmarks/llamacpp.py: the copy vendored by the
-llama-cpp-python sdist, fetched with ``pip download`` and built with cmake.
+"""Build llama.cpp's tools once, for benchmarks/llamacpp.py and benchmarks/serving_llamacpp.py:
+the copy vendored by the llama-cpp-python sdist, fetched with ``pip download`` and built with
+cmake.
 
     python benchmarks/llamacpp_build.py [--version 0.3.36] [--cache DIR] [--jobs 2]
 
@@ -22,14 +23,25 @@ from pathlib import Path
 from dikkat.files import atomic_write
 
 VERSION = "0.3.36"
-TARGETS = ("llama-bench", "llama-perplexity", "llama-simple", "llama-tokenize", "llama-quantize")
-# llama.cpp's own, nothing that reaches the network: no HTTPS, no web UI, no server, no tests
+TARGETS = (
+    "llama-bench",
+    "llama-perplexity",
+    "llama-simple",
+    "llama-tokenize",
+    "llama-quantize",
+    "llama-server",
+)
+# llama.cpp's own, nothing that reaches the network: no HTTPS, no tests, and the server without
+# its web UI. The UI's assets come from tools/ui/dist if present, else from npm when
+# LLAMA_BUILD_UI is on, else from a Hugging Face download when LLAMA_USE_PREBUILT_UI is on
+# (scripts/ui-assets.cmake in the vendored tree): with both off and no dist/ folder, the server
+# is built with an empty asset table and no step of the build reaches the network.
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_APP=OFF",

@@ -5,7 +5,8 @@ inter-token latency at 1, 4, 8 and 16 streams at once, and one stream against ``
                                  [--prompt 16] [--pairs 3] [--threads 2] [--quick]
 
 The server is ``python -m dikkat serve --model MODEL`` in its own process (the app that command
-builds: the pretrained decoder in fp32, its engine and its tokenizer), answering
+builds: the pretrained decoder, a GGUF file's quantised weights kept packed as the file holds
+them, its engine and its tokenizer), answering
 ``/v1/completions``; the clients are the official ``openai`` async client, streaming, in this
 process. Each stream sends a different slice of this Python's standard-library source as token
 ids (no stream reuses another's cached prefix), greedy, with ``logit_bias`` −100 on the
@@ -86,13 +87,17 @@ def serve_small(port: int, max_batch: int, threads: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
     """The server process, started on a free port; :meth:`wait` until it answers ``/health``."""
 
     def __init__(self, model: str | None, max_batch: int, threads: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(tempfile.mkdtemp()) / "server.log"
         self._process: subprocess.Popen | Any
@@ -130,12 +135,20 @@ class Server:
         raise SystemExit(f"the server did not answer /health within {timeout} s")
 
     def stop(self) -> None:
+        """Terminate the process; kill it if it has not ended 30 s later."""
         p = self._process
         p.terminate()
         if isinstance(p, subprocess.Popen):
-            p.wait(30)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(30)
         else:
             p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(30)
 
 
 class Prompts:
@@ -157,36 +170,43 @@ class Prompts:
 
 
 async def one_stream(
-    client: Any, prompt: list[int], tokens: int, bias: dict[str, float]
+    client: Any, prompt: list[int], tokens: int, bias: dict[str, float], extra: dict | None = None
 ) -> tuple[float, list[float], int]:
-    """(the request's start, its chunks' arrival times, the tokens in its usage)."""
+    """(the request's start, its chunks' arrival times, the tokens in its usage); ``extra``:
+    fields the OpenAI API does not name, sent in the request's body as they are."""
     t0 = time.perf_counter()
+    optional = {"logit_bias": bias} if bias else {}
     stream = await client.completions.create(
         model=NAME, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, logit_bias=bias or None,
+        stream_options={"include_usage": True}, extra_body=extra, **optional,
     )  # fmt: skip
     arrivals, used = [], 0
     async for chunk in stream:
-        if chunk.choices:
+        closing = all(c.finish_reason is not None and not c.text for c in chunk.choices)
+        if chunk.choices and not closing:  # (llama-server ends with a chunk holding no token)
             arrivals.append(time.perf_counter())
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens
     return t0, arrivals, used
 
 
-async def _streams(url: str, prompts: list[list[int]], tokens: int, bias: dict) -> list[tuple]:
+async def _streams(
+    url: str, prompts: list[list[int]], tokens: int, bias: dict, extra: dict | None
+) -> list[tuple]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
     try:
-        return await asyncio.gather(*(one_stream(client, p, tokens, bias) for p in prompts))
+        return await asyncio.gather(*(one_stream(client, p, tokens, bias, extra) for p in prompts))
     finally:
         await client.close()
 
 
-def streams_round(url: str, prompts: list[list[int]], tokens: int, bias: dict) -> dict:
-    """Every prompt streamed at once; the round's figures."""
-    results = asyncio.run(_streams(url, prompts, tokens, bias))
+def streams_round(
+    url: str, prompts: list[list[int]], tokens: int, bias: dict, extra: dict | None = None
+) -> dict:
+    """Every prompt streamed at once; the round's figures (``extra``: see :func:`one_stream`)."""
+    results = asyncio.run(_streams(url, prompts, tokens, bias, extra))
     total = sum(used for _, _, used in results)
     if total != len(prompts) * tokens:  # an end id got through: the figures would mislead
         raise SystemExit(f"{len(prompts)} streams got {total} tokens, not {tokens} each")
