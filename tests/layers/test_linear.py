@@ -45,7 +45,9 @@ def test_linear_rows_own_nothing_and_track_their_source():
 
 
 def test_linear_rows_refuse_what_does_not_fit():
-    with pytest.raises(TypeError, match="source must be a dikkat Linear, got Linear"):
+    with pytest.raises(
+        TypeError, match="source must be a dikkat Linear or an inference layer, got Linear"
+    ):
         LinearRows(torch.nn.Linear(4, 4), 0, 2)
     with pytest.raises(ValueError, match=r"rows \[2, 6\) do not fit the 4 output features"):
         LinearRows(Linear(4, 4), 2, 6)

@@ -122,6 +122,9 @@ def test_bad_shapes_are_refused():
         PackedWeight(p.values, p.scale[:, :1], None, 128, 8, 32, "x")
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         PackedWeight(p.values, p.scale, None, 128, 6, 32, "x")
+    for x in (torch.randn(2, 40), torch.randn(64), torch.ones(1, 32, dtype=torch.long)):
+        with pytest.raises(ValueError, match="x must be floating-point rows"):
+            round_activations(x)
     with pytest.raises(ValueError, match="fp32 or fp16"):
         PackedWeight(p.values, p.scale.double(), None, 128, 8, 32, "x")
     with pytest.raises(ValueError, match="shaped and typed as scale"):

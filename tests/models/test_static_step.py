@@ -3,6 +3,8 @@ sliding windows, query/key norms and grouped heads; compiled once for every late
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,6 +53,24 @@ def test_a_compiled_step_gives_the_eager_tokens(family):
     model = build(family)
     prompt = [[3, 1, 4, 1, 5]]
     assert generate(model, prompt, 10, compile=True) == generate(model, prompt, 10)
+
+
+def test_each_model_runs_its_own_compiled_graph():
+    """The compiled step skips the guards on the model's attributes: a model of the same class
+    and shapes but other settings, alive beside the first, must not be served its graph."""
+    llama = CONFIGS["llama"]
+    other = dataclasses.replace(llama, activation="gelu_tanh", rope_base=10.0, qk_norm=True)
+    models = []
+    for config in (llama, other):
+        torch.manual_seed(0)
+        models.append(Decoder(config).eval())
+    for model in models:
+        eager, static = model.new_cache(1, 16), model.new_cache(1, 16)
+        tokens = prefill(model, torch.tensor([[3, 1, 4]]), eager).argmax(-1)
+        prefill(model, torch.tensor([[3, 1, 4]]), static)
+        want = decode_step(model, tokens, eager, 3)
+        got = StaticStep(model, static, compile=True)(tokens, 3)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_bad_steps_are_refused():

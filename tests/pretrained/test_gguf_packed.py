@@ -64,15 +64,19 @@ def real(request):
 
 
 def test_a_real_file_loads_its_quantised_matrices_packed(real):
-    """Every linear layer packed, the token embedding packed and shared with a tied output;
-    what the weights hold is at most 1.25 times the file."""
+    """Every linear layer packed (q/k/v in one layer, gate and up in another), the token
+    embedding packed and shared with a tied output; what the weights hold is at most 1.25 times
+    the file."""
     path, lm = real
     model = lm.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert isinstance(model.tok_emb, PackedEmbedding)
     assert model.lm_head.parts[0] is model.tok_emb.packed  # tied: one table
     c = model.config
-    assert len(linears) == 5 * c.n_layers + 1  # q/k/v fused, out, gate, up, down; the head
+    assert len(linears) == 4 * c.n_layers + 1  # q/k/v, out, gate/up, down; the head
+    for block in model.blocks:
+        mlp = block.mlp
+        assert mlp.gate.source is mlp.gate_up and mlp.up.source is mlp.gate_up
     held = (
         model.tok_emb.packed.nbytes
         + sum(m.nbytes for m in linears if m is not model.lm_head)

@@ -68,8 +68,11 @@ class LinearRows(nn.Module):
 
     def __init__(self, source: Linear, start: int, stop: int) -> None:
         super().__init__()
-        if not isinstance(source, Linear):
-            raise TypeError(f"source must be a dikkat Linear, got {type(source).__name__}")
+        # a dikkat Linear, or an inference copy's layer (which multiplies its rows alike)
+        if not isinstance(source, nn.Module) or not hasattr(source, "forward_rows"):
+            raise TypeError(
+                f"source must be a dikkat Linear or an inference layer, got {type(source).__name__}"
+            )
         check_int("start", start, at_least=0)
         check_int("stop", stop, at_least=start)
         if stop > source.out_features:

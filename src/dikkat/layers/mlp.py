@@ -62,6 +62,10 @@ class GatedMLP(nn.Module):
     "GLU Variants Improve Transformer", arXiv:2002.05202) — SwiGLU with ``silu``, GeGLU with
     ``gelu_tanh``. No biases, as in every family that uses it.
 
+    ``gate_up``: None, or a layer holding gate's and up's weights stacked by rows (gate, then
+    up), which then multiplies x once for both; a loader that keeps a file's weights packed sets
+    it, with ``gate`` and ``up`` views of its rows (:class:`~dikkat.layers.linear.LinearRows`).
+
     >>> import torch
     >>> GatedMLP(16, 40)(torch.randn(2, 3, 16)).shape
     torch.Size([2, 3, 16])
@@ -76,7 +80,11 @@ class GatedMLP(nn.Module):
         self.up = Linear(d_model, hidden, bias=False)
         self.act = _GATE_ACTIVATIONS[activation]()
         self.down = Linear(hidden, d_model, bias=False)
+        self.gate_up: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         check_meets("x", x, self.up.weight, "GatedMLP")
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(self.act(gate) * up)
         return self.down(self.act(self.gate(x)) * self.up(x))

@@ -188,8 +188,13 @@ def _dequantize(p: PackedWeight) -> Tensor:
 def round_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """Rows x (M, K) rounded to int16 per block of 32: integers a (M, K) (as fp32) and scales d
     (M, K / 32), a = round(x / d), d = max |x| / 32767 (0 for a block of zeros)."""
+    if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point() or x.shape[1] % GROUP:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(
+            f"x must be floating-point rows (M, K) with K a multiple of {GROUP}, got {shape}"
+        )
     M, K = x.shape
-    blocks = x.float().view(M, K // GROUP, GROUP)
+    blocks = x.float().reshape(M, K // GROUP, GROUP)
     d = blocks.abs().amax(dim=-1) / _LEVELS  # (M, K/32)
     a = torch.where(d[..., None] > 0, torch.round(blocks / d[..., None]), 0.0)
     return a.view(M, K), d

@@ -19,13 +19,14 @@ checks, which :class:`StaticStep` does once, outside the compiled region.
 
 from __future__ import annotations
 
-import functools
 import math
+import types
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.positional import rotate_half
@@ -93,11 +94,30 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
     return (weights[..., None] * v[:, :, None]).sum(-2).view(B, H, 1, D)
 
 
-@functools.cache
-def _compiled() -> Callable[..., Tensor]:
-    """:func:`_step` through ``torch.compile``, one wrapper for every model and cache (dynamo
-    keeps a graph per model and, after a second cache length, one for any length)."""
-    return torch.compile(_step)
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, Callable[..., Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _compiled(model: nn.Module) -> Callable[..., Tensor]:
+    """:func:`_step` through ``torch.compile`` for ``model`` alone. TorchDynamo checks its
+    guards before every call: on a model of 30 layers, thousands of them on the modules'
+    attributes, types and tensors, which cost more than some of its kernels. This one keeps
+    those on its inputs and drops the ones on the model (``guard_filter_fn``, as PyTorch's
+    ``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` does, in torch/compiler/__init__.py),
+    which is sound only while the graph serves the model it was traced from, unchanged: so
+    every model gets its own copy of the step's code, since dynamo keeps its graphs per code
+    object."""
+    fn = _COMPILED.get(model)
+    if fn is None:
+        code = _step.__code__.replace()  # a new code object: a cache of graphs of its own
+        step = types.FunctionType(code, _step.__globals__, _step.__name__)
+        fn = torch.compile(step, options={"guard_filter_fn": _outside_the_model})
+        _COMPILED[model] = fn
+    return fn
+
+
+def _outside_the_model(guards: Sequence[Any]) -> list[bool]:
+    """Keep the guards on anything but the model's attributes."""
+    return [not g.name.startswith("model.") for g in guards]
 
 
 class StaticStep:
@@ -107,7 +127,10 @@ class StaticStep:
     allows) and returns their logits (B, V). Every row sits at the same slot and position (no
     padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
     first step compiles, in a minute or so, then every later step reuses the graph, and
-    inductor keeps its compiled code on disk for the next process).
+    inductor keeps its compiled code on disk for the next process). The compiled graph is the
+    model's own, and assumes its layers and settings stay as they were (the weights' values
+    may change): a model changed after its first compiled step gets wrong results, not a new
+    graph.
 
     >>> from dikkat.models import Decoder, DecoderConfig
     >>> model = Decoder(DecoderConfig()).eval()
@@ -125,7 +148,7 @@ class StaticStep:
         self.model, self.cache = model, list(cache)
         self._keys = [c.k for c in self.cache]
         self._values = [c.v for c in self.cache]
-        self._fn: Callable[..., Tensor] = _compiled() if compile else _step
+        self._fn: Callable[..., Tensor] = _compiled(model) if compile else _step
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, slot: int) -> Tensor:

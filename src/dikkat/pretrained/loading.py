@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 
 from dikkat.layers.inference import inference_model
+from dikkat.layers.linear import LinearRows
+from dikkat.layers.mlp import GatedMLP
 from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.models.decoder import Decoder, DecoderConfig
@@ -202,6 +204,15 @@ def _assemble(
             done |= {*parts, *(biases if bias is not None else ())}
         else:
             held = {k: v for k, v in held.items() if k not in parts}  # all three or none
+        pair = [f"blocks.{i}.mlp.{n}.weight" for n in ("gate", "up")]
+        if isinstance(block.mlp, GatedMLP) and all(n in held for n in pair):
+            # one product for both (gate's rows, then up's); gate and up become its views
+            layer = PackedLinear([held.pop(n) for n in pair], None, False)
+            hidden = layer.out_features // 2
+            block.mlp.gate_up = layer
+            block.mlp.gate = LinearRows(layer, 0, hidden)  # type: ignore[arg-type]
+            block.mlp.up = LinearRows(layer, hidden, 2 * hidden)  # type: ignore[arg-type]
+            done |= set(pair)
     for name, p in held.items():
         _hold(model, name.removesuffix(".weight"), p)
         done.add(name)
