@@ -17,11 +17,10 @@ from dikkat.layers.packed import (
     dequantize,
     pack_nibbles,
     packed_linear,
-    quantize_q4,
-    quantize_q8,
     round_activations,
     unpack,
 )
+from dikkat.layers.packed_quantize import quantize_q4, quantize_q8
 
 F32 = torch.float32
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from dikkat.core.tuning import for_device
 from dikkat.layers.held import HeldWeight, InferenceLinear
 from dikkat.layers.linear import Linear, LinearRows
-from dikkat.layers.packed import Q4Linear, Q8Linear
+from dikkat.layers.packed_quantize import Q4Linear, Q8Linear
 from dikkat.layers.quantized import (
     Int8Weight,
     W8A8Weight,

@@ -16,8 +16,8 @@ one). Scales and offsets are fp16 where the file holds them so (Q8_0, Q4_0, Q4_1
 kept as they are, a sixth fewer bytes to read than fp32 would take) and fp32 otherwise, so that
 every GGUF format repacks exactly (a K-quant's scale is its super-block's fp16 scale times a
 6-bit sub-scale, which fp16 cannot always hold).
-:mod:`dikkat.pretrained.gguf_packed` repacks the file's blocks; :func:`quantize_q8` and
-:func:`quantize_q4` pack any weight as Q8_0 and Q4_0 do.
+:mod:`dikkat.pretrained.gguf_packed` repacks the file's blocks;
+:mod:`dikkat.layers.packed_quantize` packs any weight as Q8_0 and Q4_0 do.
 
 The product ``x @ Wᵀ`` rounds each row of x to int16 per block of 32 (a = round(x / d),
 d = max |x| / 32767), sums qⱼ · aⱼ in integers, and scales:
@@ -52,12 +52,8 @@ __all__ = [
     "PackedEmbedding",
     "PackedLinear",
     "PackedWeight",
-    "Q4Linear",
-    "Q8Linear",
     "dequantize",
     "packed_linear",
-    "quantize_q4",
-    "quantize_q8",
     "round_activations",
 ]
 
@@ -77,8 +73,7 @@ class PackedWeight:
 
     ``values``: (N, K) uint8 for 8 bits, (N, K / 2) for 4 bits; ``scale`` (N, K / block) fp32
     or fp16; ``offset`` the same shape and dtype, or None for symmetric formats, whose integers
-    are centred on
-    ``zero``. ``kind`` names where it came from ("Q4_1", "Q6_K", "q8", …).
+    are centred on ``zero``. ``kind`` names where it came from ("Q4_1", "Q6_K", "q8", …).
     """
 
     values: Tensor
@@ -252,49 +247,13 @@ def _product(rows: Tensor, p: PackedWeight) -> Tensor:
     return torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]
 
 
-def _check_weight(weight: Tensor) -> Tensor:
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
-        raise ValueError(f"weight must be a 2-D floating-point tensor (N, K), got {shape}")
-    if weight.shape[1] % GROUP:
-        raise ValueError(
-            f"a packed weight's rows must be whole blocks of {GROUP} values, got "
-            f"{weight.shape[1]} input features"
-        )
-    return weight.detach().float()
-
-
-def quantize_q8(weight: Tensor) -> PackedWeight:
-    """``weight`` (N, K) as Q8_0: per block of 32, d = max |w| / 127, q = round(w / d) + 128
-    (|w − dequantised| ≤ d / 2)."""
-    w = _check_weight(weight)
-    N, K = w.shape
-    blocks = w.view(N, K // GROUP, GROUP)
-    d = blocks.abs().amax(dim=-1) / 127
-    q = torch.where(d[..., None] > 0, torch.round(blocks / d[..., None]), 0.0) + 128
-    return PackedWeight(q.to(torch.uint8).view(N, K), d, None, 128, 8, GROUP, "q8")
-
-
-def quantize_q4(weight: Tensor) -> PackedWeight:
-    """``weight`` (N, K) as Q4_0: per block of 32, the value of largest magnitude m maps to −8,
-    d = m / −8, q = clamp(round(w / d) + 8, 0, 15) (|w − dequantised| ≤ |d| / 2 but at the
-    block's far end, where the one-sided range clips it)."""
-    w = _check_weight(weight)
-    N, K = w.shape
-    blocks = w.view(N, K // GROUP, GROUP)
-    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # (N, K/32, 1)
-    d = largest / -8
-    q = torch.where(d != 0, torch.round(blocks / d), 0.0).add_(8).clamp_(0, 15)
-    return PackedWeight(pack_nibbles(q.view(N, K)), d[..., 0], None, 8, 4, GROUP, "q4")
-
-
 class PackedLinear(InferenceLinear):
     """A linear layer holding its weight as :class:`PackedWeight` row blocks: the product of
     :func:`packed_linear`, plus the bias. ``packed`` may be several weights stacked by rows (a
     fused q/k/v projection whose parts a GGUF file quantised differently); consecutive parts
     of one layout are joined into one at construction, so a product calls the kernel once per
     layout. Its ``weights_format`` is "q8" or "q4" (dikkat's own quantisation,
-    :class:`Q8Linear`, :class:`Q4Linear`) or "gguf" (as a GGUF file held it)."""
+    :mod:`dikkat.layers.packed_quantize`) or "gguf" (as a GGUF file held it)."""
 
     weights_format = "gguf"
 
@@ -366,24 +325,6 @@ def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
             q.bits, q.block, kind,
         )  # fmt: skip
     return out
-
-
-class Q8Linear(PackedLinear):
-    """A weight quantised as Q8_0 (:func:`quantize_q8`): ``inference_model(model, "q8")``."""
-
-    weights_format = "q8"
-
-    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
-        super().__init__(quantize_q8(weight), bias, batched)
-
-
-class Q4Linear(PackedLinear):
-    """A weight quantised as Q4_0 (:func:`quantize_q4`): ``inference_model(model, "q4")``."""
-
-    weights_format = "q4"
-
-    def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
-        super().__init__(quantize_q4(weight), bias, batched)
 
 
 class PackedEmbedding(nn.Module):

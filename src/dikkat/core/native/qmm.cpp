@@ -181,8 +181,10 @@ template <int BITS>
 inline void load_step(const uint8_t* row, int64_t i, bool half, __m512i& w0, __m512i& w1) {
   if constexpr (BITS == 4) {
     const uint8_t* p = row + i * 32;
-    const __m512i w = half ? _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))
-                           : _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m256i bytes =  // 32 bytes, or a lone block's 16 and zeros
+        half ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i w = _mm512_cvtepu8_epi16(bytes);
     w0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
     w1 = _mm512_srli_epi16(w, 4);
   } else {
