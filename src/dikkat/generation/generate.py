@@ -199,7 +199,9 @@ def iter_generate(
     copy given is used as it is): the model's own parameters are never changed, and changes to
     them after this call do not reach its tokens. ``compile=True`` decodes with the model's
     static, ``torch.compile``'d step (``model.static_step``: a :class:`~dikkat.models.Decoder`
-    or GPT, prompts of one length): the first step compiles, the later ones cost what they read. The
+    or GPT, prompts of one length): the first step compiles, the later ones cost what they read.
+    The compiled step belongs to the model object it decodes, so a plain model (copied here at
+    each call) compiles at each call; pass ``inference_model(model)`` to compile once. The
     arguments are checked here, when it is called, not at the first ``next``.
     """
     params = as_params(params, sampling)
