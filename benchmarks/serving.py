@@ -96,7 +96,9 @@ def free_port() -> int:
 class Server:
     """The server process, started on a free port; :meth:`wait` until it answers ``/health``."""
 
-    def __init__(self, model: str | None, max_batch: int, threads: int) -> None:
+    def __init__(
+        self, model: str | None, max_batch: int, threads: int, extra: tuple[str, ...] = ()
+    ) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(tempfile.mkdtemp()) / "server.log"
@@ -110,7 +112,7 @@ class Server:
         else:  # what `dikkat serve --model MODEL` runs; OMP_NUM_THREADS sets torch's threads
             command = [sys.executable, "-m", "dikkat", "serve", "--model", model, "--name", NAME,
                        "--port", str(port), "--max-batch", str(max_batch),
-                       "--max-model-len", "1024", "--log-level", "warning"]  # fmt: skip
+                       "--max-model-len", "1024", "--log-level", "warning", *extra]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
             with open(self.log, "w") as out:
                 self._process = subprocess.Popen(

@@ -3,13 +3,14 @@ tokens/s with 1, 4 and 8 streams at once.
 
     python benchmarks/serving_llamacpp.py [--models smollm2,gemma3-270m] [--streams 1,4,8]
                                           [--tokens 128] [--prompt 16] [--rounds 2]
-                                          [--parallel 8] [--threads 2]
+                                          [--parallel 8] [--threads 2] [--eager]
 
 For each model, both servers run at once, each in its own process on a free 127.0.0.1 port,
 started and stopped here, on the same file:
 
-- dikkat: ``python -m dikkat serve --model FILE --max-batch PARALLEL`` (a GGUF file's quantised
-  weights kept packed as the file holds them; torch threads from ``OMP_NUM_THREADS``);
+- dikkat: ``python -m dikkat serve --model FILE --max-batch PARALLEL --compile`` (a GGUF file's
+  quantised weights kept packed as the file holds them; the decode step compiled before the
+  server answers; torch threads from ``OMP_NUM_THREADS``; ``--eager``: without ``--compile``);
 - llama.cpp: ``llama-server -m FILE -np PARALLEL -cb -t THREADS -tb THREADS -c CTX``, built once
   by benchmarks/llamacpp_build.py; ``CTX`` gives each of the ``PARALLEL`` slots room for a
   prompt and its tokens (``-c`` is shared among the slots).
@@ -103,7 +104,8 @@ def one_model(name: str, bins: Path, args: argparse.Namespace, counts: list[int]
     llama = LlamaServer(bins, path, args.parallel, ctx, args.threads)
     servers: dict[str, Server] = {"llama-server": llama}
     try:  # both load at once; each waits its turn while the other is measured
-        servers["dikkat"] = Server(str(path), args.parallel, args.threads)
+        extra_args = () if args.eager else ("--compile",)
+        servers["dikkat"] = Server(str(path), args.parallel, args.threads, extra_args)
         for server in servers.values():
             server.wait()
         started = startup_line(servers["dikkat"])
@@ -169,6 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--rounds", type=int, default=2, help="interleaved rounds; the medians are reported")
     add("--parallel", type=int, default=8, help="llama-server -np, dikkat serve --max-batch")
     add("--threads", type=int, default=2, help="both servers' threads")
+    add("--eager", action="store_true", help="dikkat serve without --compile")
     add("--llamacpp-version", default=VERSION, help="the llama-cpp-python sdist's version")
     add("--cache", type=Path, default=cache_dir(), help="where llama.cpp is built")
     args = parser.parse_args(argv)
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = (
         f"Aggregate tokens/s, median of {args.rounds} rounds: {args.prompt}-token prompts, "
         f"{args.tokens} greedy tokens a stream, {args.threads} threads each, "
-        f"llama-server -np {args.parallel} -cb, dikkat serve --max-batch {args.parallel}:\n\n"
+        f"llama-server -np {args.parallel} -cb, dikkat serve --max-batch {args.parallel}"
+        f"{'' if args.eager else ' --compile'}:\n\n"
         f"{table(models, args.counts)}\n"
     )
     print("\n" + report)

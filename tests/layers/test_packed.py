@@ -72,6 +72,23 @@ def test_the_native_kernel_is_built_here():
     assert qmm_op() is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_products_and_lookups_are_the_eager_ones(dtype):
+    """torch.compile plans its buffers from the ops' fake implementations: the dequantised
+    weight is fp32 whatever its scales are (an fp16 output there reads fp32 bytes as fp16)."""
+    p = random_packed(40, 64, 8, 32, False, seed=5, dtype=dtype)
+    ids, x = torch.tensor([[3, 17], [0, 39]]), torch.randn(2, 64)
+
+    def step(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(p.take(ids.reshape(-1))).view(*ids.shape, 64)  # an embedding lookup
+        return packed_linear(rows + x[:, None], p)
+
+    want = step(ids, x)
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(ids, x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_rows_are_independent_and_leading_dims_kept():
     p = quantize_q8(torch.randn(24, 64))
     x = torch.randn(2, 5, 64)

@@ -80,6 +80,25 @@ def test_every_decoder_family_is_served_as_generate_decodes_it_alone(kind):
 
 
 @pytest.mark.parametrize("kind", ["gpt", "gemma"])
+def test_a_compiled_engine_decodes_as_the_eager_one(kind):
+    """compile=True: the model's compiled pool step, one graph for batches that change as
+    requests join and leave (learned positions; sliding windows, grouped heads)."""
+    model = make(kind)
+    requests = [(prompt(3 + 5 * i, i), SamplingParams(max_new_tokens=4 + 3 * i)) for i in range(4)]
+    requests.append((requests[0][0] + [1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=5)))
+    compiled = Engine(model, block_size=4, max_batch=3, compile=True)
+    compiled.warm_up()
+    assert compiled.stats().generated_tokens == 0  # the warm-up's requests are forgotten
+    eager = Engine(model, block_size=4, max_batch=3)
+    for want, got in zip(run(eager, requests), run(compiled, requests), strict=True):
+        assert [e.token for e in got] == [e.token for e in want]
+    assert compiled.stats().free_blocks == compiled.num_blocks
+    compiled.submit([1], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        compiled.warm_up()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "gemma"])
 def test_logprobs_are_the_models_own_against_an_fp64_forward(kind):
     model = make(kind)
     p = prompt(9, 1)

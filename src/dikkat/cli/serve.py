@@ -68,7 +68,11 @@ def build_app(args: argparse.Namespace) -> Any:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         weights=args.weights,
+        compile=args.compile,
     )
+    if args.compile:
+        print("dikkat: compiling the decode step (a minute or two the first time)…", flush=True)
+        engine.warm_up()
     from dikkat.serving.server import create_app  # needs fastapi (checked above)
 
     stats = engine.stats()
@@ -155,6 +159,13 @@ def add_commands(sub: Any) -> None:
         "(per-channel, weight-only), w8a8 (int8 weights, 8-bit inputs, x86 CPUs), q8 or q4 "
         "(blocks of 32); default: a GGUF file's own quantisation with --model, else fp32; the "
         "saved weights are not changed",
+    )
+    engine.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through the model's torch.compile'd step (a Decoder or GPT; compiled "
+        "before serving starts, in a minute or two), without the eager forward's per-layer "
+        "Python",
     )
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

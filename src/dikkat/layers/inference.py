@@ -79,7 +79,8 @@ class Fp32Linear(InferenceLinear):
     On the CPU, where oneDNN serves the dtype, a product of more rows than
     ``plain_gemv_max_rows`` (:mod:`dikkat.core.tuning`) multiplies a packed copy; fewer rows
     (decoding one or two sequences), another dtype, or another device multiply the weight
-    itself with ``F.linear``, which is faster there.
+    itself with ``F.linear``, which is faster there. So does a product ``torch.compile``
+    traces: a choice by row count would tie its graph to one batch size.
     """
 
     weights_format = "fp32"
@@ -97,7 +98,8 @@ class Fp32Linear(InferenceLinear):
         whole = (start, stop) == (0, self.out_features)
         bias = self._bias(start, stop)
         if (
-            x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
+            torch.compiler.is_compiling()  # first: the row count below would be a guard
+            or x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
             or x.dtype != self._dtype
             or not self._packs
             or (x.requires_grad and torch.is_grad_enabled())  # oneDNN's op has no backward
@@ -110,7 +112,8 @@ class Fp32Linear(InferenceLinear):
 
 class Bf16Linear(InferenceLinear):
     """The weight and bias rounded to bf16 (packed for oneDNN where it has bf16 kernels); the
-    input is rounded to bf16 for the product, the output comes back in the input's dtype."""
+    input is rounded to bf16 for the product, the output comes back in the input's dtype
+    (with ``F.linear`` where ``torch.compile`` traces it, as :class:`Fp32Linear` does)."""
 
     weights_format = "bf16"
 
@@ -132,7 +135,7 @@ class Bf16Linear(InferenceLinear):
         h = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         b = None if self._b16 is None else self._b16[start:stop]
         w = self._w16[start:stop]
-        if self._packs:
+        if self._packs and not torch.compiler.is_compiling():
             rows = self._rows(x)
             packed = self._copy(start, stop, rows, lambda: _reorder(w, rows))
             y = torch.ops.mkldnn._linear_pointwise(h, packed, b, "none", [], "")

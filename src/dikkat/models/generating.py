@@ -21,7 +21,7 @@ from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import valid_positions
 from dikkat.layers.quantized import WeightFormat
-from dikkat.models.static_step import StaticStep
+from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
 
 
@@ -44,6 +44,13 @@ class Generates:
         """Decode steps over ``cache`` with static shapes, compiled or not
         (:class:`~dikkat.models.static_step.StaticStep`)."""
         return StaticStep(self, cache, compile=compile)  # type: ignore[arg-type]
+
+    def pool_step(
+        self, keys: Sequence[Tensor], values: Sequence[Tensor], *, compile: bool = False
+    ) -> PoolStep:
+        """Decode steps of rows at positions of their own, their keys and values in per-layer
+        pools of slots (a paged cache; :class:`~dikkat.models.static_step.PoolStep`)."""
+        return PoolStep(self, keys, values, compile=compile)  # type: ignore[arg-type]
 
     @property
     def n_params(self) -> int:

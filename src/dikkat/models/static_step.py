@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 
+from dikkat.core.native import paged_attention_op
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.positional import rotate_half
 
@@ -35,26 +37,87 @@ if TYPE_CHECKING:
     from dikkat.models.decoder import Decoder
     from dikkat.models.gpt import GPT
 
-__all__ = ["StaticStep"]
+__all__ = ["PoolStep", "StaticStep"]
 
 
 def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
           pos: Tensor) -> Tensor:  # fmt: skip
     """Logits (B, V) of ``tokens`` (B,) at slot and position ``pos`` (a 0-d long tensor); the
     caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
+    where = pos.view(1)
+    slots = torch.arange(keys[0].shape[2], device=tokens.device)
+    masks: dict[int | None, Tensor] = {}
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
+        keys[i].index_copy_(2, where, k)
+        values[i].index_copy_(2, where, v)
+        if window not in masks:  # (1, 1, 1, S): over (B, H, 1, S) scores
+            kept = slots <= pos
+            kept = kept if window is None else kept & (slots > pos - window)
+            masks[window] = kept.view(1, 1, 1, -1)
+        return _attend(q, keys[i], values[i], masks[window], scale)
+
+    return _layers(model, tokens, where, attend)
+
+
+def _pool_step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
+               positions: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+    """Logits (B, V) of ``tokens`` (B,), row b at its own position ``positions[b]``; the pools
+    ``keys``/``values`` (N, G, D) hold row b's token j at slot ``slots[b, j]`` (B, S), and get
+    the new keys and values at ``slots[b, positions[b]]``."""
+    B, S = slots.shape
+    where = positions.view(B, 1)
+    write = slots.gather(1, where).view(B)
+    native = _paged_attention() if keys[0].dtype == torch.float32 and keys[0].is_cpu else None
+    masks: dict[int | None, Tensor] = {}
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
+        keys[i].index_copy_(0, write, k[:, :, 0])  # k, v (B, G, 1, D)
+        values[i].index_copy_(0, write, v[:, :, 0])
+        if native is not None:
+            out = native(q[:, :, 0], keys[i], values[i], slots, positions, window or 0, scale)
+            return out[:, :, None]
+        if window not in masks:  # (B, 1, 1, S)
+            columns = torch.arange(S, device=tokens.device)
+            kept = columns <= where
+            kept = kept if window is None else kept & (columns > where - window)
+            masks[window] = kept.view(B, 1, 1, S)
+        k_all, v_all = keys[i][slots].transpose(1, 2), values[i][slots].transpose(1, 2)
+        return _attend(q, k_all, v_all, masks[window], scale)  # (B, G, S, D) gathered
+
+    return _layers(model, tokens, where, attend)
+
+
+_NATIVE_ATTENTION: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up
+
+
+def _paged_attention() -> Callable[..., Tensor] | None:
+    """:func:`dikkat.core.native.paged_attention_op` (None without native kernels: then the
+    pool step gathers each row's slots and attends with PyTorch operations), kept in a list
+    that torch.compile reads as a constant."""
+    if not _NATIVE_ATTENTION:
+        _NATIVE_ATTENTION.append(paged_attention_op())
+    return _NATIVE_ATTENTION[0]
+
+
+Attend = Callable[[int, Tensor, Tensor, Tensor, int | None, float], Tensor]
+
+
+def _layers(model: Decoder | GPT, tokens: Tensor, where: Tensor, attend: Attend) -> Tensor:
+    """The decode step's forward: ``tokens`` (B,) at positions ``where`` ((1,) for every row,
+    or (B, 1)); ``attend(i, q, k, v, window, scale)`` stores layer i's new keys and values
+    (B, G, 1, D) and attends with the queries (B, H, 1, D), giving (B, H, 1, D). Returns the
+    logits (B, V)."""
     c = model.config
     B = tokens.shape[0]
     x = model.tok_emb(tokens[:, None])  # (B, 1, C)
     if getattr(c, "embed_scale", False):
         x = x * torch.tensor(math.sqrt(c.d_model), dtype=x.dtype)
-    where = pos.view(1)
     learned = getattr(model, "pos_emb", None)
     if learned is not None:
-        x = x + learned.weight[where].to(x.dtype)
-    slots = torch.arange(keys[0].shape[2], device=x.device)
-    filled = (slots <= pos).view(1, 1, 1, -1)  # (1, 1, 1, S): over (B, H, 1, S) scores
+        x = x + learned.weight[where].to(x.dtype).view(-1, 1, x.shape[-1])
     tables: dict[int, tuple[Tensor, Tensor]] = {}
-    for block, kc, vc in zip(model.blocks, keys, values, strict=True):
+    for i, block in enumerate(model.blocks):
         attn = block.attn
         H, G, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         q, k, v = attn.qkv_proj(block.attention_input(x)).split(attn.qkv_sizes, dim=-1)
@@ -65,16 +128,12 @@ def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens
             q, k = attn.q_norm(q), attn.k_norm(k)
         rope = attn.rope
         if rope is not None:
-            if id(rope) not in tables:
-                tables[id(rope)] = rope.cos_sin(where, x.dtype)  # (1, D/2)
+            if id(rope) not in tables:  # (1, D/2), or (B, 1, 1, D/2) for positions (B, 1)
+                tables[id(rope)] = rope.cos_sin(where, x.dtype)
             cos, sin = tables[id(rope)]
             q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        kc.index_copy_(2, where, k)
-        vc.index_copy_(2, where, v)
-        window = getattr(block, "window", None)
-        mask = filled if window is None else filled & (slots > pos - window)
         scale = attn.scale if attn.scale is not None else D**-0.5
-        out = _attend(q, kc, vc, mask, scale)  # (B, H, 1, D)
+        out = attend(i, q, k, v, getattr(block, "window", None), scale)  # (B, H, 1, D)
         x = block.after_attention(x, attn.out_proj(out.transpose(1, 2).reshape(B, 1, H * D)))
     return model.lm_head(model.norm_f(x))[:, 0]  # (B, V)
 
@@ -94,11 +153,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
     return (weights[..., None] * v[:, :, None]).sum(-2).view(B, H, 1, D)
 
 
-_COMPILED: weakref.WeakKeyDictionary[nn.Module, Callable[..., Tensor]] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[..., Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _compiled(model: nn.Module) -> Callable[..., Tensor]:
-    """:func:`_step` through ``torch.compile`` for ``model`` alone. TorchDynamo checks its
+def _compiled(model: nn.Module, step: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``step`` through ``torch.compile`` for ``model`` alone. TorchDynamo checks its
     guards before every call: on a model of 30 layers, thousands of them on the modules'
     attributes, types and tensors, which cost more than some of its kernels. This one keeps
     those on its inputs and drops the ones on the model (``guard_filter_fn``, as PyTorch's
@@ -106,12 +167,13 @@ def _compiled(model: nn.Module) -> Callable[..., Tensor]:
     which is sound only while the graph serves the model it was traced from, unchanged: so
     every model gets its own copy of the step's code, since dynamo keeps its graphs per code
     object."""
-    fn = _COMPILED.get(model)
+    steps = _COMPILED.setdefault(model, {})
+    fn = steps.get(step.__name__)
     if fn is None:
-        code = _step.__code__.replace()  # a new code object: a cache of graphs of its own
-        step = types.FunctionType(code, _step.__globals__, _step.__name__)
-        fn = torch.compile(step, options={"guard_filter_fn": _outside_the_model})
-        _COMPILED[model] = fn
+        code = step.__code__.replace()  # a new code object: a cache of graphs of its own
+        copy = types.FunctionType(code, step.__globals__, step.__name__)
+        fn = torch.compile(copy, options={"guard_filter_fn": _outside_the_model})
+        steps[step.__name__] = fn
     return fn
 
 
@@ -148,7 +210,7 @@ class StaticStep:
         self.model, self.cache = model, list(cache)
         self._keys = [c.k for c in self.cache]
         self._values = [c.v for c in self.cache]
-        self._fn: Callable[..., Tensor] = _compiled(model) if compile else _step
+        self._fn: Callable[..., Tensor] = _compiled(model, _step) if compile else _step
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, slot: int) -> Tensor:
@@ -171,3 +233,83 @@ class StaticStep:
         for c in self.cache:
             c.length = slot + 1
         return logits
+
+
+class PoolStep:
+    """Decode steps of ``model`` (a Decoder, or a GPT) for rows at positions of their own, their
+    keys and values in pools of slots (a paged cache): ``keys[i]``/``values[i]`` (N, G, D) hold
+    layer i's. ``step(tokens, positions, slots)`` feeds ``tokens`` (B,), row b at position
+    ``positions[b]``, whose earlier tokens j sit at pool slot ``slots[b, j]`` (B, S; S past
+    every row's position, the later columns ignored); its new keys and values go to slot
+    ``slots[b, positions[b]]``. Returns the logits (B, V).
+
+    ``compile=True`` runs it through ``torch.compile`` with the batch and S symbolic, so that one
+    graph serves every step as rows come and go and grow (one more for a batch of one row, which
+    dynamo keeps apart). The compiled graph is the model's own, as in :class:`StaticStep`.
+
+    >>> from dikkat.models import Decoder, DecoderConfig
+    >>> model = Decoder(DecoderConfig()).eval()
+    >>> layout = model.cache_layout()
+    >>> pool = [torch.zeros(64, layout.kv_heads, layout.head_dim) for _ in range(layout.n_layers)]
+    >>> step = PoolStep(model, pool, [torch.zeros_like(p) for p in pool])
+    >>> slots = torch.tensor([[0, 1, 2], [8, 9, 10]])  # row 0 at slots 0-2, row 1 at 8-10
+    >>> step(torch.tensor([5, 6]), torch.tensor([0, 0]), slots).shape  # both rows' first token
+    torch.Size([2, 256])
+    """
+
+    def __init__(
+        self,
+        model: Decoder | GPT,
+        keys: Sequence[Tensor],
+        values: Sequence[Tensor],
+        *,
+        compile: bool = False,
+    ) -> None:
+        layout = model.cache_layout()
+        shape = (layout.kv_heads, layout.head_dim)
+        for name, pools in (("keys", keys), ("values", values)):
+            if len(pools) != layout.n_layers or any(
+                p.dim() != 3 or tuple(p.shape[1:]) != shape or p.shape[0] != keys[0].shape[0]
+                for p in pools
+            ):
+                raise ValueError(
+                    f"{name} must hold one (N, {shape[0]}, {shape[1]}) pool per layer "
+                    f"({layout.n_layers}), all of one N; got "
+                    f"{[tuple(p.shape) for p in pools]}"
+                )
+        self.model = model
+        self._keys, self._values = list(keys), list(values)
+        _paged_attention()  # looked up (and built, the first time) outside a compiled region
+        self._fn: Callable[..., Tensor] = _compiled(model, _pool_step) if compile else _pool_step
+        self._compiled = compile
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        B = tokens.shape[0] if tokens.dim() == 1 else -1
+        if B < 1 or positions.shape != (B,) or slots.dim() != 2 or slots.shape[0] != B:
+            raise ValueError(
+                f"tokens (B,), positions (B,) and slots (B, S) must agree, got "
+                f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(slots.shape)}"
+            )
+        S, N = slots.shape[1], self._keys[0].shape[0]
+        top = int(positions.max())
+        if int(positions.min()) < 0 or top >= S or top >= self.model.config.max_len:
+            raise ValueError(
+                f"positions must lie in 0 … {min(S, self.model.config.max_len) - 1} (below the "
+                f"{S} columns of slots and the model's context of "
+                f"{self.model.config.max_len}), got {positions.tolist()}"
+            )
+        if int(slots.min()) < 0 or int(slots.max()) >= N:
+            raise ValueError(f"slots must lie in 0 … {N - 1}, the pools' slots")
+        if not self._compiled:
+            return self._fn(self.model, self._keys, self._values, tokens, positions, slots)
+        # the sizes that vary from step to step are symbolic, not a new graph each; each its own
+        # symbol, even where two are equal when traced (dynamo's "duck" sizing would make one of
+        # B = S = 2, and the graph would hold for B = S alone)
+        if S > 1:
+            torch._dynamo.mark_dynamic(slots, 1)
+        if B > 1:
+            for t in (tokens, positions, slots):
+                torch._dynamo.mark_dynamic(t, 0)
+        with fx_config.patch(use_duck_shape=False):
+            return self._fn(self.model, self._keys, self._values, tokens, positions, slots)

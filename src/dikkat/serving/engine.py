@@ -37,7 +37,7 @@ from dikkat.generation.protocol import CacheLayout, DecoderLM
 from dikkat.generation.sampling import Sampler, SamplingParams
 from dikkat.layers.inference import InferenceLinear, inference_model
 from dikkat.layers.quantized import WeightFormat, check_weights
-from dikkat.serving.forward import decode, emit, first_events
+from dikkat.serving.forward import decode, emit, first_events, pool_decode
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
 from dikkat.serving.requests import EngineFull, EngineSequence, EngineStats, TokenEvent
 from dikkat.validate import check_int, is_int
@@ -72,6 +72,12 @@ class Engine:
             the model's own if it is an inference copy already (a GGUF file's packed weights,
             :func:`dikkat.pretrained.load`), else "fp32". The model's own parameters are not
             changed.
+        compile: decode through the model's ``torch.compile``'d pool step
+            (``model.pool_step``, :class:`~dikkat.models.static_step.PoolStep`: a ``Decoder`` or
+            a ``GPT``): one graph for every batch as rows come and go (one more for a batch of
+            one), compiled in the first steps (a minute or two each, less once inductor's cache
+            on disk has them), then without the per-layer Python of the eager forward. The
+            prefills stay eager.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
     from any thread while another runs :meth:`step` (a lock guards the queues and the block
@@ -96,6 +102,7 @@ class Engine:
         max_batch: int = 16,
         max_queue: int = 64,
         weights: WeightFormat | None = None,
+        compile: bool = False,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(
@@ -132,6 +139,16 @@ class Engine:
             device=layout.device,
         )
         self._blocks = BlockAllocator(num_blocks)
+        self._decode_step = None
+        if compile:
+            make = getattr(snapshot, "pool_step", None)
+            if make is None:
+                raise ValueError(
+                    f"compile=True needs a model with pool_step (a Decoder or GPT), got "
+                    f"{type(model).__name__}"
+                )
+            pool = self._pool
+            self._decode_step = make(list(pool.k), list(pool.v), compile=True)
         self._lock = threading.Lock()  # queues, allocator, counters
         self._step_lock = threading.Lock()  # one step at a time
         self._waiting: deque[EngineSequence] = deque()
@@ -213,6 +230,22 @@ class Engine:
                     if not self._in_step:
                         self._end(seq)
                     return
+
+    def warm_up(self) -> None:
+        """Decode a one-token request alone, then two together, and forget them: a compiled
+        engine (``compile=True``) compiles its two graphs here rather than in its first
+        requests. Call it before serving, with nothing submitted."""
+        with self._lock:
+            if self._waiting or self._running:
+                raise RuntimeError("warm_up() runs on an idle engine; requests are in it")
+            counts = dict(self._counts)
+        for rows in (1, 2):
+            for _ in range(rows):
+                self.submit([0], SamplingParams(max_new_tokens=2))
+            while self.has_work():
+                self.step()
+        with self._lock:
+            self._counts = counts
 
     def has_work(self) -> bool:
         """Whether a request waits or runs (then :meth:`step` has something to do)."""
@@ -301,13 +334,15 @@ class Engine:
             with self._lock:
                 for seq in decoding:
                     self._take_block_for(seq)
-            logits = decode(
-                self._inference,
-                self._pool,
+            batch = (
                 [s.tokens[-1] for s in decoding],
                 [s.cached for s in decoding],
                 [s.blocks for s in decoding],
             )
+            if self._decode_step is None:
+                logits = decode(self._inference, self._pool, *batch)
+            else:
+                logits = pool_decode(self._decode_step, self._pool, *batch)
             for seq in decoding:
                 seq.cached += 1
             events += emit(decoding, logits)

@@ -7,7 +7,7 @@ Notation: ``B`` sequences, ``T`` new tokens, ``S`` slots attended, ``V`` vocabul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -78,6 +78,26 @@ def decode(
         last_only=True,
     )
     return logits[:, -1]
+
+
+@torch.no_grad()
+def pool_decode(
+    step: Callable[[Tensor, Tensor, Tensor], Tensor],
+    pool: PagedKVPool,
+    last: Sequence[int],
+    positions: Sequence[int],
+    tables: Sequence[Sequence[int]],
+) -> Tensor:
+    """What :func:`decode` does, through a model's pool step (``model.pool_step`` over the
+    pool's layers, :class:`~dikkat.models.static_step.PoolStep`): row b's tokens 0 …
+    ``positions[b]`` at the slots of its block table, the columns past its position (slots of
+    block 0, or of its own later blocks) hidden by the step itself. The logits (B, V)."""
+    device = pool.k.device
+    B, S = len(last), max(positions) + 1
+    columns = torch.arange(S).expand(B, S)
+    slots = slots_of(slot_table(tables), columns, pool.block_size).to(device)  # (B, S)
+    ids = torch.tensor(last, device=device)
+    return step(ids, torch.tensor(positions, device=device), slots)
 
 
 def first_events(model: DecoderLM, pool: PagedKVPool, seq: EngineSequence) -> list[TokenEvent]:

@@ -1,17 +1,20 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
-Two kernels so far, in ``qmm.cpp``: ``qmm``, fp32 activations times a weight packed in blocks of
-4- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the product
-is), and ``dequantize``, the fp32 weight such blocks stand for. The file is compiled with the
-system's C++ compiler against the installed PyTorch, for this CPU (``-march=native``: AVX-512
-VNNI where the CPU has it), once per source, PyTorch version, compiler and CPU; the library is
+Three kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
+of 4- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
+product is), and ``dequantize``, the fp32 weight such blocks stand for; in
+``paged_attention.cpp``, ``paged_attention``, a decode step's attention over keys and values
+in a pool of slots (:class:`dikkat.models.static_step.PoolStep`). The files are compiled into
+one library with the system's C++ compiler against the installed PyTorch, for this CPU
+(``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
+compiler and CPU; the library is
 kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``), written under a temporary name and
 renamed into place, so a half-written library is never loaded. Its threads are PyTorch's own
 (``at::parallel_for``; ``torch.set_num_threads``).
 
-Where there is no compiler, or ``DIKKAT_NATIVE=0`` is set, :func:`qmm_op` is None and the
-callers compute the same product with PyTorch operations; a failed build says why, once, in a
-warning.
+Where there is no compiler, or ``DIKKAT_NATIVE=0`` is set, :func:`qmm_op` is None (and so are
+the others) and the callers compute the same with PyTorch operations; a failed build says why,
+once, in a warning.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["build", "dequantize_op", "native_dir", "qmm_op"]
+__all__ = ["build", "dequantize_op", "native_dir", "paged_attention_op", "qmm_op"]
 
-_SOURCE = Path(__file__).with_name("qmm.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("qmm.cpp", "paged_attention.cpp")]
 _LIBRARY = "dikkat_native"
 
 
@@ -53,7 +56,7 @@ def _cpu() -> str:
     return "\n".join(wanted)
 
 
-def _command(compiler: str, source: Path, out: Path) -> list[str]:
+def _command(compiler: str, sources: list[Path], out: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     lib = library_paths()[0]
@@ -69,7 +72,7 @@ def _command(compiler: str, source: Path, out: Path) -> list[str]:
         "-std=c++20",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
-        str(source),
+        *(str(source) for source in sources),
         "-o",
         str(out),
         f"-L{lib}",
@@ -81,13 +84,13 @@ def _command(compiler: str, source: Path, out: Path) -> list[str]:
 
 
 def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
-    """Compile ``qmm.cpp`` into ``folder`` (default :func:`native_dir`) unless a library built
-    from the same source, PyTorch, compiler and CPU is there; returns its path. A RuntimeError
-    with the compiler's message where the build fails."""
+    """Compile the kernels into one library in ``folder`` (default :func:`native_dir`) unless
+    one built from the same sources, PyTorch, compiler and CPU is there; returns its path. A
+    RuntimeError with the compiler's message where the build fails."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in _SOURCES)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
@@ -101,16 +104,16 @@ def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print("dikkat: compiling its packed-weight kernels for this CPU (once)…", file=sys.stderr)
+        print("dikkat: compiling its native kernels for this CPU (once)…", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / target.name
         done = subprocess.run(
-            _command(compiler, _SOURCE, out), capture_output=True, text=True, check=False
+            _command(compiler, _SOURCES, out), capture_output=True, text=True, check=False
         )
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line]
             raise RuntimeError(
-                f"{compiler} could not build {_SOURCE.name}: "
+                f"{compiler} could not build {', '.join(p.name for p in _SOURCES)}: "
                 f"{(errors or done.stderr.splitlines() or ['no message'])[0]}"
             )
         os.replace(out, target)  # whole or absent: a rename within one folder
@@ -144,8 +147,14 @@ def dequantize_op() -> Callable[..., Tensor] | None:
     return None if qmm_op() is None else torch.ops.dikkat_native.dequantize
 
 
+def paged_attention_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.paged_attention`` where :func:`qmm_op` is available, else
+    None."""
+    return None if qmm_op() is None else torch.ops.dikkat_native.paged_attention
+
+
 def _register_fake() -> None:
-    """The op's output shape for torch.compile / export (which trace it without running it)."""
+    """The ops' output shapes for torch.compile / export (which trace it without running it)."""
 
     @torch.library.register_fake(f"{_LIBRARY}::qmm")
     def _(
@@ -163,4 +172,16 @@ def _register_fake() -> None:
     def _(
         values: Tensor, scale: Tensor, offset: Tensor | None, bits: int, block: int, zero: int
     ) -> Tensor:
-        return scale.new_empty(values.shape[0], values.shape[1] * 8 // bits)
+        return scale.new_empty(values.shape[0], values.shape[1] * 8 // bits, dtype=torch.float32)
+
+    @torch.library.register_fake(f"{_LIBRARY}::paged_attention")
+    def _(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        window: int,
+        scale: float,
+    ) -> Tensor:
+        return torch.empty_like(q)
