@@ -241,6 +241,16 @@ def test_json_holds_every_figure_and_one_entry_per_repetition(tiny, capsys):
     assert torch.get_num_threads() == threads  # restored
 
 
+def test_a_compiled_decode_is_checked_against_the_eager_one(tiny, capsys):
+    argv = ["bench", "decode", str(tiny), *SMALL_RUN, *FAST, "--repeat", "1", "--compile"]
+    code, out, err = run_cli([*argv, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["compiled_agrees"] == 4  # all 4 tokens: the eager model's
+    assert "the eager model's first 4" in err
+    code, out, err = run_cli([*argv[:-1], "--json"], capsys)
+    assert json.loads(out)["compiled_agrees"] is None  # not compiled, nothing compared
+
+
 def test_the_table_names_the_model_and_every_repetition(tiny, capsys):
     argv = ["bench", "decode", str(tiny), *SMALL_RUN, *FAST, "--repeat", "1", "--weights", "int8"]
     code, out, err = run_cli(argv, capsys)

@@ -78,6 +78,9 @@ class DecodeBenchResult:
     read_gb_s: float  # the probe's read bandwidth, 10⁹ bytes per second
     probe_bytes: int  # the buffer it read
     peak_rss_mb: float | None  # the process's peak resident memory before the probe, 10⁶ bytes
+    # with compile: of the compiled decode's first CHECKED_TOKENS, how many the eager model
+    # gives too, in order (None: not compiled)
+    compiled_agrees: int | None = None
     machine: dict[str, Any] = field(default_factory=machine)
 
     @property
@@ -107,6 +110,7 @@ class DecodeBenchResult:
             "probe_bytes": self.probe_bytes,
             "bandwidth_share": self.bandwidth_share,
             "peak_rss_mb": self.peak_rss_mb,
+            "compiled_agrees": self.compiled_agrees,
             "torch": self.machine["torch"],
             "cpu": self.machine["cpu"],
             "machine": self.machine,
@@ -118,16 +122,28 @@ class DecodeBenchResult:
 
 def _time_decode(
     model: nn.Module, prompt: list[int], new_tokens: int, compile: bool = False
-) -> tuple[int, float]:
-    """(tokens decoded, tok/s after the first): greedy, with no stop token, so exactly
+) -> tuple[list[int], float]:
+    """(the tokens decoded, tok/s after the first): greedy, with no stop token, so exactly
     ``new_tokens`` come (the model's EOS included, as any other token); ``compile``: through
     the model's compiled static step (the warm-up compiles it)."""
     params = SamplingParams(max_new_tokens=new_tokens)
     steps = iter_generate(model, [prompt], params, compile=compile)
-    next(steps)  # the prefill and the first token
+    tokens = [int(next(steps)[0])]  # the prefill and the first token
     start = time.perf_counter()
-    count = 1 + sum(1 for _ in steps)
-    return count, (count - 1) / (time.perf_counter() - start)
+    tokens += [int(step[0]) for step in steps]
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
+
+
+CHECKED_TOKENS = 16  # the compiled decode's first tokens, compared with the eager model's
+
+
+def _agreement(model: nn.Module, prompt: list[int], compiled: list[int]) -> int:
+    """How many of the first :data:`CHECKED_TOKENS` tokens of a compiled decode the eager model
+    gives too, in order (a compiled graph that computes something else shows here first;
+    rounding alone rarely parts them this early)."""
+    n = min(CHECKED_TOKENS, len(compiled))
+    eager, _ = _time_decode(model, prompt, n)
+    return next((i for i in range(n) if eager[i] != compiled[i]), n)
 
 
 def _time_prefill(model: nn.Module, ids: list[int]) -> float:
@@ -217,14 +233,18 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
     long_prompt = random_ids(config.prefill_tokens, vocab, avoid, generator)
 
     say("warm-up …")
-    _time_decode(model, prompt, config.new_tokens, config.compile)
+    warm, _ = _time_decode(model, prompt, config.new_tokens, config.compile)
     _time_prefill(model, long_prompt)
+    agree = _agreement(model, prompt, warm) if config.compile else None
+    if agree is not None:
+        say(f"the compiled decode's first {min(CHECKED_TOKENS, len(warm))} tokens: the eager "
+            f"model's first {agree}")  # fmt: skip
     decode: list[float] = []
     prefills: list[float] = []
     counts: list[int] = []
     for r in range(config.repeat):
-        count, tok_s = _time_decode(model, prompt, config.new_tokens, config.compile)
-        counts.append(count)
+        tokens, tok_s = _time_decode(model, prompt, config.new_tokens, config.compile)
+        counts.append(len(tokens))
         decode.append(tok_s)
         prefills.append(_time_prefill(model, long_prompt))
         say(
@@ -251,6 +271,7 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
         read_gb_s=read_gb_s,
         probe_bytes=probe // 4 * 4,
         peak_rss_mb=peak,
+        compiled_agrees=agree,
     )
 
 
@@ -305,4 +326,8 @@ def format_decode_table(result: DecodeBenchResult) -> str:
         "tok/s ÷ read bandwidth)",
         f"peak RSS        {peak}",
     ]
+    if result.compiled_agrees is not None:
+        n = min(CHECKED_TOKENS, c.new_tokens)
+        lines.append(f"compiled        its first {n} tokens: the eager model's first "
+                     f"{result.compiled_agrees}")  # fmt: skip
     return "\n".join(lines)

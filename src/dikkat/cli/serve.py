@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ from dikkat.models import GPT
 from dikkat.text import load_tokenizer
 
 
-def build_app(args: argparse.Namespace) -> Any:
-    """The app ``dikkat serve`` would serve: the model and its tokenizer, an engine over them."""
+def build_app(args: argparse.Namespace, executor: Executor | None = None) -> Any:
+    """The app ``dikkat serve`` would serve: the model and its tokenizer, an engine over them
+    (stepped in ``executor``, :func:`dikkat.serving.server.create_app`)."""
     sources = [s for s in (args.checkpoint, args.hf_gpt2, args.model) if s is not None]
     if len(sources) != 1:
         raise ValueError("give one of a run or model folder, --hf-gpt2 PATH or --model MODEL")
@@ -91,12 +93,23 @@ def build_app(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         chat_prompt=chat_prompt,
         max_model_len=args.max_model_len,
+        executor=executor,
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted (Ctrl-C); with --dry-run, build everything and stop there."""
-    app = build_app(args)
+    """Serve until interrupted (Ctrl-C); with --dry-run, build everything and stop there.
+
+    The model's load, the warm-up and every engine step run in one thread, not the event loop's:
+    each thread that starts OpenMP parallel regions gets a team of workers of its own, and with
+    more workers than cores libgomp stops spinning idle ones (its ``GOMP_SPINCOUNT`` throttling,
+    https://gcc.gnu.org/onlinedocs/libgomp/GOMP_005fSPINCOUNT.html), so that every region of
+    every step would wait for its workers to wake.
+    """
+    # (not shut down here: the app's engine loop runs in it for as long as the app is served;
+    # its idle thread ends with the interpreter)
+    torch_thread = ThreadPoolExecutor(1, thread_name_prefix="dikkat-torch")
+    app = torch_thread.submit(build_app, args, torch_thread).result()
     if args.dry_run:
         return 0
     import uvicorn  # optional, like fastapi (build_app checked that the server imports)

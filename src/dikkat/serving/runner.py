@@ -1,8 +1,9 @@
 """The bridge between the asyncio server and the engine's step loop.
 
 The engine is stepped by one worker thread (``Engine.step`` is not meant for two threads at
-once); the event loop submits and aborts requests (which the engine allows from another thread)
-and receives each :class:`TokenEvent` on an ``asyncio.Queue`` of its request, handed over with
+once), the runner's own or one an ``executor`` gives it; the event loop submits and aborts
+requests (which the engine allows from another thread) and receives each :class:`TokenEvent`
+on an ``asyncio.Queue`` of its request, handed over with
 ``loop.call_soon_threadsafe`` (https://docs.python.org/3/library/asyncio-dev.html#concurrency-and-multithreading).
 Because an event is delivered by a callback on the loop, and a request's queue is registered
 on the loop right after ``submit`` returns, no event can arrive before its queue exists.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,34 +47,53 @@ class Failure:
 
 
 class EngineRunner:
-    """Owns the worker thread; :meth:`start` and :meth:`stop` run on the event loop."""
+    """Owns the worker loop; :meth:`start` and :meth:`stop` run on the event loop.
 
-    def __init__(self, engine: EngineLike, *, idle_wait: float = 0.05) -> None:
+    ``executor``: the loop runs as a task of it (a ``ThreadPoolExecutor(1)`` whose thread has
+    done the model's other work: ``dikkat serve`` loads and warms the engine there), else in a
+    thread of its own.
+    """
+
+    def __init__(
+        self, engine: EngineLike, *, idle_wait: float = 0.05, executor: Executor | None = None
+    ) -> None:
         self.engine = engine
         self.idle_wait = idle_wait  # seconds the idle worker sleeps between looks at the engine
+        self.executor = executor
         self._queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._task: Future | None = None
         self.error: str | None = None  # the last step failure, for /health
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.executor is not None:
+            self._task = self.executor.submit(self._work)
+            return
         self._thread = threading.Thread(target=self._work, name="dikkat-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is still running, then end the worker thread (waiting at most ``timeout``)."""
+        """Abort what is still running, then end the worker loop (waiting at most ``timeout``)."""
         for request_id in list(self._queues):
             self.abort(request_id)
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._task is not None:
+            try:
+                self._task.result(timeout)
+            except TimeoutError:
+                log.warning("the engine's loop did not end within %s s", timeout)
 
     @property
     def alive(self) -> bool:
+        if self._task is not None:
+            return not self._task.done()
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, prompt: list[int], params: Any) -> tuple[int, asyncio.Queue]:

@@ -13,6 +13,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -102,6 +103,7 @@ def create_app(
     stop_ids: tuple[int, ...] | None = None,
     chat_prompt: ChatPrompt | None = None,
     max_model_len: int | None = None,
+    executor: Executor | None = None,
 ) -> FastAPI:
     """The server's ASGI app over ``engine`` (``uvicorn.run(app)`` serves it).
 
@@ -115,6 +117,8 @@ def create_app(
     by a worker thread from the app's startup to its shutdown. ``max_model_len`` caps the
     context a request may use (prompt and answer; default: the model's, ``engine.max_len``),
     as vLLM's flag does: the engine promises a request the blocks of its whole length.
+    ``executor``: where the engine's loop runs (:class:`~dikkat.serving.runner.EngineRunner`);
+    None: a thread of its own.
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
@@ -134,7 +138,7 @@ def create_app(
         context = max_model_len
     vocab_size = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
     vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
-    runner = EngineRunner(engine)
+    runner = EngineRunner(engine, executor=executor)
     queue = getattr(engine, "max_queue", None)
     served = Served(runner, vocab, model_name, context, queue, chat_prompt)
     counter = RequestCounter()
