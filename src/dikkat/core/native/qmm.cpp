@@ -259,17 +259,23 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
     constexpr auto& lanes = kLanes<BITS, BLOCK>;
     alignas(64) float sd[TILE][16];
     __m512 acc[TILE], acc2[TILE];
+    // every loop over the tile's rows unrolled, so that acc and acc2 are registers: a loop
+    // left rolled indexes them at run time, from the stack, a load and a store each step
+    #pragma GCC unroll 8
     for (int t = 0; t < TILE; ++t) {
       acc[t] = _mm512_setzero_ps();
       acc2[t] = block_part_lanes<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
     }
     const int64_t steps = (K + 63) / 64;
-    auto step = [&](int64_t i, __m512 (&into)[TILE]) {
+    // inlined at both calls, so that the accumulators stay in registers (called, it takes
+    // them by address: every step then loads and stores them)
+    auto step = [&](int64_t i, __m512 (&into)[TILE]) __attribute__((always_inline)) {
       const int64_t j = (i % steps_per_load) * per_step;  // the step's first block in sd
       if (j == 0) {
         const int64_t b = i * per_step, left = per_row - b;
         const __mmask16 k = left >= 16 ? 0xFFFF : (1u << left) - 1;
         const __m512 sv = load16(s + b, k);
+        #pragma GCC unroll 8
         for (int t = 0; t < TILE; ++t) {
           _mm512_store_ps(sd[t], _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, ad[t] + b)));
         }
@@ -277,6 +283,7 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
       const bool half = 64 * (i + 1) > K;
       __m512i w0, w1;
       load_step<BITS>(row, i, half, w0, w1);
+      #pragma GCC unroll 8
       for (int t = 0; t < TILE; ++t) {
         const int16_t* a = aq[t] + i * 64;
         // (a lone last block: its 32 words, as W0 and W1 of 4 bits want them, or all in W0)
@@ -309,6 +316,7 @@ void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const u
       step(i + 1, acc2);
     }
     if (i < steps) step(i, acc);
+    #pragma GCC unroll 8
     for (int t = 0; t < TILE; ++t) {
       out[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
     }
