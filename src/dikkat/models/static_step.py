@@ -11,10 +11,15 @@ buffers at it (``index_copy_``), and the attention reads every slot with a mask 
 (and, in a sliding layer, of those within its window). Compiled, the norms, RoPE and attention
 of a step become a few fused kernels around the products of its weights.
 
-The step uses the model's own modules (embeddings, norms, projections, MLPs — packed or not, and
+:class:`PoolStep` is its sibling for a batch whose rows sit at positions of their own, their keys
+and values at any slots of per-layer pools (a paged cache, as the serving engine keeps it):
+each row's position is its own in the RoPE angles and the masks, and the attention runs in a
+native kernel over the rows' slots where one is built.
+
+Both use the model's own modules (embeddings, norms, projections, MLPs — packed or not, and
 each block's ``attention_input`` and ``after_attention``) and the same RoPE angles
-(:meth:`~dikkat.layers.RotaryEmbedding.cos_sin`); what it leaves out are the eager path's input
-checks, which :class:`StaticStep` does once, outside the compiled region.
+(:meth:`~dikkat.layers.RotaryEmbedding.cos_sin`); what they leave out are the eager path's input
+checks, which :class:`StaticStep` and :class:`PoolStep` do outside the compiled region.
 """
 
 from __future__ import annotations

@@ -39,8 +39,14 @@ from dikkat.layers.inference import InferenceLinear, inference_model
 from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.serving.forward import decode, emit, first_events, pool_decode
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
-from dikkat.serving.requests import EngineFull, EngineSequence, EngineStats, TokenEvent
-from dikkat.validate import check_int, is_int
+from dikkat.serving.requests import (
+    EngineFull,
+    EngineSequence,
+    EngineStats,
+    TokenEvent,
+    check_prompt,
+)
+from dikkat.validate import check_int
 
 DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
 
@@ -72,12 +78,10 @@ class Engine:
             the model's own if it is an inference copy already (a GGUF file's packed weights,
             :func:`dikkat.pretrained.load`), else "fp32". The model's own parameters are not
             changed.
-        compile: decode through the model's ``torch.compile``'d pool step
-            (``model.pool_step``, :class:`~dikkat.models.static_step.PoolStep`: a ``Decoder`` or
-            a ``GPT``): one graph for every batch as rows come and go (one more for a batch of
-            one), compiled in the first steps (a minute or two each, less once inductor's cache
-            on disk has them), then without the per-layer Python of the eager forward. The
-            prefills stay eager.
+        compile: decode through the model's ``torch.compile``'d pool step (``model.pool_step``,
+            :class:`~dikkat.models.static_step.PoolStep`; a ``Decoder`` or a ``GPT``): one graph
+            for every batch (one more for a batch of one), compiled in the first steps or by
+            :meth:`warm_up`. The prefills stay eager.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
     from any thread while another runs :meth:`step` (a lock guards the queues and the block
@@ -139,7 +143,7 @@ class Engine:
             device=layout.device,
         )
         self._blocks = BlockAllocator(num_blocks)
-        self._decode_step = None
+        self._decode_step = None  # the compiled pool step, with compile=True
         if compile:
             make = getattr(snapshot, "pool_step", None)
             if make is None:
@@ -182,7 +186,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.refuse("the engine", "n", "stop")
-        tokens = self._check_prompt(prompt)
+        tokens = check_prompt(prompt, self.vocab_size)
         params.check_vocab(self.vocab_size)
         n, m = len(tokens), params.max_new_tokens
         if n + m > self.max_len:
@@ -232,9 +236,8 @@ class Engine:
                     return
 
     def warm_up(self) -> None:
-        """Decode a one-token request alone, then two together, and forget them: a compiled
-        engine (``compile=True``) compiles its two graphs here rather than in its first
-        requests. Call it before serving, with nothing submitted."""
+        """Decode a one-token request alone, then two together, and forget them (on an idle
+        engine): a compiled engine compiles its graphs here, not in its first requests."""
         with self._lock:
             if self._waiting or self._running:
                 raise RuntimeError("warm_up() runs on an idle engine; requests are in it")
@@ -387,19 +390,6 @@ class Engine:
         self._blocks = BlockAllocator(self.num_blocks)
         self._reserved = 0
         self._in_step = False
-
-    def _check_prompt(self, prompt: object) -> list[int]:
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise TypeError(f"prompt must be a list of int token ids, got {type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise ValueError("prompt is empty: a request needs at least one token")
-        V = self._model.config.vocab_size
-        for i, token in enumerate(prompt):
-            if not is_int(token):
-                raise TypeError(f"prompt[{i}] is {token!r} ({type(token).__name__}), not an int")
-            if not 0 <= token < V:
-                raise ValueError(f"prompt[{i}] is {token}, outside the vocabulary of {V}")
-        return [int(t) for t in prompt]
 
 
 def _batched(model: DecoderLM, max_batch: int) -> bool | None:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob
+from dikkat.validate import is_int
 
 __all__ = ["EngineFull", "EngineStats", "FinishReason", "SamplingParams", "TokenEvent"]
 
@@ -84,3 +86,18 @@ class EngineSequence:
     def slots(self) -> int:
         """Cache slots the request needs in all: its last token is never fed back."""
         return self.prompt_len + max(self.params.max_new_tokens, 1) - 1
+
+
+def check_prompt(prompt: object, vocab_size: int) -> list[int]:
+    """A request's prompt as a list of int ids, each in the vocabulary of ``vocab_size``; a
+    TypeError or ValueError names what is wrong."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be a list of int token ids, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError("prompt is empty: a request needs at least one token")
+    for i, token in enumerate(prompt):
+        if not is_int(token):
+            raise TypeError(f"prompt[{i}] is {token!r} ({type(token).__name__}), not an int")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"prompt[{i}] is {token}, outside the vocabulary of {vocab_size}")
+    return [int(t) for t in prompt]
