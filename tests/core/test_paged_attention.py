@@ -61,5 +61,7 @@ def test_bad_inputs_are_refused(op):
         op(q, k, k, torch.tensor([[0, 9, 0]]), torch.tensor([2]), 0, 1.0)
     with pytest.raises(RuntimeError, match="divide the query heads"):
         op(torch.zeros(1, 3, 16), k, k, slots, torch.tensor([0]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="window must be"):
+        op(q, k, k, slots, torch.tensor([0]), -1, 1.0)
     with pytest.raises(RuntimeError, match="q must be"):
         op(q.double(), k, k, slots, torch.tensor([0]), 0, 1.0)

@@ -160,5 +160,9 @@ def test_bad_pool_steps_are_refused():
         step(torch.tensor([1]), torch.tensor([3]), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="slots must lie in 0 … 7"):
         step(torch.tensor([1]), torch.tensor([0]), torch.tensor([[8, 0]]))
+    with pytest.raises(TypeError, match="positions must be an int64 tensor"):
+        step(torch.tensor([1]), torch.tensor([0.0]), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens must lie in 0 … 63"):
+        step(torch.tensor([64]), torch.tensor([0]), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"one \(N, 2, 8\) pool per layer \(2\)"):
         PoolStep(model, keys[:1], keys[:1])

@@ -318,6 +318,8 @@ def test_bad_engine_arguments_name_the_argument():
             Engine(make_gpt(), **{name: 0})
     with pytest.raises(ValueError, match=r"weights must be one of .*'int4'"):
         Engine(make_gpt(), weights="int4")
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        Engine(make_gpt(), compile="yes")
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8", W8A8])

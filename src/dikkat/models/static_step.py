@@ -246,7 +246,8 @@ class PoolStep:
     layer i's. ``step(tokens, positions, slots)`` feeds ``tokens`` (B,), row b at position
     ``positions[b]``, whose earlier tokens j sit at pool slot ``slots[b, j]`` (B, S; S past
     every row's position, the later columns ignored); its new keys and values go to slot
-    ``slots[b, positions[b]]``. Returns the logits (B, V).
+    ``slots[b, positions[b]]``. Returns the logits (B, V). Every entry of ``slots`` must name a
+    slot of the pools, the ignored columns too (a padded block table's block 0 does).
 
     ``compile=True`` runs it through ``torch.compile`` with the batch and S symbolic, so that one
     graph serves every step as rows come and go and grow (one more for a batch of one row, which
@@ -290,6 +291,10 @@ class PoolStep:
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        for name, t in (("tokens", tokens), ("positions", positions), ("slots", slots)):
+            if not isinstance(t, Tensor) or t.dtype != torch.long:
+                kind = t.dtype if isinstance(t, Tensor) else type(t).__name__
+                raise TypeError(f"{name} must be an int64 tensor, got {kind}")
         B = tokens.shape[0] if tokens.dim() == 1 else -1
         if B < 1 or positions.shape != (B,) or slots.dim() != 2 or slots.shape[0] != B:
             raise ValueError(
@@ -297,6 +302,9 @@ class PoolStep:
                 f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(slots.shape)}"
             )
         S, N = slots.shape[1], self._keys[0].shape[0]
+        V = self.model.config.vocab_size
+        if int(tokens.min()) < 0 or int(tokens.max()) >= V:
+            raise ValueError(f"tokens must lie in 0 … {V - 1}, got {tokens.tolist()}")
         top = int(positions.max())
         if int(positions.min()) < 0 or top >= S or top >= self.model.config.max_len:
             raise ValueError(

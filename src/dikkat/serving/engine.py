@@ -46,7 +46,7 @@ from dikkat.serving.requests import (
     TokenEvent,
     check_prompt,
 )
-from dikkat.validate import check_int
+from dikkat.validate import check_bool, check_int
 
 DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
 
@@ -117,6 +117,7 @@ class Engine:
         check_int("num_blocks", num_blocks, optional=True)
         check_int("max_batch", max_batch)
         check_int("max_queue", max_queue)
+        check_bool("compile", compile)
         if weights is not None:
             weights = check_weights("weights", weights)
         layout = model.cache_layout()
@@ -151,8 +152,7 @@ class Engine:
                     f"compile=True needs a model with pool_step (a Decoder or GPT), got "
                     f"{type(model).__name__}"
                 )
-            pool = self._pool
-            self._decode_step = make(list(pool.k), list(pool.v), compile=True)
+            self._decode_step = make(list(self._pool.k), list(self._pool.v), compile=True)
         self._lock = threading.Lock()  # queues, allocator, counters
         self._step_lock = threading.Lock()  # one step at a time
         self._waiting: deque[EngineSequence] = deque()

@@ -54,6 +54,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == B &&
                   positions.scalar_type() == at::kLong,
               "positions must be (B,) int64");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a number of positions");
   const int64_t S = slots.size(1), R = H / G;
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor sc = slots.contiguous(), pc = positions.contiguous();
