@@ -53,10 +53,11 @@ LAYOUTS = [(bits, block, offsets, dtype) for bits in (4, 8) for block in (16, 32
 
 @pytest.mark.parametrize("bits,block,offsets,dtype", LAYOUTS)
 @pytest.mark.parametrize("K", [32, 64, 96, 640])  # a lone last block of 32 where K % 64 = 32
-@pytest.mark.parametrize("M", [1, 3, 4, 9])  # tiles of four rows and what is left
+@pytest.mark.parametrize("M", [1, 3, 8, 11])  # tiles of eight rows and what is left
 def test_the_product_is_the_dequantised_weight_times_the_rounded_rows(
     bits, block, offsets, dtype, K, M
 ):
+    # 37 rows: two groups of 16 of the kernel's layout, and 5 rows after them
     p = random_packed(37, K, bits, block, offsets, seed=K + M, dtype=dtype)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
     want = reference(x, p)
@@ -72,11 +73,13 @@ def test_the_native_kernel_is_built_here():
     assert qmm_op() is not None
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_compiled_products_and_lookups_are_the_eager_ones(dtype):
+def test_compiled_products_and_lookups_are_the_eager_ones(dtype, grouped):
     """torch.compile plans its buffers from the ops' fake implementations: the dequantised
     weight is fp32 whatever its scales are (an fp16 output there reads fp32 bytes as fp16)."""
     p = random_packed(40, 64, 8, 32, False, seed=5, dtype=dtype)
+    p = p.in_groups() if grouped else p
     ids, x = torch.tensor([[3, 17], [0, 39]]), torch.randn(2, 64)
 
     def step(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +90,27 @@ def test_compiled_products_and_lookups_are_the_eager_ones(dtype):
     torch._dynamo.reset()
     got = torch.compile(step, fullgraph=True)(ids, x)
     assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("N", [5, 16, 37])  # a tail alone, a group alone, both
+@pytest.mark.parametrize("bits,offsets", [(4, True), (8, False)])
+def test_the_kernel_s_groups_hold_the_same_weight(N, bits, offsets):
+    p = random_packed(N, 64, bits, 32, offsets, seed=N)
+    g = p.in_groups()
+    assert g.grouped and g.in_groups() is g and g.shape == p.shape and g.nbytes == p.nbytes
+    back = g.in_rows()
+    for a, b in ((back.values, p.values), (back.scale, p.scale), (back.offset, p.offset)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    if N >= 16:  # 16 rows interleaved two bytes at a time: row 1's first pair follows row 0's
+        assert torch.equal(g.values[0, 2:4], p.values[1, 0:2])
+    index = torch.tensor([N - 1, 0, N // 2, N - 1])  # the tail, the groups, repeats
+    rows = g.take(index)
+    assert not rows.grouped and torch.equal(dequantize(rows), dequantize(p)[index])
+    for start, stop in ((0, N), (1, N), (0, min(N, 16)), (N // 3, N - 1)):
+        part = g.rows(start, stop)
+        assert part.grouped and torch.equal(dequantize(part), dequantize(p)[start:stop])
+    x = torch.randn(3, 64)
+    assert torch.equal(packed_linear(x, g), packed_linear(x, p))
 
 
 def test_rows_are_independent_and_leading_dims_kept():

@@ -15,7 +15,10 @@ byte (16 bytes a block of 32: value j in the low nibble of byte j, value j + 16 
 one). Scales and offsets are fp16 where the file holds them so (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1:
 kept as they are, a sixth fewer bytes to read than fp32 would take) and fp32 otherwise, so that
 every GGUF format repacks exactly (a K-quant's scale is its super-block's fp16 scale times a
-6-bit sub-scale, which fp16 cannot always hold).
+6-bit sub-scale, which fp16 cannot always hold). A weight is held row by row, or (``grouped``)
+in the kernel's groups of 16 rows (:mod:`dikkat.layers.packed_groups`): byte pair j of the
+group's row r at pair 16 j + r, its scales and offsets 16 a block, so that one vector of the
+kernel holds the same two values of 16 rows.
 :mod:`dikkat.pretrained.gguf_packed` repacks the file's blocks;
 :mod:`dikkat.layers.packed_quantize` packs any weight as Q8_0 and Q4_0 do.
 
@@ -47,6 +50,7 @@ from torch import Tensor, nn
 
 from dikkat.core.native import qmm_op
 from dikkat.layers.held import HeldWeight, InferenceLinear
+from dikkat.layers.packed_groups import ROWS, gather_rows, to_groups, to_rows
 
 __all__ = [
     "PackedEmbedding",
@@ -74,6 +78,8 @@ class PackedWeight:
     ``values``: (N, K) uint8 for 8 bits, (N, K / 2) for 4 bits; ``scale`` (N, K / block) fp32
     or fp16; ``offset`` the same shape and dtype, or None for symmetric formats, whose integers
     are centred on ``zero``. ``kind`` names where it came from ("Q4_1", "Q6_K", "q8", …).
+    ``grouped``: whether the three are in the kernel's groups of 16 rows (:meth:`in_groups`)
+    rather than row by row (:meth:`in_rows`).
     """
 
     values: Tensor
@@ -83,6 +89,7 @@ class PackedWeight:
     bits: int
     block: int
     kind: str
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.block not in (16, GROUP):
@@ -129,24 +136,47 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def rows(self, start: int, stop: int) -> PackedWeight:
-        """Output features [start, stop) (views; blocks never cross rows)."""
-        offset = None if self.offset is None else self.offset[start:stop]
-        return PackedWeight(
-            self.values[start:stop], self.scale[start:stop], offset, self.zero, self.bits,
-            self.block, self.kind,
-        )  # fmt: skip
+        """Output features [start, stop): views where they are whole groups of 16 rows (or row
+        by row), else a copy."""
+        N = self.shape[0]
+        if self.grouped and (start % ROWS or (stop % ROWS and stop != N)):
+            a, b = start // ROWS * ROWS, min(N, -(-stop // ROWS) * ROWS)  # the groups around
+            return self.rows(a, b).in_rows().rows(start - a, stop - a).in_groups()
+        return self._with(lambda t: t[start:stop], self.grouped)
 
     def take(self, index: Tensor) -> PackedWeight:
-        """The rows ``index`` (a gather: an embedding lookup, or rows put in another order)."""
-        offset = None if self.offset is None else self.offset[index]
+        """The rows ``index`` (a gather: an embedding lookup), row by row."""
+        if not self.grouped:
+            return self._with(lambda t: t[index], False)
+        return self._grouped_parts(lambda t, unit: gather_rows(t, unit, index), False)
+
+    def in_groups(self) -> PackedWeight:
+        """The same weight in the kernel's groups of 16 rows (itself if it is)."""
+        return self if self.grouped else self._grouped_parts(to_groups, True)
+
+    def in_rows(self) -> PackedWeight:
+        """The same weight row by row (itself if it is)."""
+        return self._grouped_parts(to_rows, False) if self.grouped else self
+
+    def _grouped_parts(self, fn: Callable[[Tensor, int], Tensor], grouped: bool) -> PackedWeight:
+        """fn applied to the values (two bytes a unit) and the scales and offsets (one)."""
+        offset = None if self.offset is None else fn(self.offset, 1)
         return PackedWeight(
-            self.values[index], self.scale[index], offset, self.zero, self.bits, self.block,
-            self.kind,
+            fn(self.values, 2), fn(self.scale, 1), offset, self.zero, self.bits, self.block,
+            self.kind, grouped,
+        )  # fmt: skip
+
+    def _with(self, fn: Callable[[Tensor], Tensor], grouped: bool) -> PackedWeight:
+        offset = None if self.offset is None else fn(self.offset)
+        return PackedWeight(
+            fn(self.values), fn(self.scale), offset, self.zero, self.bits, self.block,
+            self.kind, grouped,
         )  # fmt: skip
 
 
 def unpack(p: PackedWeight) -> Tensor:
-    """The integers q (N, K) uint8."""
+    """The integers q (N, K) uint8, row by row."""
+    p = p.in_rows()
     if p.bits == 8:
         return p.values
     N, K = p.shape
@@ -166,6 +196,7 @@ def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
     """The weight (N, K) that ``p`` stands for, computed in fp32 (exactly what the file's own
     dequantisation gives for a repacked GGUF tensor), in ``dtype``; in the native kernel where
     it is built, else with PyTorch operations (the same numbers)."""
+    p = p.in_rows()
     if _native() is not None and p.device.type == "cpu":
         w = torch.ops.dikkat_native.dequantize(p.values, p.scale, p.offset, p.bits, p.block, p.zero)
         return w.to(dtype)
@@ -206,6 +237,7 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
     if rows.shape[0] >= DENSE_ROWS:
         out = _dense(rows, p)
     elif op is not None:
+        p = p.in_groups()  # (a PackedLinear holds them so already)
         out = op(rows, p.values, p.scale, p.offset, p.bits, p.block, p.zero)
     else:
         out = _product(rows, p)
@@ -272,7 +304,7 @@ class PackedLinear(InferenceLinear):
         N = sum(p.shape[0] for p in parts)
         super().__init__(torch.empty(N, parts[0].shape[1], device="meta"), bias, batched)
         self._device = torch.device("cpu")
-        self.parts = tuple(parts)
+        self.parts = tuple(p.in_groups() for p in parts)  # as the kernel reads them
         ends = torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()
         self._spans = list(zip([0, *ends[:-1]], ends, strict=True))
 
@@ -306,6 +338,8 @@ def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
     stacked into one."""
     if not parts:
         raise ValueError("a packed layer needs at least one packed weight")
+    if len(parts) > 1:
+        parts = [p.in_rows() for p in parts]
     out = [parts[0]]
     for p in parts[1:]:
         q = out[-1]

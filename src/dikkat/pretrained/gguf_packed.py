@@ -161,7 +161,8 @@ def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
         None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(N, -1))
         for a in (scale, offset)
     )
-    return PackedWeight(values, scale_t, offset_t, zero, bits, block, kind)
+    # in the kernel's groups already, so that a table and its tied output share one copy
+    return PackedWeight(values, scale_t, offset_t, zero, bits, block, kind).in_groups()
 
 
 def _fits_f16(a: np.ndarray) -> bool:

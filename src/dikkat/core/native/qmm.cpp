@@ -6,7 +6,8 @@
 // scales and offsets in fp32, or in fp16 (a file's own fp16 values, read a quarter fewer bytes).
 // 8-bit q: one byte a value. 4-bit q: 16 bytes a block of 32, byte j holding value j in its low
 // nibble and value j + 16 in its high nibble (ggml's Q4_0 order,
-// https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+// https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). The product reads the weight in
+// groups of 16 rows (dikkat/layers/packed_groups.py): see "A group's bytes" below.
 //
 // Each activation row is rounded to int16 per block of 32, a[j] = round(x[j] / d) with
 // d = max|x| / 32767 (16 bits, not llama.cpp's 8: an 8-bit rounding of a block that holds one of
@@ -15,8 +16,8 @@
 //   sum over blocks of  scale * d * sum_j (q[j] - zero) * a[j]   (integers, exact), or
 //                       d * (scale * sum_j q[j] a[j] + offset * sum_j a[j]),
 // i.e. the dequantised weight times the rounded activations, summed in fp32. The integer sums
-// use AVX-512 VNNI (vpdpwssd: 16-bit times 16-bit, two products into a 32-bit lane) where the
-// compiler targets it; elsewhere plain loops that the compiler vectorises.
+// use AVX-512 VNNI (vpdpwssd: 16-bit times 16-bit, two products into a 32-bit lane, a lane a
+// weight row) where the compiler targets it; elsewhere plain loops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,8 +37,8 @@
 namespace {
 
 constexpr int64_t kGroup = 32;  // activation block
-constexpr int64_t kTile = 4;     // activation rows multiplied with one unpacked weight block
-constexpr int64_t kAhead = 4096;  // bytes of weight rows asked for ahead of their turn
+constexpr int64_t kTile = 8;     // activation rows multiplied with one unpacked weight group
+constexpr int64_t kAhead = 4096;  // bytes of weights asked for ahead of their turn
 constexpr int32_t kLevels = 32767;  // activations: round(x / d), d = max |x| / kLevels
 
 // Scales and offsets are fp32, or fp16 where a file's fp16 values are kept as they are.
@@ -100,279 +101,214 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
   });
 }
 
-struct Prepared {  // per activation row, laid out for a weight's blocks of BLOCK values
-  std::vector<float> d;   // (M, K / BLOCK + 4): the row's block scale, per weight block (padded)
-  std::vector<float> da;  // (M, K / BLOCK): d times the sum of the rounded values of the block
+struct Sums {  // per activation row and weight block of BLOCK values
+  std::vector<float> da;     // (M, K / BLOCK): d times the sum of the block's rounded values
+  std::vector<int32_t> zs;   // (M, K / BLOCK): -zero times that sum (symmetric formats)
 };
 
 template <int BLOCK>
-void prepare(const Rounded& r, int64_t M, int64_t K, Prepared& p) {
-  const int64_t G = K / kGroup, per_row = K / BLOCK, stride = per_row + 4;
-  p.d.assign(M * stride, 0.f);
-  p.da.resize(M * per_row);
+void block_sums(const Rounded& r, int64_t M, int64_t K, int32_t zero, Sums& s) {
+  const int64_t G = K / kGroup, per_row = K / BLOCK;
+  s.da.resize(M * per_row);
+  s.zs.resize(M * per_row);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < per_row; ++b) {
       const int64_t g = BLOCK == 32 ? b : b / 2;
-      const float d = r.d[m * G + g];
-      const int32_t* s = r.sum.data() + (m * G + g) * 2;
-      const int32_t total = BLOCK == 32 ? s[0] + s[1] : s[b % 2];
-      p.d[m * stride + b] = d;
-      p.da[m * per_row + b] = d * static_cast<float>(total);
+      const int32_t* sum = r.sum.data() + (m * G + g) * 2;
+      const int32_t total = BLOCK == 32 ? sum[0] + sum[1] : sum[b % 2];
+      s.da[m * per_row + b] = r.d[m * G + g] * static_cast<float>(total);
+      s.zs[m * per_row + b] = -zero * total;
     }
   }
 }
 
+// A group's bytes: chunk j (32 bytes) holds byte pair j of each of its 16 rows, row r's at
+// 2 r; its scales (and offsets) 16 a block, row r's at r. Byte pair j of a row holds, for
+// 8 bits, values 2 j and 2 j + 1; for 4 bits (16 bytes a block of 32), the low nibbles hold
+// values 2 c, 2 c + 1 and the high ones 2 c + 16, 2 c + 17 of the row's 32-value block j / 8,
+// c = j % 8. So an unpacked chunk is 16 lanes of two 16-bit weights, one lane a row, and
+// vpdpwssd multiplies it with a broadcast pair of activations.
+constexpr int64_t kRows = 16;  // weight rows a group
 
-// the zero point's (or the offsets') part of a product: a dot product over the row's blocks,
-// -zero * sum_b scale_b * da_b, or sum_b offset_b * da_b
-template <bool OFFSET, typename S>
-inline float block_part(const S* s, const S* o, const float* da, int64_t per_row, int32_t zero) {
-  const S* w = OFFSET ? o : s;
-  float e = 0.f;
-#if DIKKAT_VNNI
-  __m512 ev = _mm512_setzero_ps();
-  for (int64_t b = 0; b < per_row; b += 16) {
-    const __mmask16 k = per_row - b >= 16 ? 0xFFFF : (1u << (per_row - b)) - 1;
-    ev = _mm512_fmadd_ps(load16(w + b, k), _mm512_maskz_loadu_ps(k, da + b), ev);
-  }
-  e = _mm512_reduce_add_ps(ev);
-#else
-  for (int64_t b = 0; b < per_row; ++b) e += to_float(w[b]) * da[b];
-#endif
-  return OFFSET ? e : -static_cast<float>(zero) * e;
-}
-
-#if DIKKAT_VNNI
-// block_part's terms, unsummed: lanes the product's accumulator starts from (one reduction a row)
-template <bool OFFSET, typename S>
-inline __m512 block_part_lanes(const S* s, const S* o, const float* da, int64_t per_row,
-                               int32_t zero) {
-  const S* w = OFFSET ? o : s;
-  __m512 ev = _mm512_setzero_ps();
-  for (int64_t b = 0; b < per_row; b += 16) {
-    const __mmask16 k = per_row - b >= 16 ? 0xFFFF : (1u << (per_row - b)) - 1;
-    ev = _mm512_fmadd_ps(load16(w + b, k), _mm512_maskz_loadu_ps(k, da + b), ev);
-  }
-  return OFFSET ? ev : _mm512_mul_ps(ev, _mm512_set1_ps(-static_cast<float>(zero)));
-}
-#endif
-
-#if DIKKAT_VNNI
-// A step multiplies 64 values of a weight row (32 bytes of 4-bit, 64 of 8-bit integers) as two
-// products of 32 16-bit words (vpdpwssd), W0 · A0 and W1 · A1, whose 16 int32 lanes each sum
-// two neighbouring words. Which blocks the lanes of each product belong to, in its lanes 0-7
-// and 8-15, relative to the step's first block (64 / BLOCK blocks a step):
-//   4 bits, blocks of 32: W0 the low nibbles of the 32 bytes (values 0-15 of both blocks), W1
-//     the high ones (values 16-31): both products (0 | 1), so they are summed as integers;
-//   4 bits, blocks of 16: W0 (0 | 2), W1 (1 | 3);
-//   8 bits, blocks of 32: W0 (0 | 0), W1 (1 | 1);
-//   8 bits, blocks of 16: W0 (0 | 1), W1 (2 | 3).
-// The activations of a 4-bit weight are laid out to match (nibble_order); a lone last block
-// of 32 (K % 64 = 32) fills W0's and W1's lanes 0-7 alone, the rest being zero words.
-template <int BITS, int BLOCK>
-constexpr int kLanes[2][2] = {{0, 0}, {0, 0}};
-template <> constexpr int kLanes<4, 32>[2][2] = {{0, 1}, {0, 1}};
-template <> constexpr int kLanes<4, 16>[2][2] = {{0, 2}, {1, 3}};
-template <> constexpr int kLanes<8, 32>[2][2] = {{0, 0}, {1, 1}};
-template <> constexpr int kLanes<8, 16>[2][2] = {{0, 1}, {2, 3}};
-
-// the weight words W0, W1 of step i (see kLanes)
+// the integer q of value k (of K) of row r, in a group's bytes (the scalar paths and the tail)
 template <int BITS>
-inline void load_step(const uint8_t* row, int64_t i, bool half, __m512i& w0, __m512i& w1) {
-  if constexpr (BITS == 4) {
-    const uint8_t* p = row + i * 32;
-    const __m256i bytes =  // 32 bytes, or a lone block's 16 and zeros
-        half ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
-             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512i w = _mm512_cvtepu8_epi16(bytes);
-    w0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
-    w1 = _mm512_srli_epi16(w, 4);
+inline int32_t group_value(const uint8_t* group, int64_t r, int64_t k) {
+  if constexpr (BITS == 8) {
+    return group[(k / 2) * 32 + 2 * r + k % 2];
   } else {
-    const uint8_t* p = row + i * 64;
-    w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    w1 = half ? _mm512_setzero_si512()
-              : _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    const int64_t i = k % 32, byte = (k / 32) * 16 + i % 16;  // the row's byte, as in a row
+    const uint8_t v = group[(byte / 2) * 32 + 2 * r + byte % 2];
+    return i < 16 ? (v & 0x0F) : (v >> 4);
   }
 }
 
-// 16 lanes holding sd[lo] in lanes 0-7 and sd[hi] in lanes 8-15
-inline __m512 spread(const float* sd, int lo, int hi) {
-  const __m512 a = _mm512_set1_ps(sd[lo]);
-  return lo == hi ? a : _mm512_mask_blend_ps(0xFF00, a, _mm512_set1_ps(sd[hi]));
-}
-
-// activations of a 4-bit weight: per 64 values [0-15, 32-47, 16-31, 48-63], so that A0 holds
-// values 0-15 of both blocks and A1 values 16-31 (a lone last block of 32 stays as it is)
-void nibble_order(int16_t* q, int64_t M, int64_t K) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k + 64 <= K; k += 64) {
-      int16_t* v = q + m * K + k;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 16), b);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 32), a);
-    }
-  }
-}
-#endif
-
-#if DIKKAT_VNNI
-// ask for weight row n (its values, scales and offsets) ahead of its turn: the hardware
-// prefetchers stop at page boundaries, and a layer's share of a thread is a few pages
-template <bool OFFSET, typename S>
-inline void prefetch_row(const uint8_t* values, const S* scale, const S* offset, int64_t n,
-                         int64_t row_bytes, int64_t per_row) {
-  const char* v = reinterpret_cast<const char*>(values + n * row_bytes);
-  for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(scale + n * per_row), _MM_HINT_T0);
-  if constexpr (OFFSET) _mm_prefetch(reinterpret_cast<const char*>(offset + n * per_row), _MM_HINT_T0);
-}
-#endif
-
-// out[m, n] for the TILE rows m from m0 and weight rows n in [n0, n1)
+// out[m, 16 g + lane] for the TILE activation rows from m0 and the group's rows (lanes < rows)
 template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
-void multiply(const Rounded& r, const Prepared& p, int64_t K, int64_t N, const uint8_t* values,
-              const S* scale, const S* offset, int32_t zero, int64_t m0, int64_t n0,
-              int64_t n1, float* out) {
-  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK, stride = per_row + 4;
+void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const uint8_t* group,
+              const S* scale, const S* offset, int64_t m0, int64_t n0, int64_t rows, float* out) {
+  const int64_t G = K / kGroup, per_row = K / BLOCK;
   const int16_t* aq[TILE];
   const float* ad[TILE];
+  const float* da[TILE];
+  const int32_t* zs[TILE];
   for (int t = 0; t < TILE; ++t) {
     aq[t] = r.q.data() + (m0 + t) * K;
-    ad[t] = p.d.data() + (m0 + t) * stride;
+    ad[t] = r.d.data() + (m0 + t) * G;
+    da[t] = sums.da.data() + (m0 + t) * per_row;
+    zs[t] = sums.zs.data() + (m0 + t) * per_row;
   }
 #if DIKKAT_VNNI
-  const int64_t ahead = std::max<int64_t>(1, kAhead / row_bytes);
-  for (int64_t n = n0; n < std::min(n0 + ahead, n1); ++n) {  // the first rows of the share
-    prefetch_row<OFFSET>(values, scale, offset, n, row_bytes, per_row);
-  }
-#endif
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = values + n * row_bytes;
-    const S* s = scale + n * per_row;
-    const S* o = OFFSET ? offset + n * per_row : nullptr;
-#if DIKKAT_VNNI
-    if (n + ahead < n1) prefetch_row<OFFSET>(values, scale, offset, n + ahead, row_bytes, per_row);
-    // sd: a block's scale times the activation's block scale, for the 16 blocks from step i's
-    // (see kLanes for which lanes take which); two accumulators a row, even and odd steps
-    constexpr int64_t per_step = 64 / BLOCK, steps_per_load = 16 / per_step;
-    constexpr auto& lanes = kLanes<BITS, BLOCK>;
-    alignas(64) float sd[TILE][16];
-    __m512 acc[TILE], acc2[TILE];
-    // every loop over the tile's rows unrolled, so that acc and acc2 are registers: a loop
-    // left rolled indexes them at run time, from the stack, a load and a store each step
+  constexpr int64_t chunk_bytes = kRows * 2, group_bytes = kRows * kGroup * BITS / 8;
+  __m512 acc[TILE];
+  // every loop over the tile's rows unrolled, so that the accumulators stay in registers
+  #pragma GCC unroll 8
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = group + g * group_bytes;
+    for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAhead + b), _MM_HINT_T0);
+    // h0: values 0-15 of the block of 32, h1: values 16-31; a symmetric format's zero point
+    // enters as -zero times the activations' sum, in integers
+    __m512i h0[TILE], h1[TILE];
     #pragma GCC unroll 8
     for (int t = 0; t < TILE; ++t) {
-      acc[t] = _mm512_setzero_ps();
-      acc2[t] = block_part_lanes<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
-    }
-    const int64_t steps = (K + 63) / 64;
-    // inlined at both calls, so that the accumulators stay in registers (called, it takes
-    // them by address: every step then loads and stores them)
-    auto step = [&](int64_t i, __m512 (&into)[TILE]) __attribute__((always_inline)) {
-      const int64_t j = (i % steps_per_load) * per_step;  // the step's first block in sd
-      if (j == 0) {
-        const int64_t b = i * per_step, left = per_row - b;
-        const __mmask16 k = left >= 16 ? 0xFFFF : (1u << left) - 1;
-        const __m512 sv = load16(s + b, k);
-        #pragma GCC unroll 8
-        for (int t = 0; t < TILE; ++t) {
-          _mm512_store_ps(sd[t], _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, ad[t] + b)));
-        }
+      if constexpr (OFFSET) {
+        h0[t] = h1[t] = _mm512_setzero_si512();
+      } else if constexpr (BLOCK == 32) {
+        h0[t] = _mm512_set1_epi32(zs[t][g]);
+        h1[t] = _mm512_setzero_si512();
+      } else {
+        h0[t] = _mm512_set1_epi32(zs[t][2 * g]);
+        h1[t] = _mm512_set1_epi32(zs[t][2 * g + 1]);
       }
-      const bool half = 64 * (i + 1) > K;
-      __m512i w0, w1;
-      load_step<BITS>(row, i, half, w0, w1);
+    }
+    #pragma GCC unroll 8
+    for (int64_t j = 0; j < 8; ++j) {
+      __m512i w0, w1;  // pairs j (values 2 j, 2 j + 1) and j + 8 (values 2 j + 16, 2 j + 17)
+      if constexpr (BITS == 4) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * chunk_bytes)));
+        w0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
+        w1 = _mm512_srli_epi16(w, 4);
+      } else {
+        w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * chunk_bytes)));
+        w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (j + 8) * chunk_bytes)));
+      }
       #pragma GCC unroll 8
       for (int t = 0; t < TILE; ++t) {
-        const int16_t* a = aq[t] + i * 64;
-        // (a lone last block: its 32 words, as W0 and W1 of 4 bits want them, or all in W0)
-        const bool split = half && BITS == 4;
-        const __m512i a0 = split ? _mm512_maskz_loadu_epi16(0xFFFF, a) : _mm512_loadu_si512(a);
-        const __m512i a1 = split ? _mm512_maskz_loadu_epi16(0xFFFF, a + 16)
-                                 : half ? _mm512_setzero_si512() : _mm512_loadu_si512(a + 32);
-        const float* f = sd[t] + j;
-        if constexpr (BITS == 4 && BLOCK == 32) {  // both products over the same blocks
-          const __m512i dot = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, a0), w1, a1);
-          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), spread(f, 0, half ? 0 : 1), into[t]);
-        } else if (half) {  // the lone block: lanes 0-7 of each product (BITS == 4), or W0 alone
-          const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, a0);
-          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), spread(f, lanes[0][0], lanes[0][BITS == 8]), into[t]);
-          if constexpr (BITS == 4) {
-            const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, a1);
-            into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), spread(f, lanes[1][0], lanes[1][0]), into[t]);
-          }
-        } else {
-          const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, a0);
-          const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, a1);
-          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), spread(f, lanes[0][0], lanes[0][1]), into[t]);
-          into[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), spread(f, lanes[1][0], lanes[1][1]), into[t]);
-        }
+        const int16_t* a = aq[t] + g * kGroup + 2 * j;
+        h0[t] = _mm512_dpwssd_epi32(h0[t], w0, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a)));
+        h1[t] = _mm512_dpwssd_epi32(h1[t], w1, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 16)));
       }
-    };
-    int64_t i = 0;
-    for (; i + 1 < steps; i += 2) {  // two accumulators: even and odd steps
-      step(i, acc);
-      step(i + 1, acc2);
     }
-    if (i < steps) step(i, acc);
-    #pragma GCC unroll 8
-    for (int t = 0; t < TILE; ++t) {
-      out[(m0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
-    }
-#else
-    float extra[TILE];
-    for (int t = 0; t < TILE; ++t) {
-      extra[t] = block_part<OFFSET>(s, o, p.da.data() + (m0 + t) * per_row, per_row, zero);
-    }
-    const int64_t G = K / kGroup;
-    float acc[TILE] = {};
-    uint8_t w[kGroup];
-    for (int64_t g = 0; g < G; ++g) {
-      if constexpr (BITS == 8) {
-        std::copy(row + g * kGroup, row + (g + 1) * kGroup, w);
-      } else {
-        for (int j = 0; j < 16; ++j) {
-          w[j] = row[g * 16 + j] & 0x0F;
-          w[j + 16] = row[g * 16 + j] >> 4;
-        }
-      }
+    if constexpr (BLOCK == 32) {
+      const __m512 s = load16(scale + g * kRows, 0xFFFF);
+      #pragma GCC unroll 8
       for (int t = 0; t < TILE; ++t) {
-        const int16_t* a = aq[t] + g * kGroup;
-        int32_t dot[2] = {0, 0};
-        for (int j = 0; j < kGroup; ++j) dot[j / 16] += static_cast<int32_t>(w[j]) * a[j];
-        if constexpr (BLOCK == 32) {
-          acc[t] += to_float(s[g]) * ad[t][g] * static_cast<float>(dot[0] + dot[1]);
-        } else {
-          acc[t] += to_float(s[2 * g]) * ad[t][2 * g] * static_cast<float>(dot[0]) +
-                    to_float(s[2 * g + 1]) * ad[t][2 * g + 1] * static_cast<float>(dot[1]);
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(ad[t][g]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0[t], h1[t])), sd, acc[t]);
+        if constexpr (OFFSET) {
+          acc[t] = _mm512_fmadd_ps(load16(offset + g * kRows, 0xFFFF), _mm512_set1_ps(da[t][g]), acc[t]);
+        }
+      }
+    } else {
+      const __m512 s0 = load16(scale + 2 * g * kRows, 0xFFFF), s1 = load16(scale + (2 * g + 1) * kRows, 0xFFFF);
+      #pragma GCC unroll 8
+      for (int t = 0; t < TILE; ++t) {
+        const __m512 d = _mm512_set1_ps(ad[t][g]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0[t]), _mm512_mul_ps(s0, d), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1[t]), _mm512_mul_ps(s1, d), acc[t]);
+        if constexpr (OFFSET) {
+          acc[t] = _mm512_fmadd_ps(load16(offset + 2 * g * kRows, 0xFFFF), _mm512_set1_ps(da[t][2 * g]), acc[t]);
+          acc[t] = _mm512_fmadd_ps(load16(offset + (2 * g + 1) * kRows, 0xFFFF), _mm512_set1_ps(da[t][2 * g + 1]), acc[t]);
         }
       }
     }
-    for (int t = 0; t < TILE; ++t) out[(m0 + t) * N + n] = acc[t] + extra[t];
+  }
+  const __mmask16 lanes = rows >= kRows ? 0xFFFF : (1u << rows) - 1;
+  #pragma GCC unroll 8
+  for (int t = 0; t < TILE; ++t) _mm512_mask_storeu_ps(out + (m0 + t) * N + n0, lanes, acc[t]);
+#else
+  for (int t = 0; t < TILE; ++t) {
+    for (int64_t l = 0; l < rows; ++l) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < per_row; ++b) {
+        int32_t dot = OFFSET ? 0 : zs[t][b];
+        for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) dot += group_value<BITS>(group, l, k) * aq[t][k];
+        const float s = to_float(scale[b * kRows + l]);
+        acc += s * ad[t][b * BLOCK / kGroup] * static_cast<float>(dot);
+        if constexpr (OFFSET) acc += to_float(offset[b * kRows + l]) * da[t][b];
+      }
+      out[(m0 + t) * N + n0 + l] = acc;
+    }
+  }
 #endif
+}
+
+// a last group of fewer than 16 rows, kept row by row, laid out as a group (zeros past its rows)
+template <int BITS, typename S>
+void tail_group(const uint8_t* values, const S* scale, const S* offset, int64_t rows,
+                int64_t K, int64_t per_row, std::vector<uint8_t>& v, std::vector<S>& s,
+                std::vector<S>& o) {
+  const int64_t row_bytes = K * BITS / 8;
+  v.assign(kRows * row_bytes, 0);
+  s.assign(kRows * per_row, S(0.f));
+  o.assign(offset != nullptr ? kRows * per_row : 0, S(0.f));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < row_bytes; ++i) v[(i / 2) * 32 + 2 * r + i % 2] = values[r * row_bytes + i];
+    for (int64_t b = 0; b < per_row; ++b) {
+      s[b * kRows + r] = scale[r * per_row + b];
+      if (offset != nullptr) o[b * kRows + r] = offset[r * per_row + b];
+    }
+  }
+}
+
+template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
+void tiles_of(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t N,
+              const uint8_t* group, const S* scale, const S* offset, int64_t n0, int64_t rows,
+              float* out) {
+  int64_t m0 = 0;
+  for (; m0 + TILE <= M; m0 += TILE) {
+    multiply<BITS, BLOCK, OFFSET, TILE, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
+  }
+  switch (M - m0) {
+#define DIKKAT_TILE(T) multiply<BITS, BLOCK, OFFSET, T, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out)
+    case 7: DIKKAT_TILE(7); break;
+    case 6: DIKKAT_TILE(6); break;
+    case 5: DIKKAT_TILE(5); break;
+    case 4: DIKKAT_TILE(4); break;
+    case 3: DIKKAT_TILE(3); break;
+    case 2: DIKKAT_TILE(2); break;
+    case 1: DIKKAT_TILE(1); break;
+    default: break;
+#undef DIKKAT_TILE
   }
 }
 
 template <int BITS, int BLOCK, bool OFFSET, typename S>
 void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* values,
          const S* scale, const S* offset, int32_t zero, float* out) {
-  thread_local Prepared kept;  // the calling thread's, kept between calls
-  Prepared& p = kept;  // (the workers below must see this one, not their own thread_local)
-  prepare<BLOCK>(r, M, K, p);
-  // weight rows split among the threads; each thread runs every activation row over its rows,
-  // so that a weight block is read from memory once per tile of activation rows
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K / 32));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + kTile <= M; m0 += kTile) {
-      multiply<BITS, BLOCK, OFFSET, kTile, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out);
-    }
-    switch (M - m0) {
-      case 3: multiply<BITS, BLOCK, OFFSET, 3, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
-      case 2: multiply<BITS, BLOCK, OFFSET, 2, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
-      case 1: multiply<BITS, BLOCK, OFFSET, 1, S>(r, p, K, N, values, scale, offset, zero, m0, n0, n1, out); break;
-      default: break;
+  thread_local Sums kept;  // the calling thread's, kept between calls
+  Sums& sums = kept;  // (the workers below must see this one, not their own thread_local)
+  block_sums<BLOCK>(r, M, K, zero, sums);
+  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK;
+  const int64_t full = N / kRows, groups = (N + kRows - 1) / kRows;
+  // weight groups split among the threads; each thread runs every activation row over its
+  // groups, so that a group is read from memory once (and from cache for the next tiles)
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, K / 32));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * kRows;
+      if (g < full) {
+        const S* o = OFFSET ? offset + n0 * per_row : nullptr;
+        tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, values + n0 * row_bytes,
+                                                scale + n0 * per_row, o, n0, kRows, out);
+      } else {
+        std::vector<uint8_t> v;
+        std::vector<S> s, o;
+        tail_group<BITS, S>(values + n0 * row_bytes, scale + n0 * per_row,
+                            OFFSET ? offset + n0 * per_row : nullptr, N - n0, K, per_row, v, s, o);
+        tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, v.data(), s.data(),
+                                                OFFSET ? o.data() : nullptr, n0, N - n0, out);
+      }
     }
   });
 }
@@ -426,9 +362,6 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   if (M == 0 || N == 0) return out;
   thread_local Rounded r;  // the calling thread's, kept between calls
   round_rows(xc.data_ptr<float>(), M, K, r);
-#if DIKKAT_VNNI
-  if (bits == 4) nibble_order(r.q.data(), M, K);
-#endif
   if (sc.scalar_type() == at::kHalf) {
     qmm_as<at::Half>(r, vc, sc, oc, bits, block, zero, M, K, out);
   } else {

@@ -1,0 +1,67 @@
+"""The packed product's portable loops: the native library built for a CPU without AVX-512
+VNNI (``-mno-avx512vnni``) gives the VNNI build's products, within fp32 rounding.
+
+The two builds register the same ops, so the portable one runs in a process of its own, with
+dikkat's native kernels turned off there (``DIKKAT_NATIVE=0``): its products are compared with
+the fp64 reference computed in that process from the same PyTorch operations the tests of
+tests/layers/test_packed.py use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dikkat.core import native
+
+SCRIPT = textwrap.dedent(
+    """
+    import ctypes, sys, torch
+    torch.ops.load_library(sys.argv[1])
+    assert ctypes.CDLL(sys.argv[1]).dikkat_native_vnni() == 0, "VNNI built in"
+    from dikkat.layers.packed import PackedWeight, dequantize, pack_nibbles, round_activations
+    op = torch.ops.dikkat_native.qmm
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for bits in (4, 8):
+        for block in (16, 32):
+            for offsets in (False, True):
+                N, K, M = 21, 96, 3  # a group of 16 rows and 5 more
+                q = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+                scale = torch.randn(N, K // block, generator=g).half() * 0.01
+                offset = torch.randn(N, K // block, generator=g).half() if offsets else None
+                zero = 0 if offsets else 2 ** (bits - 1)
+                values = pack_nibbles(q) if bits == 4 else q
+                p = PackedWeight(values, scale, offset, zero, bits, block, "t").in_groups()
+                x = torch.randn(M, K, generator=g)
+                a, d = round_activations(x)
+                rounded = (a.double().view(M, K // 32, 32) * d.double()[..., None]).view(M, K)
+                want = rounded @ dequantize(p).double().T
+                got = op(x, p.values, p.scale, p.offset, bits, block, zero).double()
+                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    print(worst)
+    """
+)
+
+
+def test_the_portable_loops_give_the_vnni_products(tmp_path: Path):
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path / "portable.so"
+    command = native._command(compiler, [native._SOURCES[0]], out)
+    command.insert(command.index("-march=native") + 1, "-mno-avx512vnni")
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    env = {**os.environ, "DIKKAT_NATIVE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(out)],
+        capture_output=True, text=True, check=False, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
