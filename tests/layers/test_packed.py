@@ -104,6 +104,8 @@ def test_the_kernel_s_groups_hold_the_same_weight(N, bits, offsets):
     if N >= 16:  # 16 rows interleaved two bytes at a time: row 1's first pair follows row 0's
         assert torch.equal(g.values[0, 2:4], p.values[1, 0:2])
     index = torch.tensor([N - 1, 0, N // 2, N - 1])  # the tail, the groups, repeats
+    with pytest.raises(ValueError, match="index must lie in"):
+        g.take(torch.tensor([0, N]))  # past the last row: refused, not clamped
     rows = g.take(index)
     assert not rows.grouped and torch.equal(dequantize(rows), dequantize(p)[index])
     for start, stop in ((0, N), (1, N), (0, min(N, 16)), (N // 3, N - 1)):

@@ -148,6 +148,13 @@ class PackedWeight:
         """The rows ``index`` (a gather: an embedding lookup), row by row."""
         if not self.grouped:
             return self._with(lambda t: t[index], False)
+        N = self.shape[0]  # (the gather below clamps: an index out of range would pass silently)
+        if (
+            not torch.compiler.is_compiling()
+            and index.numel()
+            and not (int(index.min()) >= 0 and int(index.max()) < N)
+        ):
+            raise ValueError(f"index must lie in [0, {N}), got {index.min()}..{index.max()}")
         return self._grouped_parts(lambda t, unit: gather_rows(t, unit, index), False)
 
     def in_groups(self) -> PackedWeight:
