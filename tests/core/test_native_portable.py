@@ -24,11 +24,12 @@ SCRIPT = textwrap.dedent(
     import ctypes, sys, torch
     torch.ops.load_library(sys.argv[1])
     assert ctypes.CDLL(sys.argv[1]).dikkat_native_vnni() == 0, "VNNI built in"
-    from dikkat.layers.packed import PackedWeight, dequantize, pack_nibbles, round_activations
+    from dikkat.layers.packed import PackedWeight, dequantize, round_activations
+    from dikkat.layers.packed_bits import pack
     op = torch.ops.dikkat_native.qmm
     g = torch.Generator().manual_seed(0)
     worst = 0.0
-    for bits in (4, 8):
+    for bits in (4, 6, 8):
         for block in (16, 32):
             for offsets in (False, True):
                 N, K, M = 21, 96, 3  # a group of 16 rows and 5 more
@@ -36,7 +37,7 @@ SCRIPT = textwrap.dedent(
                 scale = torch.randn(N, K // block, generator=g).half() * 0.01
                 offset = torch.randn(N, K // block, generator=g).half() if offsets else None
                 zero = 0 if offsets else 2 ** (bits - 1)
-                values = pack_nibbles(q) if bits == 4 else q
+                values = pack(q, bits)
                 p = PackedWeight(values, scale, offset, zero, bits, block, "t").in_groups()
                 x = torch.randn(M, K, generator=g)
                 a, d = round_activations(x)

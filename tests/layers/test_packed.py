@@ -1,4 +1,4 @@
-"""Packed 4- and 8-bit block weights (dikkat.layers.packed): dikkat's own Q8_0/Q4_0
+"""Packed 4-, 6- and 8-bit block weights (dikkat.layers.packed): dikkat's own Q8_0/Q4_0
 quantisation, and the product — the dequantised weight times the activations rounded to int16
 per block of 32 — against an fp64 reference, in the native kernel and in PyTorch operations."""
 
@@ -15,11 +15,11 @@ from dikkat.layers.packed import (
     PackedWeight,
     _product,
     dequantize,
-    pack_nibbles,
     packed_linear,
     round_activations,
     unpack,
 )
+from dikkat.layers.packed_bits import pack
 from dikkat.layers.packed_quantize import quantize_q4, quantize_q8
 
 F32 = torch.float32
@@ -42,12 +42,12 @@ def random_packed(
     scale = (torch.randn(N, K // block, generator=g) * 0.01).to(dtype)
     offset = (torch.randn(N, K // block, generator=g) * 0.05).to(dtype) if offsets else None
     zero = 0 if offsets else 2 ** (bits - 1)
-    values = pack_nibbles(q) if bits == 4 else q
+    values = pack(q, bits)
     return PackedWeight(values, scale, offset, zero, bits, block, "test")
 
 
 # bits, block, offsets, the scales' dtype
-LAYOUTS = [(bits, block, offsets, dtype) for bits in (4, 8) for block in (16, 32) for offsets in
+LAYOUTS = [(bits, block, offsets, dtype) for bits in (4, 6, 8) for block in (16, 32) for offsets in
            (False, True) for dtype in (torch.float32, torch.float16)]  # fmt: skip
 
 
@@ -145,7 +145,7 @@ def test_quantizers_round_each_value_within_its_block_step(quantize, bound):
 
 def test_q4_packs_two_values_a_byte_and_unpacks_them():
     q = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
-    packed = pack_nibbles(q)
+    packed = pack(q, 4)
     assert packed.shape == (5, 48)
     p = PackedWeight(packed, torch.ones(5, 3), None, 8, 4, 32, "test")
     assert torch.equal(unpack(p), q)
@@ -162,8 +162,10 @@ def test_bad_shapes_are_refused():
         packed_linear(torch.randn(2, 32), p)
     with pytest.raises(ValueError, match="scale must be"):
         PackedWeight(p.values, p.scale[:, :1], None, 128, 8, 32, "x")
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        PackedWeight(p.values, p.scale, None, 128, 6, 32, "x")
+    with pytest.raises(ValueError, match=r"bits must be one of \(4, 6, 8\)"):
+        PackedWeight(p.values, p.scale, None, 128, 5, 32, "x")
+    with pytest.raises(ValueError, match=r"values must be \(N, K·bits/8\)"):
+        PackedWeight(p.values, p.scale, None, 128, 6, 32, "x")  # 8-bit bytes read as 6-bit
     for x in (torch.randn(2, 40), torch.randn(64), torch.ones(1, 32, dtype=torch.long)):
         with pytest.raises(ValueError, match="x must be floating-point rows"):
             round_activations(x)

@@ -1,4 +1,5 @@
-"""Weights packed in blocks of 4- or 8-bit integers, as GGUF files hold them, and their product.
+"""Weights packed in blocks of 4-, 6- or 8-bit integers, as GGUF files hold them, and their
+product.
 
 Notation: ``N`` output features (rows of the weight), ``K`` input features, ``B`` values a block.
 
@@ -11,8 +12,8 @@ unsigned integers q and one ``scale`` (and, in formats with a per-block minimum,
 
 This is llama.cpp's family of block formats (https://github.com/ggml-org/ggml/blob/master/
 docs/gguf.md) in one layout that one kernel reads: 8-bit q one byte a value, 4-bit q two a
-byte (16 bytes a block of 32: value j in the low nibble of byte j, value j + 16 in the high
-one). Scales and offsets are fp16 where the file holds them so (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1:
+byte, 6-bit q (which holds 5-bit formats too) three values in four bytes
+(:mod:`dikkat.layers.packed_bits`). Scales and offsets are fp16 where the file holds them so (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1:
 kept as they are, a sixth fewer bytes to read than fp32 would take) and fp32 otherwise, so that
 every GGUF format repacks exactly (a K-quant's scale is its super-block's fp16 scale times a
 6-bit sub-scale, which fp16 cannot always hold). A weight is held row by row, or (``grouped``)
@@ -50,6 +51,7 @@ from torch import Tensor, nn
 
 from dikkat.core.native import qmm_op
 from dikkat.layers.held import HeldWeight, InferenceLinear
+from dikkat.layers.packed_bits import BITS, unpack_values
 from dikkat.layers.packed_groups import ROWS, gather_rows, to_groups, to_rows
 
 __all__ = [
@@ -92,9 +94,9 @@ class PackedWeight:
     grouped: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8) or self.block not in (16, GROUP):
+        if self.bits not in BITS or self.block not in (16, GROUP):
             raise ValueError(
-                f"bits must be 4 or 8 and block 16 or 32, got {self.bits}, {self.block}"
+                f"bits must be one of {BITS} and block 16 or 32, got {self.bits}, {self.block}"
             )
         N, K = self.shape
         if self.values.dtype != torch.uint8 or self.values.shape[1] * 8 != K * self.bits:
@@ -183,20 +185,7 @@ class PackedWeight:
 
 def unpack(p: PackedWeight) -> Tensor:
     """The integers q (N, K) uint8, row by row."""
-    p = p.in_rows()
-    if p.bits == 8:
-        return p.values
-    N, K = p.shape
-    halves = p.values.view(N, K // GROUP, 1, GROUP // 2)
-    q = torch.cat([halves & 0x0F, halves >> 4], dim=2)  # (N, K/32, 2, 16): low, then high
-    return q.reshape(N, K)
-
-
-def pack_nibbles(q: Tensor) -> Tensor:
-    """Integers q (N, K) in [0, 15] → (N, K / 2) uint8 in the 4-bit layout."""
-    N, K = q.shape
-    halves = q.to(torch.uint8).view(N, K // GROUP, 2, GROUP // 2)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2)
+    return unpack_values(p.in_rows().values, p.bits)
 
 
 def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:

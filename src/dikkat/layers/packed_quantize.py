@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dikkat.layers.packed import GROUP, PackedLinear, PackedWeight, pack_nibbles
+from dikkat.layers.packed import GROUP, PackedLinear, PackedWeight
+from dikkat.layers.packed_bits import pack
 
 __all__ = ["Q4Linear", "Q8Linear", "quantize_q4", "quantize_q8"]
 
@@ -46,7 +47,7 @@ def quantize_q4(weight: Tensor) -> PackedWeight:
     largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # (N, K/32, 1)
     d = largest / -8
     q = torch.where(d != 0, torch.round(blocks / d), 0.0).add_(8).clamp_(0, 15)
-    return PackedWeight(pack_nibbles(q.view(N, K)), d[..., 0], None, 8, 4, GROUP, "q4")
+    return PackedWeight(pack(q.view(N, K), 4), d[..., 0], None, 8, 4, GROUP, "q4")
 
 
 class Q8Linear(PackedLinear):

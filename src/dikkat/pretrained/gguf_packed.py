@@ -14,16 +14,16 @@ type   block (bytes: fields)                   becomes                w = …
 Q8_0   32 values, 34: d f16, q int8 ×32         8 bits, zero 128       d·(q − 128)
 Q4_0   32 values, 18: d f16, nibbles ×16        4 bits, zero 8         d·(q − 8)
 Q4_1   32 values, 20: d, m f16, nibbles ×16     4 bits, offset m       d·q + m
-Q5_0   32 values, 22: d f16, high bits u32, …   8 bits, zero 16        d·(q − 16)
-Q5_1   32 values, 24: d, m f16, high bits, …    8 bits, offset m       d·q + m
+Q5_0   32 values, 22: d f16, high bits u32, …   6 bits, zero 16        d·(q − 16)
+Q5_1   32 values, 24: d, m f16, high bits, …    6 bits, offset m       d·q + m
 Q4_K   256 values, 144: d, dmin f16, 6-bit      4 bits, per 32:        d·sc·q − dmin·mn
        sub-scales and mins ×8 (12 bytes), …
-Q5_K   256 values, 176: as Q4_K, high bits …    8 bits, per 32         d·sc·q − dmin·mn
-Q6_K   256 values, 210: low 4 bits, high 2      8 bits, per 16,        d·sc·(q − 32)
+Q5_K   256 values, 176: as Q4_K, high bits …    6 bits, per 32         d·sc·q − dmin·mn
+Q6_K   256 values, 210: low 4 bits, high 2      6 bits, per 16,        d·sc·(q − 32)
        bits, int8 sub-scales ×16, d f16         zero 32
 =====  ======================================  =====================  ===================
 
-5- and 6-bit integers take a byte each here: the kernels read 4 or 8 bits.
+5-bit integers take 6 bits here (:mod:`dikkat.layers.packed_bits`): the kernel reads 4, 6 or 8.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dikkat.layers.packed import PackedWeight, pack_nibbles
+from dikkat.layers.packed import PackedWeight
+from dikkat.layers.packed_bits import pack
 
 __all__ = ["PACKED_KINDS", "repack"]
 
@@ -131,11 +132,11 @@ _FORMATS = {
     "Q8_0": (32, 34, _q8_0, 8, 32),
     "Q4_0": (32, 18, _q4_0, 4, 32),
     "Q4_1": (32, 20, _q4_1, 4, 32),
-    "Q5_0": (32, 22, _q5_0, 8, 32),
-    "Q5_1": (32, 24, _q5_1, 8, 32),
+    "Q5_0": (32, 22, _q5_0, 6, 32),
+    "Q5_1": (32, 24, _q5_1, 6, 32),
     "Q4_K": (_QK_K, 144, _q4_k, 4, 32),
-    "Q5_K": (_QK_K, 176, _q5_k, 8, 32),
-    "Q6_K": (_QK_K, 210, _q6_k, 8, 16),
+    "Q5_K": (_QK_K, 176, _q5_k, 6, 32),
+    "Q6_K": (_QK_K, 210, _q6_k, 6, 16),
 }
 PACKED_KINDS: tuple[str, ...] = tuple(_FORMATS)
 
@@ -154,7 +155,7 @@ def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
         )
     q, scale, offset, zero = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
     q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
-    values = pack_nibbles(q) if bits == 4 else q
+    values = pack(q, bits)
     kept = [a for a in (scale, offset) if a is not None]
     dtype = np.float16 if all(_fits_f16(a) for a in kept) else np.float32
     scale_t, offset_t = (

@@ -1,4 +1,4 @@
-// Products of fp32 activations with weights packed in blocks of 4- or 8-bit unsigned integers.
+// Products of fp32 activations with weights packed in blocks of 4-, 6- or 8-bit unsigned integers.
 //
 // A weight row of K values is stored as K/B blocks (B = 32, or 16); value j of block b is
 //   scale[b] * (q[j] - zero)        (symmetric formats: no offset tensor), or
@@ -6,8 +6,10 @@
 // scales and offsets in fp32, or in fp16 (a file's own fp16 values, read a quarter fewer bytes).
 // 8-bit q: one byte a value. 4-bit q: 16 bytes a block of 32, byte j holding value j in its low
 // nibble and value j + 16 in its high nibble (ggml's Q4_0 order,
-// https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). The product reads the weight in
-// groups of 16 rows (dikkat/layers/packed_groups.py): see "A group's bytes" below.
+// https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). 6-bit q: 24 bytes a block, the
+// low 4 bits as 4-bit q holds them, then 8 bytes of top 2 bits (dikkat/layers/packed_bits.py).
+// The product reads the weight in groups of 16 rows (dikkat/layers/packed_groups.py): see
+// "A group's bytes" below.
 //
 // Each activation row is rounded to int16 per block of 32, a[j] = round(x[j] / d) with
 // d = max|x| / 32767 (16 bits, not llama.cpp's 8: an 8-bit rounding of a block that holds one of
@@ -127,18 +129,27 @@ void block_sums(const Rounded& r, int64_t M, int64_t K, int32_t zero, Sums& s) {
 // 8 bits, values 2 j and 2 j + 1; for 4 bits (16 bytes a block of 32), the low nibbles hold
 // values 2 c, 2 c + 1 and the high ones 2 c + 16, 2 c + 17 of the row's 32-value block j / 8,
 // c = j % 8. So an unpacked chunk is 16 lanes of two 16-bit weights, one lane a row, and
-// vpdpwssd multiplies it with a broadcast pair of activations.
+// vpdpwssd multiplies it with a broadcast pair of activations. 6 bits (24 bytes a block): 8
+// chunks of low nibbles as for 4 bits, then 4 chunks of top bits; top chunk p, widened to
+// 16-bit words, holds in bits 0-1, 2-3, 4-5 and 6-7 of its two words the top bits of the
+// values of nibble chunk 2 p (low, high nibbles) and 2 p + 1 (low, high nibbles): a shift
+// by 4, 2, 0 or -2 and a mask move them above the nibbles.
 constexpr int64_t kRows = 16;  // weight rows a group
 
 // the integer q of value k (of K) of row r, in a group's bytes (the scalar paths and the tail)
 template <int BITS>
 inline int32_t group_value(const uint8_t* group, int64_t r, int64_t k) {
+  // the row's byte b, as a row holds it, in the group
+  const auto at = [&](int64_t b) { return group[(b / 2) * 32 + 2 * r + b % 2]; };
   if constexpr (BITS == 8) {
-    return group[(k / 2) * 32 + 2 * r + k % 2];
+    return at(k);
   } else {
-    const int64_t i = k % 32, byte = (k / 32) * 16 + i % 16;  // the row's byte, as in a row
-    const uint8_t v = group[(byte / 2) * 32 + 2 * r + byte % 2];
-    return i < 16 ? (v & 0x0F) : (v >> 4);
+    constexpr int64_t block_bytes = kGroup * BITS / 8;
+    const int64_t i = k % 16, h = (k % 32) / 16, base = (k / 32) * block_bytes;
+    const int32_t low = (at(base + i) >> (4 * h)) & 0x0F;
+    if constexpr (BITS == 4) return low;
+    const int32_t top = (at(base + 16 + (i / 4) * 2 + i % 2) >> (2 * (2 * ((i / 2) % 2) + h))) & 3;
+    return low | (top << 4);
   }
 }
 
@@ -184,10 +195,19 @@ void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const ui
     #pragma GCC unroll 8
     for (int64_t j = 0; j < 8; ++j) {
       __m512i w0, w1;  // pairs j (values 2 j, 2 j + 1) and j + 8 (values 2 j + 16, 2 j + 17)
-      if constexpr (BITS == 4) {
+      if constexpr (BITS == 4 || BITS == 6) {
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * chunk_bytes)));
         w0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
         w1 = _mm512_srli_epi16(w, 4);
+        if constexpr (BITS == 6) {  // w | (top & 0x30), the top bits of nibble chunk j moved
+          const __m512i top = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (8 + j / 2) * chunk_bytes)));
+          const __m512i bits45 = _mm512_set1_epi16(0x30);
+          constexpr int kOrMasked = 0xF8;  // a | (b & c): truth table over (a, b, c) as bits 2, 1, 0
+          const __m512i t0 = j % 2 ? top : _mm512_slli_epi16(top, 4);
+          const __m512i t1 = j % 2 ? _mm512_srli_epi16(top, 2) : _mm512_slli_epi16(top, 2);
+          w0 = _mm512_ternarylogic_epi32(w0, t0, bits45, kOrMasked);
+          w1 = _mm512_ternarylogic_epi32(w1, t1, bits45, kOrMasked);
+        }
       } else {
         w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * chunk_bytes)));
         w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (j + 8) * chunk_bytes)));
@@ -318,7 +338,7 @@ void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* value
 void check_blocks(const at::Tensor& values, const at::Tensor& scale,
                   const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t K) {
   TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
   TORCH_CHECK(values.size(1) == K * bits / 8, "values do not hold K values a row");
@@ -345,6 +365,8 @@ void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
 #define DIKKAT_RUN(B, L, O) run<B, L, O, S>(r, M, K, N, v, s, o, z, y)
   if (bits == 8 && block == 32) { if (has_offset) DIKKAT_RUN(8, 32, true); else DIKKAT_RUN(8, 32, false); }
   else if (bits == 8) { if (has_offset) DIKKAT_RUN(8, 16, true); else DIKKAT_RUN(8, 16, false); }
+  else if (bits == 6 && block == 32) { if (has_offset) DIKKAT_RUN(6, 32, true); else DIKKAT_RUN(6, 32, false); }
+  else if (bits == 6) { if (has_offset) DIKKAT_RUN(6, 16, true); else DIKKAT_RUN(6, 16, false); }
   else if (block == 32) { if (has_offset) DIKKAT_RUN(4, 32, true); else DIKKAT_RUN(4, 32, false); }
   else { if (has_offset) DIKKAT_RUN(4, 16, true); else DIKKAT_RUN(4, 16, false); }
 #undef DIKKAT_RUN
@@ -382,10 +404,14 @@ void dequantize_as(const uint8_t* v, const S* s, const S* o, int64_t bits, int64
       if (bits == 8) {
         for (int64_t k = 0; k < K; ++k) q[k] = static_cast<float>(row[k]);
       } else {
+        const int64_t block_bytes = kGroup * bits / 8;
         for (int64_t g = 0; g < K / kGroup; ++g) {
-          for (int j = 0; j < 16; ++j) {
-            q[g * 32 + j] = static_cast<float>(row[g * 16 + j] & 0x0F);
-            q[g * 32 + j + 16] = static_cast<float>(row[g * 16 + j] >> 4);
+          const uint8_t* b = row + g * block_bytes;
+          for (int j = 0; j < 32; ++j) {
+            const int i = j % 16, h = j / 16;
+            int value = (b[i] >> (4 * h)) & 0x0F;
+            if (bits == 6) value |= ((b[16 + (i / 4) * 2 + i % 2] >> (2 * (2 * ((i / 2) % 2) + h))) & 3) << 4;
+            q[g * 32 + j] = static_cast<float>(value);
           }
         }
       }
@@ -409,7 +435,7 @@ void dequantize_as(const uint8_t* v, const S* s, const S* o, int64_t bits, int64
 at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block,
                       int64_t zero) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
   const int64_t N = values.size(0), K = values.size(1) * 8 / bits;
   check_blocks(values, scale, offset, bits, block, K);
   const bool has_offset = offset.has_value() && offset->defined();
