@@ -32,19 +32,28 @@ SCRIPT = textwrap.dedent(
     for bits in (4, 6, 8):
         for block in (16, 32):
             for offsets in (False, True):
-                N, K, M = 21, 96, 3  # a group of 16 rows and 5 more
-                q = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
-                scale = torch.randn(N, K // block, generator=g).half() * 0.01
-                offset = torch.randn(N, K // block, generator=g).half() if offsets else None
-                zero = 0 if offsets else 2 ** (bits - 1)
-                values = pack(q, bits)
-                p = PackedWeight(values, scale, offset, zero, bits, block, "t").in_groups()
-                x = torch.randn(M, K, generator=g)
-                a, d = round_activations(x)
-                rounded = (a.double().view(M, K // 32, 32) * d.double()[..., None]).view(M, K)
-                want = rounded @ dequantize(p).double().T
-                got = op(x, p.values, p.scale, p.offset, bits, block, zero).double()
-                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+                for two_level in (False, True):  # fp16 scales, or int8 times fp16 a 256
+                    N, K, M = 21, 512, 3  # a group of 16 rows and 5 more; two super-blocks
+                    q = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+                    scale = torch.randn(N, K // block, generator=g).half() * 0.01
+                    offset = torch.randn(N, K // block, generator=g).half() if offsets else None
+                    units = [None, None]
+                    if two_level:
+                        scale = torch.randint(-128, 128, scale.shape, generator=g).to(torch.int8)
+                        offset = None if offset is None else scale.flip(1)
+                        units = [torch.rand(N, 2, generator=g).half(), None]
+                        units[1] = None if offset is None else -units[0]
+                    zero = 0 if offsets else 2 ** (bits - 1)
+                    values = pack(q, bits)
+                    p = PackedWeight(values, scale, offset, zero, bits, block, "t", False, *units)
+                    p = p.in_groups()
+                    x = torch.randn(M, K, generator=g)
+                    a, d = round_activations(x)
+                    rounded = (a.double().view(M, K // 32, 32) * d.double()[..., None]).view(M, K)
+                    want = rounded @ dequantize(p).double().T
+                    got = op(x, p.values, p.scale, p.offset, p.super_scale, p.super_offset, bits,
+                             block, zero).double()
+                    worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     print(worst)
     """
 )

@@ -11,7 +11,6 @@ from dikkat.core.native import qmm_op
 from dikkat.layers import Linear, inference_model
 from dikkat.layers.packed import (
     DENSE_ROWS,
-    PackedLinear,
     PackedWeight,
     _product,
     dequantize,
@@ -20,6 +19,7 @@ from dikkat.layers.packed import (
     unpack,
 )
 from dikkat.layers.packed_bits import pack
+from dikkat.layers.packed_layers import PackedLinear
 from dikkat.layers.packed_quantize import quantize_q4, quantize_q8
 
 F32 = torch.float32
@@ -36,12 +36,21 @@ def reference(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
 def random_packed(
     N: int, K: int, bits: int, block: int, offsets: bool, seed: int, dtype: torch.dtype = F32
 ) -> PackedWeight:
-    """A packed weight of random integers, scales (some negative) and offsets, in ``dtype``."""
+    """A packed weight of random integers, scales (some negative) and offsets, in ``dtype``;
+    int8: in two levels, times fp16 super-block values (K a multiple of 256)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    zero = 0 if offsets else 2 ** (bits - 1)
+    if dtype == torch.int8:
+        scale, offset = (torch.randint(-128, 128, (N, K // block), generator=g, dtype=dtype)
+                         for _ in range(2))  # fmt: skip
+        units = [(torch.randn(N, K // 256, generator=g) * 1e-3).half() for _ in range(2)]
+        return PackedWeight(
+            pack(q, bits), scale, offset if offsets else None, zero, bits, block, "test", False,
+            units[0], units[1] if offsets else None,
+        )  # fmt: skip
     scale = (torch.randn(N, K // block, generator=g) * 0.01).to(dtype)
     offset = (torch.randn(N, K // block, generator=g) * 0.05).to(dtype) if offsets else None
-    zero = 0 if offsets else 2 ** (bits - 1)
     values = pack(q, bits)
     return PackedWeight(values, scale, offset, zero, bits, block, "test")
 
@@ -67,6 +76,24 @@ def test_the_product_is_the_dequantised_weight_times_the_rounded_rows(
         assert (got.double() - want).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("bits,block,offsets", [(b, k, o) for b, k, o, d in LAYOUTS if d == F32])
+@pytest.mark.parametrize("K", [256, 768])
+@pytest.mark.parametrize("M", [1, 3, 8, 11])
+def test_two_level_scales_multiply_as_their_products(bits, block, offsets, K, M):
+    """An int8 scale (and offset) a block times an fp16 a super-block of 256, as K-quants hold
+    them: the product is the weight with their fp32 products as its scales."""
+    p = random_packed(37, K, bits, block, offsets, seed=K + M, dtype=torch.int8)
+    scale, offset = p.block_scales()
+    assert scale.dtype == torch.float32 and scale.shape == p.scale.shape
+    one_level = PackedWeight(p.values, scale, offset, p.zero, bits, block, "one level")
+    assert torch.equal(dequantize(p), dequantize(one_level))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    want = reference(x, one_level)
+    tol = 1e-5 * want.abs().max().item() + 1e-6
+    for got in (packed_linear(x, p), _product(x, p), packed_linear(x, p.in_groups())):
+        assert (got.double() - want).abs().max().item() <= tol
+
+
 def test_the_native_kernel_is_built_here():
     """The machines the suite runs on have a C++ compiler: the kernel must build (the PyTorch
     product is the fallback elsewhere, and is tested above either way)."""
@@ -74,16 +101,17 @@ def test_the_native_kernel_is_built_here():
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_compiled_products_and_lookups_are_the_eager_ones(dtype, grouped):
     """torch.compile plans its buffers from the ops' fake implementations: the dequantised
     weight is fp32 whatever its scales are (an fp16 output there reads fp32 bytes as fp16)."""
-    p = random_packed(40, 64, 8, 32, False, seed=5, dtype=dtype)
+    K = 256
+    p = random_packed(40, K, 8, 32, dtype == torch.int8, seed=5, dtype=dtype)
     p = p.in_groups() if grouped else p
-    ids, x = torch.tensor([[3, 17], [0, 39]]), torch.randn(2, 64)
+    ids, x = torch.tensor([[3, 17], [0, 39]]), torch.randn(2, K)
 
     def step(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(p.take(ids.reshape(-1))).view(*ids.shape, 64)  # an embedding lookup
+        rows = dequantize(p.take(ids.reshape(-1))).view(*ids.shape, K)  # an embedding lookup
         return packed_linear(rows + x[:, None], p)
 
     want = step(ids, x)
@@ -93,13 +121,17 @@ def test_compiled_products_and_lookups_are_the_eager_ones(dtype, grouped):
 
 
 @pytest.mark.parametrize("N", [5, 16, 37])  # a tail alone, a group alone, both
-@pytest.mark.parametrize("bits,offsets", [(4, True), (8, False)])
-def test_the_kernel_s_groups_hold_the_same_weight(N, bits, offsets):
-    p = random_packed(N, 64, bits, 32, offsets, seed=N)
+@pytest.mark.parametrize(
+    "bits,offsets,dtype", [(4, True, F32), (8, False, F32), (6, True, torch.int8)]
+)
+def test_the_kernel_s_groups_hold_the_same_weight(N, bits, offsets, dtype):
+    K = 256
+    p = random_packed(N, K, bits, 32, offsets, seed=N, dtype=dtype)
     g = p.in_groups()
     assert g.grouped and g.in_groups() is g and g.shape == p.shape and g.nbytes == p.nbytes
     back = g.in_rows()
-    for a, b in ((back.values, p.values), (back.scale, p.scale), (back.offset, p.offset)):
+    for name in ("values", "scale", "offset", "super_scale", "super_offset"):
+        a, b = getattr(back, name), getattr(p, name)
         assert (a is None and b is None) or torch.equal(a, b)
     if N >= 16:  # 16 rows interleaved two bytes at a time: row 1's first pair follows row 0's
         assert torch.equal(g.values[0, 2:4], p.values[1, 0:2])
@@ -111,7 +143,7 @@ def test_the_kernel_s_groups_hold_the_same_weight(N, bits, offsets):
     for start, stop in ((0, N), (1, N), (0, min(N, 16)), (N // 3, N - 1)):
         part = g.rows(start, stop)
         assert part.grouped and torch.equal(dequantize(part), dequantize(p)[start:stop])
-    x = torch.randn(3, 64)
+    x = torch.randn(3, K)
     assert torch.equal(packed_linear(x, g), packed_linear(x, p))
 
 
@@ -169,8 +201,15 @@ def test_bad_shapes_are_refused():
     for x in (torch.randn(2, 40), torch.randn(64), torch.ones(1, 32, dtype=torch.long)):
         with pytest.raises(ValueError, match="x must be floating-point rows"):
             round_activations(x)
-    with pytest.raises(ValueError, match="fp32 or fp16"):
+    with pytest.raises(ValueError, match="fp32, fp16 or int8"):
         PackedWeight(p.values, p.scale.double(), None, 128, 8, 32, "x")
+    small = p.scale.to(torch.int8)
+    with pytest.raises(ValueError, match=r"int8 scale .* needs super_scale"):
+        PackedWeight(p.values, small, None, 128, 8, 32, "x")  # no super-block values
+    with pytest.raises(ValueError, match="needs super_scale"):
+        PackedWeight(p.values, p.scale, None, 128, 8, 32, "x", False, torch.ones(4, 1).half())
+    with pytest.raises(ValueError, match=r"must be \(N, K / 256\)"):
+        PackedWeight(p.values, small, None, 128, 8, 32, "x", False, torch.ones(4, 1).half())
     with pytest.raises(ValueError, match="shaped and typed as scale"):
         PackedWeight(p.values, p.scale, p.scale.half(), 0, 8, 32, "x")
 

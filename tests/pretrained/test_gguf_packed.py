@@ -11,7 +11,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 import dikkat
-from dikkat.layers.packed import PackedEmbedding, PackedLinear, dequantize
+from dikkat.layers.packed import dequantize
+from dikkat.layers.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
 
 # where each format keeps its fp16 scales (byte offsets in a block): random bytes there could be

@@ -8,7 +8,8 @@ from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP, GatedMLP
 from dikkat.layers.norm import LayerNorm, RMSNorm
-from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight, packed_linear
+from dikkat.layers.packed import PackedWeight, packed_linear
+from dikkat.layers.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.layers.packed_quantize import quantize_q4, quantize_q8
 from dikkat.layers.positional import (
     ALiBi,

@@ -12,11 +12,13 @@ unsigned integers q and one ``scale`` (and, in formats with a per-block minimum,
 
 This is llama.cpp's family of block formats (https://github.com/ggml-org/ggml/blob/master/
 docs/gguf.md) in one layout that one kernel reads: 8-bit q one byte a value, 4-bit q two a
-byte, 6-bit q (which holds 5-bit formats too) three values in four bytes
-(:mod:`dikkat.layers.packed_bits`). Scales and offsets are fp16 where the file holds them so (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1:
-kept as they are, a sixth fewer bytes to read than fp32 would take) and fp32 otherwise, so that
-every GGUF format repacks exactly (a K-quant's scale is its super-block's fp16 scale times a
-6-bit sub-scale, which fp16 cannot always hold). A weight is held row by row, or (``grouped``)
+byte, 6-bit q (which holds 5-bit formats too) four in three bytes
+(:mod:`dikkat.layers.packed_bits`). Scales and offsets are fp16 where the file holds them so
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: kept as they are), fp32 for dikkat's own formats, and in two
+levels as the K-quants hold them: an int8 a block (``scale``, ``offset``) times an fp16 a
+super-block of 256 values (``super_scale``, ``super_offset``), their product exact in fp32 —
+every GGUF format repacks exactly, and a Q6_K block of 16 values carries one byte of scale
+where an fp32 one would take four. A weight is held row by row, or (``grouped``)
 in the kernel's groups of 16 rows (:mod:`dikkat.layers.packed_groups`): byte pair j of the
 group's row r at pair 16 j + r, its scales and offsets 16 a block, so that one vector of the
 kernel holds the same two values of 16 rows.
@@ -41,22 +43,18 @@ row's result does not depend on the others in its batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from dikkat.core.native import qmm_op
-from dikkat.layers.held import HeldWeight, InferenceLinear
 from dikkat.layers.packed_bits import BITS, unpack_values
 from dikkat.layers.packed_groups import ROWS, gather_rows, to_groups, to_rows
 
 __all__ = [
-    "PackedEmbedding",
-    "PackedLinear",
     "PackedWeight",
     "dequantize",
     "packed_linear",
@@ -64,6 +62,7 @@ __all__ = [
 ]
 
 GROUP = 32  # values an activation block (and most weight blocks) holds
+SUPER = 256  # values a super-block of two-level scales (ggml's QK_K)
 _LEVELS = 32767  # activations' integers: int16
 # from this many rows on (a prompt's prefill, not a decode step of a batch of up to DENSE_ROWS - 1
 # sequences), x is multiplied by the dequantised weight instead: at such sizes the product is
@@ -92,6 +91,8 @@ class PackedWeight:
     block: int
     kind: str
     grouped: bool = False
+    super_scale: Tensor | None = None
+    super_offset: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in BITS or self.block not in (16, GROUP):
@@ -106,8 +107,10 @@ class PackedWeight:
                 f"scale must be (N, K / {self.block}) = {(N, K // self.block)} with K a multiple "
                 f"of {GROUP}, got {tuple(self.scale.shape)}"
             )
-        if self.scale.dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"scale must be fp32 or fp16, got {self.scale.dtype}")
+        if self.scale.dtype not in (torch.float32, torch.float16, torch.int8):
+            raise ValueError(
+                f"scale must be fp32, fp16 or int8 (two levels), got {self.scale.dtype}"
+            )
         if self.offset is not None and (
             self.offset.shape != self.scale.shape or self.offset.dtype != self.scale.dtype
         ):
@@ -115,6 +118,26 @@ class PackedWeight:
                 f"offset must be shaped and typed as scale {tuple(self.scale.shape)} "
                 f"{self.scale.dtype}, got {tuple(self.offset.shape)} {self.offset.dtype}"
             )
+        self._check_units()
+
+    def _check_units(self) -> None:
+        """An int8 scale (and offset) comes with its fp16 super-block values, (N, K / 256)."""
+        two_level = self.scale.dtype == torch.int8
+        if two_level != (self.super_scale is not None) or (
+            two_level and self.offset is not None
+        ) != (self.super_offset is not None):
+            raise ValueError(
+                "an int8 scale (and offset) needs super_scale (and super_offset), and only it does"
+            )
+        N, K = self.shape
+        for t in (self.super_scale, self.super_offset):
+            if t is not None and (
+                K % SUPER or t.shape != (N, K // SUPER) or t.dtype != torch.float16
+            ):
+                raise ValueError(
+                    f"super_scale and super_offset must be (N, K / {SUPER}) = {(N, K // SUPER)} "
+                    f"fp16 with K a multiple of {SUPER}, got {tuple(t.shape)} {t.dtype}"
+                )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -134,7 +157,7 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes of the integers, scales and offsets: what one product reads."""
-        tensors = (self.values, self.scale, self.offset)
+        tensors = (self.values, self.scale, self.offset, self.super_scale, self.super_offset)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def rows(self, start: int, stop: int) -> PackedWeight:
@@ -167,19 +190,33 @@ class PackedWeight:
         """The same weight row by row (itself if it is)."""
         return self._grouped_parts(to_rows, False) if self.grouped else self
 
+    def block_scales(self) -> tuple[Tensor, Tensor | None]:
+        """The blocks' scales and offsets (N, K / block), row by row, in one level: as held, or
+        for two levels in fp32, each the product of its int8 and its super-block's fp16."""
+        p = self.in_rows()
+        if p.super_scale is None:
+            return p.scale, p.offset
+        N, per = p.shape[0], SUPER // p.block
+
+        def expand(t: Tensor, unit: Tensor) -> Tensor:
+            return (t.float().view(N, -1, per) * unit.float()[..., None]).view(N, -1)
+
+        offset = (
+            None if p.offset is None or p.super_offset is None else expand(p.offset, p.super_offset)
+        )
+        return expand(p.scale, p.super_scale), offset
+
     def _grouped_parts(self, fn: Callable[[Tensor, int], Tensor], grouped: bool) -> PackedWeight:
         """fn applied to the values (two bytes a unit) and the scales and offsets (one)."""
-        offset = None if self.offset is None else fn(self.offset, 1)
-        return PackedWeight(
-            fn(self.values, 2), fn(self.scale, 1), offset, self.zero, self.bits, self.block,
-            self.kind, grouped,
-        )  # fmt: skip
+        return self._with(lambda t: fn(t, 2 if t is self.values else 1), grouped)
 
     def _with(self, fn: Callable[[Tensor], Tensor], grouped: bool) -> PackedWeight:
-        offset = None if self.offset is None else fn(self.offset)
+        def apply(t: Tensor | None) -> Tensor | None:
+            return None if t is None else fn(t)
+
         return PackedWeight(
-            fn(self.values), fn(self.scale), offset, self.zero, self.bits, self.block,
-            self.kind, grouped,
+            fn(self.values), fn(self.scale), apply(self.offset), self.zero, self.bits, self.block,
+            self.kind, grouped, apply(self.super_scale), apply(self.super_offset),
         )  # fmt: skip
 
 
@@ -193,8 +230,9 @@ def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
     dequantisation gives for a repacked GGUF tensor), in ``dtype``; in the native kernel where
     it is built, else with PyTorch operations (the same numbers)."""
     p = p.in_rows()
+    scale, offset = p.block_scales()
     if _native() is not None and p.device.type == "cpu":
-        w = torch.ops.dikkat_native.dequantize(p.values, p.scale, p.offset, p.bits, p.block, p.zero)
+        w = torch.ops.dikkat_native.dequantize(p.values, scale, offset, p.bits, p.block, p.zero)
         return w.to(dtype)
     return _dequantize(p).to(dtype)
 
@@ -202,8 +240,8 @@ def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
 def _dequantize(p: PackedWeight) -> Tensor:
     N, K = p.shape
     q = unpack(p).view(N, K // p.block, p.block).float()
-    scale = p.scale[..., None].float()
-    w = scale * (q - p.zero) if p.offset is None else scale * q + p.offset[..., None].float()
+    scale, offset = (None if t is None else t[..., None].float() for t in p.block_scales())
+    w = scale * (q - p.zero) if offset is None else scale * q + offset
     return w.view(N, K)
 
 
@@ -234,7 +272,8 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
         out = _dense(rows, p)
     elif op is not None:
         p = p.in_groups()  # (a PackedLinear holds them so already)
-        out = op(rows, p.values, p.scale, p.offset, p.bits, p.block, p.zero)
+        out = op(rows, p.values, p.scale, p.offset, p.super_scale, p.super_offset, p.bits,
+                 p.block, p.zero)  # fmt: skip
     else:
         out = _product(rows, p)
     out = out.view(*x.shape[:-1], N)
@@ -273,112 +312,3 @@ def _product(rows: Tensor, p: PackedWeight) -> Tensor:
     parts = [F.linear(x, dequantize(p.rows(n, min(n + _FALLBACK_ROWS, N)))) for n in
              range(0, N, _FALLBACK_ROWS)]  # fmt: skip
     return torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]
-
-
-class PackedLinear(InferenceLinear):
-    """A linear layer holding its weight as :class:`PackedWeight` row blocks: the product of
-    :func:`packed_linear`, plus the bias. ``packed`` may be several weights stacked by rows (a
-    fused q/k/v projection whose parts a GGUF file quantised differently); consecutive parts
-    of one layout are joined into one at construction, so a product calls the kernel once per
-    layout. Its ``weights_format`` is "q8" or "q4" (dikkat's own quantisation,
-    :mod:`dikkat.layers.packed_quantize`) or "gguf" (as a GGUF file held it)."""
-
-    weights_format = "gguf"
-
-    def __init__(
-        self,
-        packed: PackedWeight | Sequence[PackedWeight],
-        bias: nn.Parameter | None,
-        batched: bool,
-    ) -> None:
-        parts = _joined([packed] if isinstance(packed, PackedWeight) else list(packed))
-        if {p.shape[1] for p in parts} != {parts[0].shape[1]}:
-            raise ValueError(f"packed parts must share K, got {[p.shape for p in parts]}")
-        where = {str(p.device) for p in parts}
-        if where != {"cpu"}:
-            raise ValueError(f"packed weights run on the CPU only, got them on {where}")
-        N = sum(p.shape[0] for p in parts)
-        super().__init__(torch.empty(N, parts[0].shape[1], device="meta"), bias, batched)
-        self._device = torch.device("cpu")
-        self.parts = tuple(p.in_groups() for p in parts)  # as the kernel reads them
-        ends = torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()
-        self._spans = list(zip([0, *ends[:-1]], ends, strict=True))
-
-    @property
-    def weight(self) -> HeldWeight:
-        shape = torch.Size((self.out_features, self.in_features))
-        return HeldWeight(self.weights_format, shape, torch.float32, self._device)  # type: ignore[arg-type]
-
-    @property
-    def nbytes(self) -> int:
-        b = self.bias
-        held = sum(p.nbytes for p in self.parts)
-        return held + (0 if b is None else b.numel() * b.element_size())
-
-    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        outs = []
-        for (a, b), p in zip(self._spans, self.parts, strict=True):
-            lo, hi = max(a, start), min(b, stop)
-            if lo < hi:
-                outs.append(packed_linear(x, p if (lo, hi) == (a, b) else p.rows(lo - a, hi - a)))
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        bias = self._bias(start, stop)
-        return y if bias is None else y + bias.to(y.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kinds={[p.kind for p in self.parts]}"
-
-
-def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
-    """Consecutive parts of one layout (bits, block, zero point or offsets, the scales' dtype)
-    stacked into one."""
-    if not parts:
-        raise ValueError("a packed layer needs at least one packed weight")
-    if len(parts) > 1:
-        parts = [p.in_rows() for p in parts]
-    out = [parts[0]]
-    for p in parts[1:]:
-        q = out[-1]
-        if (p.bits, p.block, p.zero, p.offset is None, p.scale.dtype) != (
-            q.bits,
-            q.block,
-            q.zero,
-            q.offset is None,
-            q.scale.dtype,
-        ):
-            out.append(p)
-            continue
-        offset = None if p.offset is None or q.offset is None else torch.cat([q.offset, p.offset])
-        kind = q.kind if q.kind == p.kind else f"{q.kind}+{p.kind}"
-        out[-1] = PackedWeight(
-            torch.cat([q.values, p.values]), torch.cat([q.scale, p.scale]), offset, q.zero,
-            q.bits, q.block, kind,
-        )  # fmt: skip
-    return out
-
-
-class PackedEmbedding(nn.Module):
-    """A token embedding (V, C) held as a :class:`PackedWeight`: the rows of the ids looked up
-    are dequantised, in fp32. Its ``weight`` shows the shape, dtype and device (for the model's
-    input checks and cache layout); the table itself is ``packed``, which a tied output layer
-    (:class:`PackedLinear`) shares."""
-
-    def __init__(self, packed: PackedWeight) -> None:
-        super().__init__()
-        self.packed = packed
-        self.num_embeddings, self.embedding_dim = packed.shape
-
-    @property
-    def weight(self) -> HeldWeight:
-        return HeldWeight("gguf", torch.Size(self.packed.shape), torch.float32, self.packed.device)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        rows = self.packed.take(ids.reshape(-1))
-        return dequantize(rows).view(*ids.shape, self.embedding_dim)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> PackedEmbedding:
-        raise TypeError("a packed embedding cannot be moved or converted: load the model again")
-
-    def extra_repr(self) -> str:
-        p = self.packed
-        return f"{self.num_embeddings}, {self.embedding_dim}, kind={p.kind!r}"

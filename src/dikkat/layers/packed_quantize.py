@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dikkat.layers.packed import GROUP, PackedLinear, PackedWeight
+from dikkat.layers.packed import GROUP, PackedWeight
 from dikkat.layers.packed_bits import pack
+from dikkat.layers.packed_layers import PackedLinear
 
 __all__ = ["Q4Linear", "Q8Linear", "quantize_q4", "quantize_q8"]
 

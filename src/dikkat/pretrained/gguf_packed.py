@@ -2,8 +2,10 @@
 of :class:`dikkat.layers.packed.PackedWeight`.
 
 Each GGML block format is read into unsigned integers, one scale per block of 32 (16 for Q6_K)
-and, for the formats with a minimum, one offset per block — in fp16 where fp16 holds them all
-(the formats whose blocks store them so: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), else in fp32 — such that
+and, for the formats with a minimum, one offset per block — in fp16 as the blocks of Q8_0, Q4_0,
+Q4_1, Q5_0 and Q5_1 store them, and in two levels as the K-quants do (an int8 a block, the
+file's 6- or 8-bit sub-scale or minimum, times an fp16 a super-block of 256: its d or −dmin) —
+such that
 ``dequantize(packed)`` equals the ``gguf`` package's own ``dequantize`` of the same bytes, bit
 for bit (tests/pretrained/test_gguf_packed.py). The block layouts are those of ggml's
 ``ggml-common.h`` (https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h):
@@ -66,26 +68,30 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+# a reader: a file's blocks (n, bytes a block) → (q, scale, offset or None, zero, units): units
+# None, or for two levels the super-blocks' fp16 (d, −dmin or None) that scale and offset times
+
+
 def _q8_0(b: np.ndarray) -> tuple:
-    return b[:, 2:] ^ 0x80, _f16(b[:, 0:2]), None, 128  # int8 → offset binary: x + 128
+    return b[:, 2:] ^ 0x80, _f16(b[:, 0:2]), None, 128, None  # int8 → offset binary: x + 128
 
 
 def _q4_0(b: np.ndarray) -> tuple:
-    return _low_high(b[:, 2:18]), _f16(b[:, 0:2]), None, 8
+    return _low_high(b[:, 2:18]), _f16(b[:, 0:2]), None, 8, None
 
 
 def _q4_1(b: np.ndarray) -> tuple:
-    return _low_high(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0
+    return _low_high(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0, None
 
 
 def _q5_0(b: np.ndarray) -> tuple:
     q = _low_high(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)
-    return q, _f16(b[:, 0:2]), None, 16
+    return q, _f16(b[:, 0:2]), None, 16, None
 
 
 def _q5_1(b: np.ndarray) -> tuple:
     q = _low_high(b[:, 8:24]) | (_high_bits(b[:, 4:8]) << 4)
-    return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0
+    return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0, None
 
 
 def _k_low(qs: np.ndarray) -> np.ndarray:
@@ -98,9 +104,7 @@ def _k_low(qs: np.ndarray) -> np.ndarray:
 def _q4_k(b: np.ndarray) -> tuple:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
-    scale = d[:, None] * sc.astype(np.float32)
-    offset = -(dmin[:, None] * mn.astype(np.float32))
-    return _k_low(b[:, 16:144]), scale, offset, 0
+    return _k_low(b[:, 16:144]), sc, mn, 0, (d, -dmin)
 
 
 def _q5_k(b: np.ndarray) -> tuple:
@@ -109,14 +113,11 @@ def _q5_k(b: np.ndarray) -> tuple:
     # bit i of high byte j: the fifth bit of value j of sub-block i
     high = (b[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # (n, 32, 8)
     q = _k_low(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)
-    scale = d[:, None] * sc.astype(np.float32)
-    offset = -(dmin[:, None] * mn.astype(np.float32))
-    return q, scale, offset, 0
+    return q, sc, mn, 0, (d, -dmin)
 
 
 def _q6_k(b: np.ndarray) -> tuple:
     ql, qh = b[:, 0:128], b[:, 128:192]
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
     d = _f16(b[:, 208:210])
     # 64 bytes of low 4 bits per half (128 values): low nibbles values 0-63, high 64-127;
     # 32 bytes of high 2 bits per half: bits 0-1, 2-3, 4-5, 6-7 for values 0-31, 32-63, …
@@ -124,7 +125,7 @@ def _q6_k(b: np.ndarray) -> tuple:
     low = np.concatenate([halves & 0x0F, halves >> 4], axis=2).reshape(-1, 8, 32)
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
     q = low | (high.reshape(-1, 8, 32) << 4)
-    return q, d[:, None] * sc, None, 32
+    return q, b[:, 192:208].view(np.int8), None, 32, (d, None)
 
 
 # name → (values a block, bytes a block, reader, bits, block of a scale)
@@ -153,19 +154,20 @@ def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
             f"a {kind} tensor of shape {shape} must be ({N}, {K // per_block * nbytes}) bytes "
             f"of {per_block}-value blocks, got {raw.shape}"
         )
-    q, scale, offset, zero = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
+    q, scale, offset, zero, units = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
     q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
-    values = pack(q, bits)
-    kept = [a for a in (scale, offset) if a is not None]
-    dtype = np.float16 if all(_fits_f16(a) for a in kept) else np.float32
-    scale_t, offset_t = (
-        None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(N, -1))
-        for a in (scale, offset)
-    )
+    dtype = np.float16 if units is None else np.int8  # (a K-quant's 6-bit sub-scales fit int8)
+    scale_t, offset_t = (_rows(a, dtype, N) for a in (scale, offset))
+    supers = (None, None) if units is None else (_rows(a, np.float16, N) for a in units)
     # in the kernel's groups already, so that a table and its tied output share one copy
-    return PackedWeight(values, scale_t, offset_t, zero, bits, block, kind).in_groups()
+    return PackedWeight(
+        pack(q, bits), scale_t, offset_t, zero, bits, block, kind, False, *supers
+    ).in_groups()
 
 
-def _fits_f16(a: np.ndarray) -> bool:
-    """Whether fp16 holds every value of ``a`` exactly (the file's own fp16 scales do)."""
-    return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a.astype(np.float32)))
+def _rows(a: np.ndarray | None, dtype: type, N: int) -> torch.Tensor | None:
+    """``a`` (any shape holding N rows) as an (N, ·) tensor of ``dtype``; the values fit it
+    exactly (the file's own fp16 values, small integers)."""
+    return (
+        None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(N, -1))
+    )

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from dikkat.interop.gguf_gpt2 import _BLOCK, ARCHITECTURE, gguf_names, gpt_state
-from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
+from dikkat.layers.packed import PackedWeight
+from dikkat.layers.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.models.io import load_checked
 from dikkat.pretrained.gguf_file import GGUFFile

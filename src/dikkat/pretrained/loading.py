@@ -4,13 +4,13 @@ its tokenizer and chat template.
 
 A GGUF file's quantised matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay packed by
 default: each is repacked once, exactly, into :class:`~dikkat.layers.packed.PackedWeight`
-(:mod:`dikkat.pretrained.gguf_packed`) and multiplied as such (:class:`~dikkat.layers.packed.
-PackedLinear`; the token embedding a :class:`~dikkat.layers.packed.PackedEmbedding`, shared
-with a tied output layer), never expanded to fp32. ``weights="fp32"`` instead dequantises them
-with the ``gguf`` package, exactly as transformers reads the same file (``dtype`` then casts the
-model: bf16 halves it), and the other formats of :func:`dikkat.layers.inference_model` convert
-that. The model is built on the ``meta`` device and takes the loaded tensors as its parameters
-(``assign=True``), so its weights are allocated once.
+(:mod:`dikkat.pretrained.gguf_packed`) and multiplied as such (:class:`~dikkat.layers.
+packed_layers.PackedLinear`; the token embedding a :class:`~dikkat.layers.packed_layers.
+PackedEmbedding`, shared with a tied output layer), never expanded to fp32. ``weights="fp32"``
+instead dequantises them with the ``gguf`` package, exactly as transformers reads the same file
+(``dtype`` then casts the model: bf16 halves it), and the other formats of
+:func:`dikkat.layers.inference_model` convert that. The model is built on the ``meta`` device and
+takes the loaded tensors as its parameters (``assign=True``), so its weights are allocated once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from torch import Tensor
 from dikkat.layers.inference import inference_model
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.mlp import GatedMLP
-from dikkat.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
+from dikkat.layers.packed import PackedWeight
+from dikkat.layers.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.layers.quantized import WeightFormat, check_weights
 from dikkat.models.decoder import Decoder, DecoderConfig
 from dikkat.models.gpt import GPT

@@ -1,7 +1,7 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
 Three kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
-of 4- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
+of 4-, 6- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
 product is), and ``dequantize``, the fp32 weight such blocks stand for; in
 ``paged_attention.cpp``, ``paged_attention``, a decode step's attention over keys and values
 in a pool of slots (:class:`dikkat.models.static_step.PoolStep`). The files are compiled into
@@ -162,6 +162,8 @@ def _register_fake() -> None:
         values: Tensor,
         scale: Tensor,
         offset: Tensor | None,
+        super_scale: Tensor | None,
+        super_offset: Tensor | None,
         bits: int,
         block: int,
         zero: int,

@@ -3,7 +3,9 @@
 // A weight row of K values is stored as K/B blocks (B = 32, or 16); value j of block b is
 //   scale[b] * (q[j] - zero)        (symmetric formats: no offset tensor), or
 //   scale[b] * q[j] + offset[b]     (formats with a per-block minimum),
-// scales and offsets in fp32, or in fp16 (a file's own fp16 values, read a quarter fewer bytes).
+// scales and offsets in fp32, or in fp16 (a file's own fp16 values, read a quarter fewer bytes),
+// or in two levels, as ggml's K-quants hold them: an int8 a block times an fp16 a super-block of
+// 256 values (a block's fp32 scale is then exactly their product).
 // 8-bit q: one byte a value. 4-bit q: 16 bytes a block of 32, byte j holding value j in its low
 // nibble and value j + 16 in its high nibble (ggml's Q4_0 order,
 // https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). 6-bit q: 24 bytes a block, the
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -42,6 +45,13 @@ constexpr int64_t kGroup = 32;  // activation block
 constexpr int64_t kTile = 8;     // activation rows multiplied with one unpacked weight group
 constexpr int64_t kAhead = 4096;  // bytes of weights asked for ahead of their turn
 constexpr int32_t kLevels = 32767;  // activations: round(x / d), d = max |x| / kLevels
+constexpr int64_t kSuper = 256;  // values a super-block of two-level scales
+
+// a two-level format's fp16 super-block scales (and offsets): (N, K / 256), as the int8 ones
+struct Units {
+  const at::Half* scale = nullptr;
+  const at::Half* offset = nullptr;
+};
 
 // Scales and offsets are fp32, or fp16 where a file's fp16 values are kept as they are.
 inline float to_float(float v) { return v; }
@@ -263,20 +273,46 @@ void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const ui
 #endif
 }
 
-// a last group of fewer than 16 rows, kept row by row, laid out as a group (zeros past its rows)
-template <int BITS, typename S>
-void tail_group(const uint8_t* values, const S* scale, const S* offset, int64_t rows,
-                int64_t K, int64_t per_row, std::vector<uint8_t>& v, std::vector<S>& s,
-                std::vector<S>& o) {
-  const int64_t row_bytes = K * BITS / 8;
+// a block's scale (or offset) in fp32: element i of a plain one, or for two levels element i
+// of the int8 ones times element u of the fp16 super-block ones
+template <typename S>
+inline float scale_at(const S* s, const at::Half*, int64_t i, int64_t) { return to_float(s[i]); }
+inline float scale_at(const int8_t* s, const at::Half* unit, int64_t i, int64_t u) {
+  return static_cast<float>(s[i]) * static_cast<float>(unit[u]);
+}
+
+// a full group's two-level scales (or offsets) in fp32, as the group holds them: block b of row
+// r at 16 b + r, its super-block's fp16 at 16 (b · BLOCK / 256) + r
+template <int BLOCK>
+void expand_group(const int8_t* s, const at::Half* unit, int64_t per_row, float* out) {
+  constexpr int64_t per_unit = kSuper / BLOCK;
+  for (int64_t b = 0; b < per_row; ++b) {
+#if DIKKAT_VNNI
+    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kRows))));
+    _mm512_storeu_ps(out + b * kRows, _mm512_mul_ps(sub, load16(unit + (b / per_unit) * kRows, 0xFFFF)));
+#else
+    for (int64_t r = 0; r < kRows; ++r) out[b * kRows + r] = scale_at(s, unit, b * kRows + r, (b / per_unit) * kRows + r);
+#endif
+  }
+}
+
+// a last group of fewer than 16 rows, kept row by row, laid out as a group (zeros past its
+// rows), its scales and offsets in fp32
+template <int BITS, int BLOCK, typename S>
+void tail_group(const uint8_t* values, const S* scale, const S* offset, const Units& units,
+                int64_t rows, int64_t K, std::vector<uint8_t>& v, std::vector<float>& s,
+                std::vector<float>& o) {
+  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK, per_unit = kSuper / BLOCK;
+  const int64_t unit_row = std::max<int64_t>(1, K / kSuper);
   v.assign(kRows * row_bytes, 0);
-  s.assign(kRows * per_row, S(0.f));
-  o.assign(offset != nullptr ? kRows * per_row : 0, S(0.f));
+  s.assign(kRows * per_row, 0.f);
+  o.assign(offset != nullptr ? kRows * per_row : 0, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < row_bytes; ++i) v[(i / 2) * 32 + 2 * r + i % 2] = values[r * row_bytes + i];
     for (int64_t b = 0; b < per_row; ++b) {
-      s[b * kRows + r] = scale[r * per_row + b];
-      if (offset != nullptr) o[b * kRows + r] = offset[r * per_row + b];
+      const int64_t u = r * unit_row + b / per_unit;
+      s[b * kRows + r] = scale_at(scale, units.scale, r * per_row + b, u);
+      if (offset != nullptr) o[b * kRows + r] = scale_at(offset, units.offset, r * per_row + b, u);
     }
   }
 }
@@ -303,9 +339,11 @@ void tiles_of(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t 
   }
 }
 
+// S: float, at::Half, or int8_t (two levels, with units): a group's two-level scales are
+// expanded to fp32 before its products, 16 · K / BLOCK of them (a few kB, in L1)
 template <int BITS, int BLOCK, bool OFFSET, typename S>
 void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* values,
-         const S* scale, const S* offset, int32_t zero, float* out) {
+         const S* scale, const S* offset, const Units& units, int32_t zero, float* out) {
   thread_local Sums kept;  // the calling thread's, kept between calls
   Sums& sums = kept;  // (the workers below must see this one, not their own thread_local)
   block_sums<BLOCK>(r, M, K, zero, sums);
@@ -317,44 +355,78 @@ void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* value
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kRows;
+      const S* o = OFFSET ? offset + n0 * per_row : nullptr;
       if (g < full) {
-        const S* o = OFFSET ? offset + n0 * per_row : nullptr;
-        tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, values + n0 * row_bytes,
-                                                scale + n0 * per_row, o, n0, kRows, out);
+        if constexpr (std::is_same_v<S, int8_t>) {
+          thread_local std::vector<float> s32, o32;  // this worker's
+          const int64_t units_at = n0 * (K / kSuper);
+          s32.resize(kRows * per_row);
+          o32.resize(OFFSET ? kRows * per_row : 0);
+          expand_group<BLOCK>(scale + n0 * per_row, units.scale + units_at, per_row, s32.data());
+          if (OFFSET) expand_group<BLOCK>(o, units.offset + units_at, per_row, o32.data());
+          tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, M, K, N, values + n0 * row_bytes, s32.data(),
+                                                      OFFSET ? o32.data() : nullptr, n0, kRows, out);
+        } else {
+          tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, values + n0 * row_bytes,
+                                                  scale + n0 * per_row, o, n0, kRows, out);
+        }
       } else {
         std::vector<uint8_t> v;
-        std::vector<S> s, o;
-        tail_group<BITS, S>(values + n0 * row_bytes, scale + n0 * per_row,
-                            OFFSET ? offset + n0 * per_row : nullptr, N - n0, K, per_row, v, s, o);
-        tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, v.data(), s.data(),
-                                                OFFSET ? o.data() : nullptr, n0, N - n0, out);
+        std::vector<float> s, o32;
+        const Units tail{units.scale ? units.scale + n0 * (K / kSuper) : nullptr,
+                         units.offset ? units.offset + n0 * (K / kSuper) : nullptr};
+        tail_group<BITS, BLOCK, S>(values + n0 * row_bytes, scale + n0 * per_row, o, tail, N - n0, K, v, s, o32);
+        tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, M, K, N, v.data(), s.data(),
+                                                    OFFSET ? o32.data() : nullptr, n0, N - n0, out);
       }
     }
   });
 }
 
-// checks shared by both ops: values (N, K · bits / 8) uint8, scale (N, K / block) fp32 or fp16,
-// offset absent or shaped and typed as scale
+// checks shared by both ops: values (N, K · bits / 8) uint8, scale (N, K / block) fp32 or fp16
+// (or int8: see check_units), offset absent or shaped and typed as scale
 void check_blocks(const at::Tensor& values, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t K) {
+                  const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t K,
+                  bool two_level = false) {
   TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
   TORCH_CHECK(values.size(1) == K * bits / 8, "values do not hold K values a row");
-  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) &&
-                  scale.dim() == 2 && scale.size(0) == values.size(0) && scale.size(1) == K / block,
-              "scale must be (N, K / block) fp32 or fp16");
+  const bool typed = two_level ? scale.scalar_type() == at::kChar
+                               : scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(typed && scale.dim() == 2 && scale.size(0) == values.size(0) && scale.size(1) == K / block,
+              "scale must be (N, K / block) fp32 or fp16, or int8 with super_scale");
   if (offset.has_value() && offset->defined()) {
     TORCH_CHECK(offset->scalar_type() == scale.scalar_type() && offset->sizes() == scale.sizes(),
                 "offset must be shaped and typed as scale");
   }
 }
 
+// a two-level scale's fp16 super-block values: (N, K / 256), present with an int8 scale (and
+// offset), absent otherwise
+void check_units(const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                 const c10::optional<at::Tensor>& super_scale,
+                 const c10::optional<at::Tensor>& super_offset, int64_t N, int64_t K) {
+  const bool two_level = scale.scalar_type() == at::kChar;
+  const bool has_offset = offset.has_value() && offset->defined();
+  const auto present = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(present(super_scale) == two_level, "super_scale goes with an int8 scale, and only with one");
+  TORCH_CHECK(present(super_offset) == (two_level && has_offset),
+              "super_offset goes with an int8 scale and offset, and only with them");
+  for (const auto* t : {&super_scale, &super_offset}) {
+    if (!present(*t)) continue;
+    TORCH_CHECK(K % kSuper == 0, "two-level scales need K a multiple of 256");
+    TORCH_CHECK((*t)->scalar_type() == at::kHalf && (*t)->dim() == 2 && (*t)->size(0) == N &&
+                    (*t)->size(1) == K / kSuper,
+                "super_scale and super_offset must be (N, K / 256) fp16");
+  }
+}
+
 template <typename S>
 void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
-            const at::Tensor& offset, int64_t bits, int64_t block, int64_t zero, int64_t M,
-            int64_t K, at::Tensor& out) {
+            const at::Tensor& offset, const Units& units, int64_t bits, int64_t block,
+            int64_t zero, int64_t M, int64_t K, at::Tensor& out) {
   const int64_t N = values.size(0);
   const uint8_t* v = values.data_ptr<uint8_t>();
   const S* s = scale.data_ptr<S>();
@@ -362,7 +434,7 @@ void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
   float* y = out.data_ptr<float>();
   const int32_t z = static_cast<int32_t>(zero);
   const bool has_offset = o != nullptr;
-#define DIKKAT_RUN(B, L, O) run<B, L, O, S>(r, M, K, N, v, s, o, z, y)
+#define DIKKAT_RUN(B, L, O) run<B, L, O, S>(r, M, K, N, v, s, o, units, z, y)
   if (bits == 8 && block == 32) { if (has_offset) DIKKAT_RUN(8, 32, true); else DIKKAT_RUN(8, 32, false); }
   else if (bits == 8) { if (has_offset) DIKKAT_RUN(8, 16, true); else DIKKAT_RUN(8, 16, false); }
   else if (bits == 6 && block == 32) { if (has_offset) DIKKAT_RUN(6, 32, true); else DIKKAT_RUN(6, 32, false); }
@@ -373,10 +445,18 @@ void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
 }
 
 at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale,
-               const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t zero) {
+               const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& super_scale,
+               const c10::optional<at::Tensor>& super_offset, int64_t bits, int64_t block,
+               int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
   const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
-  check_blocks(values, scale, offset, bits, block, K);
+  const bool two_level = scale.scalar_type() == at::kChar;
+  check_blocks(values, scale, offset, bits, block, K, two_level);
+  check_units(scale, offset, super_scale, super_offset, N, K);
+  const at::Tensor us = two_level ? super_scale->contiguous() : at::Tensor();
+  const at::Tensor uo = two_level && offset.has_value() && offset->defined() ? super_offset->contiguous() : at::Tensor();
+  const Units units{us.defined() ? us.data_ptr<at::Half>() : nullptr,
+                    uo.defined() ? uo.data_ptr<at::Half>() : nullptr};
   const bool has_offset = offset.has_value() && offset->defined();
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
   const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
@@ -384,10 +464,12 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   if (M == 0 || N == 0) return out;
   thread_local Rounded r;  // the calling thread's, kept between calls
   round_rows(xc.data_ptr<float>(), M, K, r);
-  if (sc.scalar_type() == at::kHalf) {
-    qmm_as<at::Half>(r, vc, sc, oc, bits, block, zero, M, K, out);
+  if (two_level) {
+    qmm_as<int8_t>(r, vc, sc, oc, units, bits, block, zero, M, K, out);
+  } else if (sc.scalar_type() == at::kHalf) {
+    qmm_as<at::Half>(r, vc, sc, oc, units, bits, block, zero, M, K, out);
   } else {
-    qmm_as<float>(r, vc, sc, oc, bits, block, zero, M, K, out);
+    qmm_as<float>(r, vc, sc, oc, units, bits, block, zero, M, K, out);
   }
   return out;
 }
@@ -459,7 +541,8 @@ bool vnni() { return DIKKAT_VNNI; }
 }  // namespace
 
 TORCH_LIBRARY(dikkat_native, m) {
-  m.def("qmm(Tensor x, Tensor values, Tensor scale, Tensor? offset, int bits, int block, int zero) -> Tensor");
+  m.def("qmm(Tensor x, Tensor values, Tensor scale, Tensor? offset, Tensor? super_scale, "
+        "Tensor? super_offset, int bits, int block, int zero) -> Tensor");
   m.def("dequantize(Tensor values, Tensor scale, Tensor? offset, int bits, int block, int zero) -> Tensor");
 }
 
