@@ -4,6 +4,8 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# test processes (pytest-xdist), each a test file at a time with one torch thread (tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: setup test demo bench gpu-check lint clean
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: setup
 	$(VENV)/bin/dikkat demo

@@ -8,8 +8,11 @@ length, ``D`` query/key head dim, ``Dv`` value head dim.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
@@ -372,3 +375,14 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def shared_text(name: str, text: str) -> Path:
+    """``text`` in the file ``name`` of the system's temporary folder, which the test processes
+    share (pytest-xdist's workers each write it when they collect a module): each writes its own
+    copy and renames it over the file, so a test never reads half of it."""
+    path = Path(tempfile.gettempdir()) / name
+    own = path.with_name(f".{name}.{os.getpid()}")
+    own.write_text(text)
+    os.replace(own, path)
+    return path

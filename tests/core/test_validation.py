@@ -445,7 +445,7 @@ def _backend(name="custom") -> Backend:
     return Backend(name, lambda r: (r.q, None, None), lambda r: None, "a test backend")
 
 
-@pytest.mark.parametrize("bad", ["reference", None, object()], ids=repr)
+@pytest.mark.parametrize("bad", ["reference", None, object()], ids=["a name", "None", "an object"])
 def test_register_backend_takes_a_backend(bad) -> None:
     # a str once raised AttributeError: 'str' object has no attribute 'name'
     with pytest.raises(TypeError, match=r"backend must be a dikkat Backend\(name, run, supports"):

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,10 +31,9 @@ from dikkat.training.trainer import (
     Trainer,
     resume_trainer,
 )
-from helpers import run_cli
+from helpers import run_cli, shared_text
 
-TEXT = Path(tempfile.gettempdir()) / "dikkat-test-bad-input-corpus.txt"
-TEXT.write_text(Path(json.__file__).read_text() * 3)
+TEXT = shared_text("dikkat-test-bad-input-corpus.txt", Path(json.__file__).read_text() * 3)
 TINY = [
     "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16", "--data", str(TEXT),
     "--batch-size", "2", "--eval-every", "0", "--no-progress",

@@ -35,10 +35,13 @@ from dikkat import runs
 from dikkat.files import sha256
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import LOG_FILE, PLOT_FILE, TrainConfig, Trainer, resume_trainer
+from helpers import shared_text
 
 # a small text of this Python's own (read once; the standard library's full walk is slow)
-TEXT = Path(tempfile.gettempdir()) / "dikkat-test-faults-corpus.txt"
-TEXT.write_text(Path(json.__file__).read_text() + Path(shutil.__file__).read_text())
+TEXT = shared_text(
+    "dikkat-test-faults-corpus.txt",
+    Path(json.__file__).read_text() + Path(shutil.__file__).read_text(),
+)
 SPEC = TaskSpec(
     task="lm",
     seq_len=16,

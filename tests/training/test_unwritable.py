@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,9 @@ import pytest
 import dikkat.models.io as model_io
 from dikkat import runs
 from dikkat.training.trainer import LOG_FILE, resume_trainer
-from helpers import run_cli
+from helpers import run_cli, shared_text
 
-TEXT = Path(tempfile.gettempdir()) / "dikkat-test-unwritable-corpus.txt"
-TEXT.write_text(Path(json.__file__).read_text() * 3)
+TEXT = shared_text("dikkat-test-unwritable-corpus.txt", Path(json.__file__).read_text() * 3)
 TINY = [
     "--task", "lm", "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16",
     "--data", str(TEXT), "--batch-size", "2", "--eval-every", "0", "--no-progress",
