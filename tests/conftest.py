@@ -7,6 +7,13 @@ import importlib.util
 import os
 import sys
 
+# Inductor compiles in the test's own process, not in the pool of worker processes it would
+# start in each one: such pools have hung other projects' test runs (pytorch/pytorch#148651,
+# flaky results with fork and threads; #162199, a five-minute wait at exit after a cold start),
+# and on 2 cores shared by two test processes the pool has no core to spare anyway. The variable
+# is read when torch._inductor.config is first imported, so it is set before torch is.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import torch
 from hypothesis import settings
 
