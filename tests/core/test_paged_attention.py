@@ -52,6 +52,31 @@ def test_each_row_attends_its_own_slots(op, H, G, D, window):
     assert torch.equal(op(q, k, v, slots, positions, window, D**-0.5)[0], got[0])
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_pools_are_read_in_place_with_their_strides(op, window):
+    """A static cache (1, G, S, D) transposed to a pool (S, G, D), and a pool whose head
+    values are strided (copied first), give the contiguous pool's result."""
+    g = torch.Generator().manual_seed(window)
+    G, S, D = 2, 9, 24
+    cache_k, cache_v = torch.randn(1, G, S, D, generator=g), torch.randn(1, G, S, D, generator=g)
+    q = torch.randn(1, 4, D, generator=g)
+    slots, positions = torch.arange(S).view(1, S), torch.tensor([6])
+    pool_k, pool_v = cache_k[0].transpose(0, 1), cache_v[0].transpose(0, 1)
+    assert not pool_k.is_contiguous()
+    want = reference(q, pool_k, pool_v, slots, positions, window, D**-0.5)
+    got = op(q, pool_k, pool_v, slots, positions, window, D**-0.5)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(
+        got, op(q, pool_k.contiguous(), pool_v.contiguous(), slots, positions, window, D**-0.5)
+    )
+    wide = torch.randn(S, G, 2 * D, generator=g)
+    every_other = wide[..., ::2]  # D values two floats apart
+    assert torch.equal(
+        op(q, every_other, pool_v, slots, positions, window, D**-0.5),
+        op(q, every_other.contiguous(), pool_v, slots, positions, window, D**-0.5),
+    )
+
+
 def test_bad_inputs_are_refused(op):
     k = torch.zeros(8, 2, 16)
     q, slots = torch.zeros(1, 4, 16), torch.zeros(1, 3, dtype=torch.long)

@@ -23,7 +23,14 @@ from typing_extensions import Unpack
 from dikkat.core.masks import causal, padding
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import Sampler, Sampling, SamplingParams, as_params, draw
+from dikkat.generation.sampling import (
+    Sampler,
+    Sampling,
+    SamplingParams,
+    as_params,
+    draw,
+    largest,
+)
 from dikkat.layers.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.quantized import WeightFormat
@@ -62,7 +69,7 @@ def sample(
     (the picks of :class:`~dikkat.generation.SamplingParams` without its penalties)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return largest(logits)
     return draw(logits, temperature, top_k, top_p, generator)
 
 

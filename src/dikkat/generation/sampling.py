@@ -28,9 +28,22 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor
 
+from dikkat.core.native import argmax_op
 from dikkat.validate import check_bool, check_float, check_int, is_int
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's limit for chat
+
+
+def largest(logits: Tensor) -> Tensor:
+    """``logits.argmax(dim=-1)`` of (B, V) logits: the first of equal values, a NaN as the
+    largest. fp32 logits on the CPU go through dikkat's native kernel where it is loaded (a
+    model with packed weights loads it): PyTorch's CPU argmax reads a row of 50 000 logits a
+    value at a time, a share of a small model's decode step."""
+    op = argmax_op()
+    fits = logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_cpu
+    if op is not None and fits and logits.shape[1] > 0:
+        return op(logits)
+    return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -274,7 +287,7 @@ class Sampler:
         if p.adjusts_logits:
             logits = self._adjust(logits.float())
         if p.greedy:
-            token = logits.argmax(dim=-1)
+            token = largest(logits)
         else:
             token = draw(logits, p.temperature, p.top_k, p.top_p, self.generator)
         if p.frequency_penalty or p.presence_penalty:

@@ -9,7 +9,9 @@ their weights. Here, as in gpt-fast (https://github.com/pytorch-labs/gpt-fast, `
 the position is a tensor, the new key and value are written into the cache's preallocated
 buffers at it (``index_copy_``), and the attention reads every slot with a mask of those filled
 (and, in a sliding layer, of those within its window). Compiled, the norms, RoPE and attention
-of a step become a few fused kernels around the products of its weights.
+of a step become a few fused kernels around the products of its weights. A single row (batch 1,
+fp32 on the CPU) attends in the native kernel of :class:`PoolStep` instead, its cache read in
+place as a pool of slots: only the filled ones are read, not the whole cache at every step.
 
 :class:`PoolStep` is its sibling for a batch whose rows sit at positions of their own, their keys
 and values at any slots of per-layer pools (a paged cache, as the serving engine keeps it):
@@ -51,11 +53,17 @@ def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens
     caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
     where = pos.view(1)
     slots = torch.arange(keys[0].shape[2], device=tokens.device)
+    one_row = keys[0].shape[0] == 1 and keys[0].dtype == torch.float32 and keys[0].is_cpu
+    native = _paged_attention() if one_row else None
     masks: dict[int | None, Tensor] = {}
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
         keys[i].index_copy_(2, where, k)
         values[i].index_copy_(2, where, v)
+        if native is not None:  # one row's cache (1, G, S, D) is a pool of S slots, read to pos
+            pool_k, pool_v = keys[i][0].transpose(0, 1), values[i][0].transpose(0, 1)
+            out = native(q[:, :, 0], pool_k, pool_v, slots.view(1, -1), where, window or 0, scale)
+            return out[:, :, None]
         if window not in masks:  # (1, 1, 1, S): over (B, H, 1, S) scores
             kept = slots <= pos
             kept = kept if window is None else kept & (slots > pos - window)
@@ -215,6 +223,9 @@ class StaticStep:
         self.model, self.cache = model, list(cache)
         self._keys = [c.k for c in self.cache]
         self._values = [c.v for c in self.cache]
+        k = self._keys[0]
+        if k.shape[0] == 1 and k.dtype == torch.float32 and k.is_cpu:
+            _paged_attention()  # looked up (and built, the first time) outside a compiled region
         self._fn: Callable[..., Tensor] = _compiled(model, _step) if compile else _step
 
     @torch.no_grad()

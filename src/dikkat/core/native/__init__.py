@@ -1,10 +1,11 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
-Three kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
+Four kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
 of 4-, 6- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
 product is), and ``dequantize``, the fp32 weight such blocks stand for; in
 ``paged_attention.cpp``, ``paged_attention``, a decode step's attention over keys and values
-in a pool of slots (:class:`dikkat.models.static_step.PoolStep`). The files are compiled into
+in a pool of slots (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``,
+``argmax_rows``, greedy decoding's pick of each row's largest logit. The files are compiled into
 one library with the system's C++ compiler against the installed PyTorch, for this CPU
 (``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
 compiler and CPU; the library is
@@ -34,9 +35,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["build", "dequantize_op", "native_dir", "paged_attention_op", "qmm_op"]
+__all__ = ["argmax_op", "build", "dequantize_op", "native_dir", "paged_attention_op", "qmm_op"]
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("qmm.cpp", "paged_attention.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("qmm.cpp", "paged_attention.cpp", "argmax.cpp")
+]
 _LIBRARY = "dikkat_native"
 
 
@@ -153,6 +156,16 @@ def paged_attention_op() -> Callable[..., Tensor] | None:
     return None if qmm_op() is None else torch.ops.dikkat_native.paged_attention
 
 
+def argmax_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.argmax_rows`` (x (B, V) fp32 → the first index of each row's
+    largest value, (B,) int64, a NaN counting as the largest, as ``torch.argmax``) where the
+    library is loaded already — a model with packed weights loads it — else None: greedy
+    decoding never waits for a build of its own."""
+    if qmm_op.cache_info().currsize == 0 or qmm_op() is None:
+        return None
+    return torch.ops.dikkat_native.argmax_rows
+
+
 def _register_fake() -> None:
     """The ops' output shapes for torch.compile / export (which trace it without running it)."""
 
@@ -175,6 +188,10 @@ def _register_fake() -> None:
         values: Tensor, scale: Tensor, offset: Tensor | None, bits: int, block: int, zero: int
     ) -> Tensor:
         return scale.new_empty(values.shape[0], values.shape[1] * 8 // bits, dtype=torch.float32)
+
+    @torch.library.register_fake(f"{_LIBRARY}::argmax_rows")
+    def _(x: Tensor) -> Tensor:
+        return x.new_empty(x.shape[0], dtype=torch.long)
 
     @torch.library.register_fake(f"{_LIBRARY}::paged_attention")
     def _(

@@ -1,10 +1,12 @@
 // Attention of one new query a head over keys and values kept in a pool of slots (a paged KV
 // cache): the decode step of a batch whose rows sit at positions of their own.
 //
-// q (B, H, D); k, v (N, G, D), slot n holding one token's keys and values; slots (B, S): row b's
-// token j sits at slot slots[b, j]; positions (B,): row b's new query is its token positions[b],
-// and it attends its tokens lo … positions[b], lo = 0, or positions[b] - window + 1 in a sliding
-// layer (window > 0). Head h reads key head h / (H / G) (grouped queries). The result is
+// q (B, H, D); k, v (N, G, D), slot n holding one token's keys and values, read in place with
+// their strides over N and G (a static cache (1, G, S, D), transposed to (S, G, D), is such a
+// pool); slots (B, S): row b's token j sits at slot slots[b, j]; positions (B,): row b's new
+// query is its token positions[b], and it attends its tokens lo … positions[b], lo = 0, or
+// positions[b] - window + 1 in a sliding layer (window > 0). Head h reads key head h / (H / G)
+// (grouped queries). The result is
 //   out[b, h] = sum_j softmax_j(scale · q[b, h] · k[slot_j]) v[slot_j],
 // the softmax taken as max, exp, sum, in fp32, per row and head.
 //
@@ -22,21 +24,47 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t kLanes = 16;  // partial sums a dot product keeps (one AVX-512 register)
-
-// q · k over D values, as kLanes independent partial sums (which the compiler vectorises)
+// q · k over D values: 16 partial sums (one AVX-512 register where there is one), added in a
+// tree at the end
 inline float dot(const float* q, const float* k, int64_t D) {
-  float part[kLanes] = {};
   int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) part[l] += q[d + l] * k[d + l];
+#if defined(__AVX512F__)
+  __m512 part = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    part = _mm512_add_ps(part, _mm512_mul_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d)));
   }
-  for (; d < D; ++d) part[d % kLanes] += q[d] * k[d];
-  float total = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) total += part[l];
+  float total = _mm512_reduce_add_ps(part);
+#else
+  float part[16] = {};
+  for (; d + 16 <= D; d += 16) {
+    for (int64_t l = 0; l < 16; ++l) part[l] += q[d + l] * k[d + l];
+  }
+  for (int64_t half = 8; half > 0; half /= 2) {
+    for (int64_t l = 0; l < half; ++l) part[l] += part[l + half];
+  }
+  float total = part[0];
+#endif
+  for (; d < D; ++d) total += q[d] * k[d];
   return total;
+}
+
+// o += w · v over D values
+inline void add_scaled(float* __restrict o, float w, const float* __restrict v, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 ws = _mm512_set1_ps(w);
+  for (; d + 16 <= D; d += 16) {
+    const __m512 scaled = _mm512_mul_ps(ws, _mm512_loadu_ps(v + d));
+    _mm512_storeu_ps(o + d, _mm512_add_ps(_mm512_loadu_ps(o + d), scaled));
+  }
+#endif
+  for (; d < D; ++d) o[d] += w * v[d];
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -56,7 +84,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "positions must be (B,) int64");
   TORCH_CHECK(window >= 0, "window must be 0 (none) or a number of positions");
   const int64_t S = slots.size(1), R = H / G;
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  // a head's D values are read as one run; the slots and heads may lie anywhere
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor kc = k.stride(2) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(2) == 1 ? v : v.contiguous();
+  const int64_t ks = kc.stride(0), kh = kc.stride(1), vs = vc.stride(0), vh = vc.stride(1);
   const at::Tensor sc = slots.contiguous(), pc = positions.contiguous();
   const int64_t* slot = sc.data_ptr<int64_t>();
   const int64_t* pos = pc.data_ptr<int64_t>();
@@ -82,8 +114,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       w.resize(R * n);
       const float* qg = qp + (b * H + g * R) * D;
       for (int64_t j = 0; j < n; ++j) {
-        if (j + 1 < n) __builtin_prefetch(kp + (row[j + 1] * G + g) * D);
-        const float* kj = kp + (row[j] * G + g) * D;
+        if (j + 1 < n) __builtin_prefetch(kp + row[j + 1] * ks + g * kh);
+        const float* kj = kp + row[j] * ks + g * kh;
         for (int64_t r = 0; r < R; ++r) w[r * n + j] = sc_f * dot(qg + r * D, kj, D);
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -100,13 +132,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       float* og = op + (b * H + g * R) * D;
       std::fill(og, og + R * D, 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        if (j + 1 < n) __builtin_prefetch(vp + (row[j + 1] * G + g) * D);
-        const float* vj = vp + (row[j] * G + g) * D;
-        for (int64_t r = 0; r < R; ++r) {
-          const float wj = w[r * n + j];
-          float* o = og + r * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += wj * vj[d];
-        }
+        if (j + 1 < n) __builtin_prefetch(vp + row[j + 1] * vs + g * vh);
+        const float* vj = vp + row[j] * vs + g * vh;
+        for (int64_t r = 0; r < R; ++r) add_scaled(og + r * D, w[r * n + j], vj, D);
       }
     }
   });
