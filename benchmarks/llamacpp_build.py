@@ -36,6 +36,7 @@ TARGETS = (
 # LLAMA_BUILD_UI is on, else from a Hugging Face download when LLAMA_USE_PREBUILT_UI is on
 # (scripts/ui-assets.cmake in the vendored tree): with both off and no dist/ folder, the server
 # is built with an empty asset table and no step of the build reaches the network.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -49,6 +50,11 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-simple
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DBUILD_SHARED_LIBS=OFF",
+    # No AMX tile code, where -march=native would turn it on: on a CPU that has AMX but a virtual
+    # machine that does not let a process use its tiles (seen on a 2-core Sapphire Rapids VM
+    # here), llama.cpp's AMX product dies of SIGILL at its first `tileloadd`, in prefill.
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
 )
 
 
