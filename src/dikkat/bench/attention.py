@@ -181,10 +181,13 @@ def estimate_extra_bytes(
     backend it picks). Calibrated on measured peaks; it guards the machine, nothing more."""
     structured = mask not in ("none", "causal")
     rows = B * H * n * D * 4  # one fp32 (B, H, n, D) tensor
+    # what a call can add besides its tensors: the math libraries' scratch space, a thread's
+    # first allocations (a test process once measured 2 MiB over the tensors alone)
+    slack = 8 * 2**20
     if backend == "reference":  # scores, masked copy, weights and temporaries; the mask's grid
-        return 6 * B * H * n * n * dtype_bytes + (12 * n * n if mask != "none" else 0)
+        return 6 * B * H * n * n * dtype_bytes + (12 * n * n if mask != "none" else 0) + slack
     if backend == "sdpa" and structured:  # the bool mask, SDPA's float copy, a band to build it
-        return n * n * (1 + dtype_bytes) + 12 * 1024 * n
+        return n * n * (1 + dtype_bytes) + 12 * 1024 * n + slack
     return 8 * rows + 64 * 2**20  # O(n): a few (B, H, n, D) fp32 tensors and the tiles
 
 
