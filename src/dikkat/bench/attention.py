@@ -182,7 +182,7 @@ def estimate_extra_bytes(
     structured = mask not in ("none", "causal")
     rows = B * H * n * D * 4  # one fp32 (B, H, n, D) tensor
     # what a call can add besides its tensors: the math libraries' scratch space, a thread's
-    # first allocations (a test process once measured 2 MiB over the tensors alone)
+    # first allocations (peaks measured in a test process have run over the tensors alone)
     slack = 8 * 2**20
     if backend == "reference":  # scores, masked copy, weights and temporaries; the mask's grid
         return 6 * B * H * n * n * dtype_bytes + (12 * n * n if mask != "none" else 0) + slack

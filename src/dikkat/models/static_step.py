@@ -53,8 +53,7 @@ def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens
     caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
     where = pos.view(1)
     slots = torch.arange(keys[0].shape[2], device=tokens.device)
-    one_row = keys[0].shape[0] == 1 and keys[0].dtype == torch.float32 and keys[0].is_cpu
-    native = _paged_attention() if one_row else None
+    native = _paged_attention() if _one_cpu_row(keys[0]) else None
     masks: dict[int | None, Tensor] = {}
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
@@ -111,6 +110,11 @@ def _paged_attention() -> Callable[..., Tensor] | None:
     if not _NATIVE_ATTENTION:
         _NATIVE_ATTENTION.append(paged_attention_op())
     return _NATIVE_ATTENTION[0]
+
+
+def _one_cpu_row(keys: Tensor) -> bool:
+    """Whether a static cache (B, G, S, D) is one fp32 row on the CPU: the native kernel's case."""
+    return keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.is_cpu
 
 
 Attend = Callable[[int, Tensor, Tensor, Tensor, int | None, float], Tensor]
@@ -202,7 +206,10 @@ class StaticStep:
     allows) and returns their logits (B, V). Every row sits at the same slot and position (no
     padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
     first step compiles, in a minute or so, then every later step reuses the graph, and
-    inductor keeps its compiled code on disk for the next process). The compiled graph is the
+    inductor keeps its compiled code on disk for the next process). One fp32 row on the CPU
+    attends in dikkat's native kernel, which the first such step on a machine builds (about a
+    minute, then cached on disk; without a compiler, the masked products serve). The compiled
+    graph is the
     model's own, and assumes its layers and settings stay as they were (the weights' values
     may change): a model changed after its first compiled step gets wrong results, not a new
     graph.
@@ -223,8 +230,7 @@ class StaticStep:
         self.model, self.cache = model, list(cache)
         self._keys = [c.k for c in self.cache]
         self._values = [c.v for c in self.cache]
-        k = self._keys[0]
-        if k.shape[0] == 1 and k.dtype == torch.float32 and k.is_cpu:
+        if _one_cpu_row(self._keys[0]):
             _paged_attention()  # looked up (and built, the first time) outside a compiled region
         self._fn: Callable[..., Tensor] = _compiled(model, _step) if compile else _step
 
