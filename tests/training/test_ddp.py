@@ -5,7 +5,8 @@ started by PyTorch's launcher, against 1 process with the same whole-step batch.
 - rank 0 alone writes the run folder (Python's audit hooks record each rank's writes);
 - a rank killed with SIGKILL stops the run, and the last checkpoint resumes in 1 process with the
   next-step loss of uninterrupted training;
-- ``dikkat train --nproc 2`` trains the same run and resumes with --nproc 1 and 2.
+- ``dikkat train --nproc 2`` trains the same run and resumes with --nproc 1 and 2;
+- a rank of ``dikkat train`` frees its DDP wrapper before it leaves the process group.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import LOG_FILE, TrainConfig, Trainer, resume_trainer
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+CLI_RANK = Path(__file__).with_name("cli_rank.py")
 SRC = Path(__file__).resolve().parents[2] / "src"
 LIMIT_S = 120  # a launch that takes longer has hung
 
@@ -182,3 +184,18 @@ def test_nproc_launches_the_run_and_resume_works_with_any_nproc(
     assert sorted(losses(log_of(out))) == [4, 6, 8]
     assert main(["train", "--nproc", "3", "--steps", "4", *flags[:-1], str(tmp_path / "x")]) == 2
     assert "not a multiple of --nproc 3" in capsys.readouterr().err
+
+
+def test_a_rank_frees_its_ddp_wrapper_before_it_leaves_the_group(text, tmp_path):
+    """Freed after the group, the wrapper's reducer destroys the group with the GIL held, which
+    can hang the rank at its end (dikkat.training.parallel.release)."""
+    flags = [
+        "--data", str(text), "--seq-len", "16", "--d-model", "16", "--layers", "1",
+        "--heads", "2", "--dropout", "0", "--batch-size", "4", "--steps", "2",
+        "--eval-every", "0", "--no-progress", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    command = launcher(2, str(CLI_RANK), "train", *flags)
+    proc = subprocess.Popen(command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    code, output = finish(proc)
+    assert code == 0, output[-3000:]
+    assert output.count("DDP objects alive at release: 0") == 2, output[-3000:]

@@ -169,9 +169,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = run_training(trainer, not args.no_progress)
     if isinstance(result, int):
         return result
-    if trainer.ranks.main:
+    ranks = trainer.ranks
+    if ranks.main:
         _summary(result, trainer.task.spec.task)
-    release(trainer.ranks)
+    del trainer  # and with it the DDP wrapper, which must go before the process group (release)
+    release(ranks)
     return 0
 
 

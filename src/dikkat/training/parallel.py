@@ -16,6 +16,7 @@ of them even where ranks predict different numbers of tokens (``mlm`` predicts i
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,13 @@ def seed_step(ranks: Ranks, seed: int, step: int) -> None:
 
 
 def release(ranks: Ranks) -> Any:
-    """Leave the process group at the end of a command (a no-op with one process)."""
+    """Leave the process group at the end of a command (a no-op with one process), once the
+    caller holds no module :func:`wrap` returned. DistributedDataParallel's reducer keeps the
+    group alive; where the reducer is freed after the group was destroyed, the group's
+    destructor runs inside the reducer's, with the GIL held, and joins gloo's worker threads —
+    and a worker that is just freeing a tensor which Python let go of waits for the GIL: the
+    process hangs at its end (pytorch/pytorch#56297 lists such destructors). So the wrapper
+    goes first (a collection frees it if a cycle holds it), then the group."""
     if ranks.parallel and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
