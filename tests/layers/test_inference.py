@@ -20,6 +20,7 @@ from dikkat.layers import (
     InferenceLinear,
     Linear,
     LinearRows,
+    inference,
     inference_model,
     int8_linear,
     onednn_linear_available,
@@ -137,6 +138,72 @@ def test_a_copy_of_a_block_packs_the_fused_weight_and_the_cross_attention_rows()
     for name in ("q_proj", "k_proj", "v_proj"):  # the rows read the copy's layer, not the model's
         assert getattr(copy.cross_attn, name).source is cross
     assert isinstance(block.cross_attn.qkv_proj, Linear)  # the block is untouched
+
+
+# --- the fp32 copy: one row in dikkat's native kernel --------------------------------------------
+
+
+@pytest.fixture
+def native_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of x that the fp32 copies' native kernel multiplies (eager products)."""
+    kernel = inference._native_row()
+    if kernel is None:  # the machines the suite runs on build it
+        pytest.skip("no native kernels here")
+    calls: list[tuple[int, ...]] = []
+
+    def counted(x, w, b):
+        calls.append(tuple(x.shape))
+        return kernel(x, w, b)
+
+    monkeypatch.setattr(inference, "_NATIVE_ROW", [counted])
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(24,), (1, 24), (1, 1, 24)])
+@pytest.mark.parametrize(("start", "stop"), [(0, 40), (8, 21)])
+def test_one_fp32_row_is_multiplied_by_the_native_kernel(native_calls, shape, start, stop):
+    torch.manual_seed(0)
+    m = Linear(24, 40)
+    x = torch.randn(shape)
+    want = F.linear(x.double(), m.weight[start:stop].double(), m.bias[start:stop].double())
+    got = inference_model(LinearRows(m, start, stop))(x)
+    assert native_calls == [(1, 24)] and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_other_products_keep_to_torchs(native_calls):
+    torch.manual_seed(0)
+    m = Linear(24, 40)
+    copy = inference_model(m)
+    copy(torch.randn(2, 24)), copy(torch.randn(1, 2, 24))  # two rows
+    copy(torch.randn(1, 24, requires_grad=True)).sum().backward()  # autograd records it
+    inference_model(Linear(24, 40).double())(torch.randn(1, 24, dtype=torch.float64))
+    m.weight = torch.nn.Parameter(m.weight.detach().t().contiguous().t())  # rows not contiguous
+    inference_model(m)(torch.randn(1, 24))
+    assert native_calls == []
+
+
+def test_a_compiled_one_row_product_calls_the_native_kernel():
+    """In a graph torch.compile traces with one row the kernel is an op of the graph; with two
+    rows, ``F.linear``."""
+    if inference._native_row() is None:
+        pytest.skip("no native kernels here")
+    torch.manual_seed(0)
+    copy = inference_model(Linear(24, 40))
+    for rows in (1, 2):
+        targets: list = []
+
+        def record(gm: torch.fx.GraphModule, inputs: list, targets: list = targets):
+            targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        x = torch.randn(rows, 24)
+        got = torch.compile(copy, backend=record, dynamic=False, fullgraph=True)(x)
+        torch.testing.assert_close(got, copy(x), atol=1e-6, rtol=1e-6)
+        op = torch.ops.dikkat_native.linear_rows
+        native = op in targets or op.default in targets
+        assert native == (rows == 1), targets
+        torch._dynamo.reset()
 
 
 # --- a copy is a snapshot ------------------------------------------------------------------------

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dikkat.core.native import linear_rows_op
 from dikkat.core.tuning import for_device
 from dikkat.layers.held import HeldWeight, InferenceLinear
 from dikkat.layers.linear import Linear, LinearRows
@@ -76,11 +78,15 @@ def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
 class Fp32Linear(InferenceLinear):
     """The weight as it is (a snapshot, in the model's dtype), and oneDNN-packed copies of it.
 
-    On the CPU, where oneDNN serves the dtype, a product of more rows than
-    ``plain_gemv_max_rows`` (:mod:`dikkat.core.tuning`) multiplies a packed copy; fewer rows
-    (decoding one or two sequences), another dtype, or another device multiply the weight
-    itself with ``F.linear``, which is faster there. So does a product ``torch.compile``
-    traces: a choice by row count would tie its graph to one batch size.
+    On the CPU, one fp32 row (decoding one sequence) times a weight whose rows are contiguous
+    is multiplied by dikkat's native kernel (:func:`dikkat.core.native.linear_rows_op`; the
+    layer's construction builds the kernels, once per machine), which reads the weight closer to
+    the memory's bandwidth than PyTorch's product (``benchmarks/decode_parts.py``).
+    Where oneDNN serves the dtype, a product of more rows than ``plain_gemv_max_rows``
+    (:mod:`dikkat.core.tuning`) multiplies a packed copy; fewer rows (decoding two sequences),
+    another dtype, or another device multiply the weight itself with ``F.linear``, which is
+    faster there. So does a product ``torch.compile`` traces with more rows, or a symbolic
+    number of them: a choice by row count would tie its graph to one batch size.
     """
 
     weights_format = "fp32"
@@ -89,6 +95,12 @@ class Fp32Linear(InferenceLinear):
         super().__init__(weight, bias, batched)
         self.weight = weight
         self._packs = _onednn_packs(weight.device, weight.dtype)
+        self._native = (
+            weight.dtype == torch.float32
+            and weight.is_cpu
+            and weight.stride(-1) == 1  # the kernel reads rows in place
+            and _native_row() is not None
+        )
 
     @property
     def nbytes(self) -> int:
@@ -97,17 +109,40 @@ class Fp32Linear(InferenceLinear):
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
         whole = (start, stop) == (0, self.out_features)
         bias = self._bias(start, stop)
+        w = self.weight if whole else self.weight[start:stop]
+        autograd = x.requires_grad and torch.is_grad_enabled()  # no backward in the ops below
+        if self._native and _one_row(x) and x.dtype == torch.float32 and not autograd:
+            y = _native_row()(x.reshape(1, -1), w, bias)  # type: ignore[misc]
+            return y.view(*x.shape[:-1], stop - start)
         if (
             torch.compiler.is_compiling()  # first: the row count below would be a guard
             or x.numel() <= x.shape[-1] * for_device(x.device).plain_gemv_max_rows
             or x.dtype != self._dtype
             or not self._packs
-            or (x.requires_grad and torch.is_grad_enabled())  # oneDNN's op has no backward
+            or autograd
         ):
-            return F.linear(x, self.weight if whole else self.weight[start:stop], bias)
+            return F.linear(x, w, bias)
         rows = self._rows(x)
-        packed = self._copy(start, stop, rows, lambda: _reorder(self.weight[start:stop], rows))
+        packed = self._copy(start, stop, rows, lambda: _reorder(w, rows))
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+_NATIVE_ROW: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up
+
+
+def _native_row() -> Callable[..., Tensor] | None:
+    """:func:`dikkat.core.native.linear_rows_op` (None without native kernels), kept in a list
+    that torch.compile reads as a constant."""
+    if not _NATIVE_ROW:
+        _NATIVE_ROW.append(linear_rows_op())
+    return _NATIVE_ROW[0]
+
+
+def _one_row(x: Tensor) -> bool:
+    """Whether ``x`` (..., K) is one row, by sizes that are plain ints (a graph that
+    torch.compile traces with a symbolic batch keeps to ``F.linear``)."""
+    sizes = x.shape[:-1]
+    return all(isinstance(n, int) for n in sizes) and math.prod(sizes) == 1
 
 
 class Bf16Linear(InferenceLinear):

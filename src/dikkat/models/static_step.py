@@ -183,13 +183,23 @@ def _compiled(model: nn.Module, step: Callable[..., Tensor]) -> Callable[..., Te
     ``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` does, in torch/compiler/__init__.py),
     which is sound only while the graph serves the model it was traced from, unchanged: so
     every model gets its own copy of the step's code, since dynamo keeps its graphs per code
-    object."""
+    object.
+
+    On the CPU the graph's calls run from C++ (inductor's ``cpp_wrapper``), not from a Python
+    function: a step of a 30-layer model calls a few hundred kernels, and each call from Python
+    costs microseconds of the interpreter's time (BENCHMARKS.md, "the compiled step's calls
+    from C++"). The wrapper is compiled apart from the kernels (``cpp_wrapper_build_separate``,
+    https://github.com/pytorch/pytorch/pull/148773): compiled together, a 30-layer model's
+    first step took three times as long."""
     steps = _COMPILED.setdefault(model, {})
     fn = steps.get(step.__name__)
     if fn is None:
         code = step.__code__.replace()  # a new code object: a cache of graphs of its own
         copy = types.FunctionType(code, step.__globals__, step.__name__)
-        fn = torch.compile(copy, options={"guard_filter_fn": _outside_the_model})
+        options: dict[str, Any] = {"guard_filter_fn": _outside_the_model}
+        if all(p.device.type == "cpu" for p in model.parameters()):
+            options |= {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+        fn = torch.compile(copy, options=options)
         steps[step.__name__] = fn
     return fn
 

@@ -1,11 +1,13 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
-Four kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
+Five kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
 of 4-, 6- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
-product is), and ``dequantize``, the fp32 weight such blocks stand for; in
-``paged_attention.cpp``, ``paged_attention``, a decode step's attention over keys and values
-in a pool of slots (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``,
-``argmax_rows``, greedy decoding's pick of each row's largest logit. The files are compiled into
+product is), and ``dequantize``, the fp32 weight such blocks stand for; in ``linear.cpp``,
+``linear_rows``, a few fp32 rows times an fp32 weight (decoding's products,
+:class:`dikkat.layers.inference.Fp32Linear`); in ``paged_attention.cpp``, ``paged_attention``,
+a decode step's attention over keys and values in a pool of slots
+(:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``, ``argmax_rows``, greedy
+decoding's pick of each row's largest logit. The files are compiled into
 one library with the system's C++ compiler against the installed PyTorch, for this CPU
 (``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
 compiler and CPU; the library is
@@ -35,10 +37,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["argmax_op", "build", "dequantize_op", "native_dir", "paged_attention_op", "qmm_op"]
+__all__ = [
+    "argmax_op",
+    "build",
+    "dequantize_op",
+    "linear_rows_op",
+    "native_dir",
+    "paged_attention_op",
+    "qmm_op",
+]
 
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("qmm.cpp", "paged_attention.cpp", "argmax.cpp")
+    Path(__file__).with_name(name)
+    for name in ("qmm.cpp", "linear.cpp", "paged_attention.cpp", "argmax.cpp")
 ]
 _LIBRARY = "dikkat_native"
 
@@ -150,6 +161,13 @@ def dequantize_op() -> Callable[..., Tensor] | None:
     return None if qmm_op() is None else torch.ops.dikkat_native.dequantize
 
 
+def linear_rows_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.linear_rows`` (x (M, K) fp32, w (N, K) fp32, bias (N,) or None
+    → x wᵀ + bias, (M, N); for a few rows: each thread reads its span of w once for all M)
+    where :func:`qmm_op` is available, else None."""
+    return None if qmm_op() is None else torch.ops.dikkat_native.linear_rows
+
+
 def paged_attention_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.paged_attention`` where :func:`qmm_op` is available, else
     None."""
@@ -188,6 +206,10 @@ def _register_fake() -> None:
         values: Tensor, scale: Tensor, offset: Tensor | None, bits: int, block: int, zero: int
     ) -> Tensor:
         return scale.new_empty(values.shape[0], values.shape[1] * 8 // bits, dtype=torch.float32)
+
+    @torch.library.register_fake(f"{_LIBRARY}::linear_rows")
+    def _(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake(f"{_LIBRARY}::argmax_rows")
     def _(x: Tensor) -> Tensor:

@@ -1,0 +1,114 @@
+"""Decoding's fp32 product in the native kernel (dikkat.core.native, ``linear_rows``) against the
+fp64 product: rows of any length (the 32-value steps, the masked tail), weights of any number of
+rows (the four-row blocks, the rows left over), strided inputs, no bias, empty shapes; and the
+build for a CPU without AVX-512, which runs the plain loops."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dikkat.core import native
+
+
+@pytest.fixture
+def op():
+    found = native.linear_rows_op()
+    if found is None:  # the machines the suite runs on build it
+        pytest.skip("no native kernels here")
+    return found
+
+
+def within_fp32(got: torch.Tensor, want: torch.Tensor, K: int) -> None:
+    """``got`` (fp32) is ``want`` (fp64) up to the rounding of K fp32 products and their sum."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    if want.numel():
+        scale = want.abs().max().item() + 1.0
+        assert (got.double() - want).abs().max().item() <= 4e-7 * (K + 4) * scale
+
+
+@pytest.mark.parametrize("K", [1, 15, 16, 17, 32, 33, 100, 773])
+@pytest.mark.parametrize("N", [1, 3, 4, 9, 70])
+@pytest.mark.parametrize("M", [1, 2, 3])
+def test_the_product_is_the_fp64_product(op, M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64)
+    b = torch.randn(N, generator=g, dtype=torch.float64)
+    within_fp32(op(x.float(), w.float(), b.float()), F.linear(x, w, b), K)
+    within_fp32(op(x.float(), w.float(), None), F.linear(x, w), K)
+
+
+def test_strided_inputs_give_the_contiguous_products(op):
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(40, 100, generator=g)
+    w = big[3:29, 10:90]  # its rows 100 values apart: read in place
+    x = torch.randn(80, 2, generator=g).t()  # (2, 80), not contiguous
+    b = torch.randn(52, generator=g)[::2]
+    want = op(x.contiguous(), w.contiguous(), b.contiguous())
+    assert torch.equal(op(x, w, b), want)
+    within_fp32(want, F.linear(x.double(), w.double(), b.double()), 80)
+
+
+def test_empty_shapes_are_what_f_linear_gives(op):
+    b = torch.randn(5)
+    assert torch.equal(op(torch.zeros(2, 0), torch.zeros(5, 0), b), b.expand(2, 5))
+    assert torch.equal(op(torch.zeros(2, 0), torch.zeros(5, 0), None), torch.zeros(2, 5))
+    assert op(torch.zeros(0, 8), torch.zeros(5, 8), None).shape == (0, 5)
+    assert op(torch.zeros(3, 8), torch.zeros(0, 8), None).shape == (3, 0)
+
+
+def test_bad_inputs_are_refused(op):
+    with pytest.raises(RuntimeError, match=r"x must be \(M, K\) fp32"):
+        op(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(2, 4), None)
+    with pytest.raises(RuntimeError, match=r"w must be \(N, K\) fp32"):
+        op(torch.zeros(1, 4), torch.zeros(2, 4, 1), None)
+    with pytest.raises(RuntimeError, match="must share K"):
+        op(torch.zeros(1, 4), torch.zeros(2, 5), None)
+    with pytest.raises(RuntimeError, match=r"bias must be \(N,\) fp32"):
+        op(torch.zeros(1, 4), torch.zeros(2, 4), torch.zeros(3))
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    torch.ops.load_library(sys.argv[1])
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for M, N, K in ((1, 1, 1), (1, 9, 33), (2, 70, 773), (3, 6, 16)):
+        x = torch.randn(M, K, generator=g, dtype=torch.float64)
+        w = torch.randn(N, K, generator=g, dtype=torch.float64)
+        b = torch.randn(N, generator=g, dtype=torch.float64)
+        got = torch.ops.dikkat_native.linear_rows(x.float(), w.float(), b.float()).double()
+        want = torch.nn.functional.linear(x, w, b)
+        worst = max(worst, ((got - want).abs().max() / (want.abs().max() + 1) / (K + 4)).item())
+    print(worst)
+    """
+)
+
+
+def test_the_portable_loops_give_the_same_products(tmp_path: Path):
+    """The build for a CPU without AVX-512 (``-mno-avx512f``) runs the plain loops."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path / "portable.so"
+    source = Path(native.__file__).with_name("linear.cpp")
+    command = native._command(compiler, [source], out)
+    command.insert(command.index("-march=native") + 1, "-mno-avx512f")
+    built = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(out)], capture_output=True, text=True, check=False,
+        env={**os.environ, "DIKKAT_NATIVE": "0"}, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 4e-7
