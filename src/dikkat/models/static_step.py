@@ -187,10 +187,10 @@ def _compiled(model: nn.Module, step: Callable[..., Tensor]) -> Callable[..., Te
 
     On the CPU the graph's calls run from C++ (inductor's ``cpp_wrapper``), not from a Python
     function: a step of a 30-layer model calls a few hundred kernels, and each call from Python
-    costs microseconds of the interpreter's time (BENCHMARKS.md, "the compiled step's calls
-    from C++"). The wrapper is compiled apart from the kernels (``cpp_wrapper_build_separate``,
-    https://github.com/pytorch/pytorch/pull/148773): compiled together, a 30-layer model's
-    first step took three times as long."""
+    costs microseconds of the interpreter's time (BENCHMARKS.md, "compiled steps call their
+    kernels from C++"). The wrapper is compiled apart from the kernels
+    (``cpp_wrapper_build_separate``, https://github.com/pytorch/pytorch/pull/148773): compiled
+    together, a 30-layer model's long wrapper made its first step much slower to build."""
     steps = _COMPILED.setdefault(model, {})
     fn = steps.get(step.__name__)
     if fn is None:

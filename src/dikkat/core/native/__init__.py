@@ -3,7 +3,7 @@
 Five kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
 of 4-, 6- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
 product is), and ``dequantize``, the fp32 weight such blocks stand for; in ``linear.cpp``,
-``linear_rows``, a few fp32 rows times an fp32 weight (decoding's products,
+``linear_rows``, an fp32 row times an fp32 weight (decoding's products,
 :class:`dikkat.layers.inference.Fp32Linear`); in ``paged_attention.cpp``, ``paged_attention``,
 a decode step's attention over keys and values in a pool of slots
 (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``, ``argmax_rows``, greedy
@@ -163,8 +163,8 @@ def dequantize_op() -> Callable[..., Tensor] | None:
 
 def linear_rows_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.linear_rows`` (x (M, K) fp32, w (N, K) fp32, bias (N,) or None
-    → x wᵀ + bias, (M, N); for a few rows: each thread reads its span of w once for all M)
-    where :func:`qmm_op` is available, else None."""
+    → x wᵀ + bias, (M, N); made for one row: further rows are multiplied one after another, with
+    the rows of w from cache) where :func:`qmm_op` is available, else None."""
     return None if qmm_op() is None else torch.ops.dikkat_native.linear_rows
 
 
