@@ -4,10 +4,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +12,7 @@ import torch
 
 from dikkat.core import native
 from dikkat.generation.sampling import largest
+from native_builds import portable_build, run_with
 
 
 @pytest.fixture
@@ -86,18 +83,6 @@ SCRIPT = textwrap.dedent(
 
 def test_the_portable_loop_gives_the_same_picks(tmp_path: Path):
     """The build for a CPU without AVX-512 (``-mno-avx512f``) runs the plain loops."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path / "portable.so"
     source = Path(native.__file__).with_name("argmax.cpp")
-    command = native._command(compiler, [source], out)
-    command.insert(command.index("-march=native") + 1, "-mno-avx512f")
-    built = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
-    assert built.returncode == 0, built.stderr[-2000:]
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(out)], capture_output=True, text=True, check=False,
-        env={**os.environ, "DIKKAT_NATIVE": "0"}, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "ok"
+    library = portable_build(tmp_path, [source], "-mno-avx512f")
+    assert run_with(library, SCRIPT).strip() == "ok"

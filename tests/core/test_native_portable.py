@@ -8,16 +8,11 @@ tests/layers/test_packed.py use."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from dikkat.core import native
+from native_builds import portable_build, run_with
 
 SCRIPT = textwrap.dedent(
     """
@@ -60,18 +55,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_the_portable_loops_give_the_vnni_products(tmp_path: Path):
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path / "portable.so"
-    command = native._command(compiler, [native._SOURCES[0]], out)
-    command.insert(command.index("-march=native") + 1, "-mno-avx512vnni")
-    built = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr[-2000:]
-    env = {**os.environ, "DIKKAT_NATIVE": "0"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(out)],
-        capture_output=True, text=True, check=False, env=env, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    library = portable_build(tmp_path, [native._SOURCES[0]], "-mno-avx512vnni")
+    assert float(run_with(library, SCRIPT).strip().splitlines()[-1]) < 1e-5
