@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dikkat import masks
+from dikkat.core import native
 from dikkat.core.tuning import for_device
 from dikkat.generation import generate, iter_generate
 from dikkat.layers import (
@@ -20,7 +21,6 @@ from dikkat.layers import (
     InferenceLinear,
     Linear,
     LinearRows,
-    inference,
     inference_model,
     int8_linear,
     onednn_linear_available,
@@ -146,7 +146,7 @@ def test_a_copy_of_a_block_packs_the_fused_weight_and_the_cross_attention_rows()
 @pytest.fixture
 def native_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The shapes of x that the fp32 copies' native kernel multiplies (eager products)."""
-    kernel = inference._native_row()
+    kernel = native.linear_rows_op()
     if kernel is None:  # the machines the suite runs on build it
         pytest.skip("no native kernels here")
     calls: list[tuple[int, ...]] = []
@@ -155,7 +155,7 @@ def native_calls(monkeypatch) -> list[tuple[int, ...]]:
         calls.append(tuple(x.shape))
         return kernel(x, w, b)
 
-    monkeypatch.setattr(inference, "_NATIVE_ROW", [counted])
+    monkeypatch.setitem(native._KERNELS, "linear_rows", counted)
     return calls
 
 
@@ -186,7 +186,7 @@ def test_other_products_keep_to_torchs(native_calls):
 def test_a_compiled_one_row_product_calls_the_native_kernel():
     """In a graph torch.compile traces with one row the kernel is an op of the graph; with two
     rows, ``F.linear``."""
-    if inference._native_row() is None:
+    if native.linear_rows_op() is None:
         pytest.skip("no native kernels here")
     torch.manual_seed(0)
     copy = inference_model(Linear(24, 40))
@@ -201,8 +201,8 @@ def test_a_compiled_one_row_product_calls_the_native_kernel():
         got = torch.compile(copy, backend=record, dynamic=False, fullgraph=True)(x)
         torch.testing.assert_close(got, copy(x), atol=1e-6, rtol=1e-6)
         op = torch.ops.dikkat_native.linear_rows
-        native = op in targets or op.default in targets
-        assert native == (rows == 1), targets
+        in_graph = op in targets or op.default in targets
+        assert in_graph == (rows == 1), targets
         torch._dynamo.reset()
 
 

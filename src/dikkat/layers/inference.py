@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -99,7 +99,7 @@ class Fp32Linear(InferenceLinear):
             weight.dtype == torch.float32
             and weight.is_cpu
             and weight.stride(-1) == 1  # the kernel reads rows in place
-            and _native_row() is not None
+            and linear_rows_op() is not None
         )
 
     @property
@@ -112,7 +112,7 @@ class Fp32Linear(InferenceLinear):
         w = self.weight if whole else self.weight[start:stop]
         autograd = x.requires_grad and torch.is_grad_enabled()  # no backward in the ops below
         if self._native and _one_row(x) and x.dtype == torch.float32 and not autograd:
-            y = _native_row()(x.reshape(1, -1), w, bias)  # type: ignore[misc]
+            y = linear_rows_op()(x.reshape(1, -1), w, bias)  # type: ignore[misc]
             return y.view(*x.shape[:-1], stop - start)
         if (
             torch.compiler.is_compiling()  # first: the row count below would be a guard
@@ -125,17 +125,6 @@ class Fp32Linear(InferenceLinear):
         rows = self._rows(x)
         packed = self._copy(start, stop, rows, lambda: _reorder(w, rows))
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-_NATIVE_ROW: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up
-
-
-def _native_row() -> Callable[..., Tensor] | None:
-    """:func:`dikkat.core.native.linear_rows_op` (None without native kernels), kept in a list
-    that torch.compile reads as a constant."""
-    if not _NATIVE_ROW:
-        _NATIVE_ROW.append(linear_rows_op())
-    return _NATIVE_ROW[0]
 
 
 def _one_row(x: Tensor) -> bool:

@@ -53,7 +53,7 @@ def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens
     caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
     where = pos.view(1)
     slots = torch.arange(keys[0].shape[2], device=tokens.device)
-    native = _paged_attention() if _one_cpu_row(keys[0]) else None
+    native = paged_attention_op() if _one_cpu_row(keys[0]) else None
     masks: dict[int | None, Tensor] = {}
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
@@ -80,7 +80,7 @@ def _pool_step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], t
     B, S = slots.shape
     where = positions.view(B, 1)
     write = slots.gather(1, where).view(B)
-    native = _paged_attention() if keys[0].dtype == torch.float32 and keys[0].is_cpu else None
+    native = paged_attention_op() if keys[0].dtype == torch.float32 and keys[0].is_cpu else None
     masks: dict[int | None, Tensor] = {}
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
@@ -98,18 +98,6 @@ def _pool_step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], t
         return _attend(q, k_all, v_all, masks[window], scale)  # (B, G, S, D) gathered
 
     return _layers(model, tokens, where, attend)
-
-
-_NATIVE_ATTENTION: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up
-
-
-def _paged_attention() -> Callable[..., Tensor] | None:
-    """:func:`dikkat.core.native.paged_attention_op` (None without native kernels: then the
-    pool step gathers each row's slots and attends with PyTorch operations), kept in a list
-    that torch.compile reads as a constant."""
-    if not _NATIVE_ATTENTION:
-        _NATIVE_ATTENTION.append(paged_attention_op())
-    return _NATIVE_ATTENTION[0]
 
 
 def _one_cpu_row(keys: Tensor) -> bool:
@@ -217,12 +205,11 @@ class StaticStep:
     padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the
     first step compiles, in a minute or so, then every later step reuses the graph, and
     inductor keeps its compiled code on disk for the next process). One fp32 row on the CPU
-    attends in dikkat's native kernel, which the first such step on a machine builds (about a
-    minute, then cached on disk; without a compiler, the masked products serve). The compiled
-    graph is the
-    model's own, and assumes its layers and settings stay as they were (the weights' values
-    may change): a model changed after its first compiled step gets wrong results, not a new
-    graph.
+    attends in dikkat's native kernel, which the first such step made on a machine builds
+    (about a minute, then cached on disk; without a compiler, the masked products serve). The
+    compiled graph is the model's own, and assumes its layers and settings stay as they were
+    (the weights' values may change): a model changed after its first compiled step gets wrong
+    results, not a new graph.
 
     >>> from dikkat.models import Decoder, DecoderConfig
     >>> model = Decoder(DecoderConfig()).eval()
@@ -241,7 +228,7 @@ class StaticStep:
         self._keys = [c.k for c in self.cache]
         self._values = [c.v for c in self.cache]
         if _one_cpu_row(self._keys[0]):
-            _paged_attention()  # looked up (and built, the first time) outside a compiled region
+            paged_attention_op()  # looked up (and built, the first time) outside a compiled region
         self._fn: Callable[..., Tensor] = _compiled(model, _step) if compile else _step
 
     @torch.no_grad()
@@ -312,7 +299,7 @@ class PoolStep:
                 )
         self.model = model
         self._keys, self._values = list(keys), list(values)
-        _paged_attention()  # looked up (and built, the first time) outside a compiled region
+        paged_attention_op()  # looked up (and built, the first time) outside a compiled region
         self._fn: Callable[..., Tensor] = _compiled(model, _pool_step) if compile else _pool_step
         self._compiled = compile
 

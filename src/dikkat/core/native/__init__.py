@@ -156,22 +156,35 @@ def qmm_op() -> Callable[..., Tensor] | None:
     return torch.ops.dikkat_native.qmm
 
 
+_KERNELS: dict[str, Callable[..., Tensor] | None] = {}
+
+
+def _kernel(name: str) -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.<name>`` where :func:`qmm_op` is available, else None, kept in
+    a plain dict once looked up: torch.compile reads it as a constant where it traces a call
+    (it does not trace into :func:`qmm_op`'s ``functools.cache``), so callers look a kernel up
+    once outside a compiled region (a layer's or a step's construction), then in it."""
+    if name not in _KERNELS:
+        _KERNELS[name] = None if qmm_op() is None else getattr(torch.ops.dikkat_native, name)
+    return _KERNELS[name]
+
+
 def dequantize_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.dequantize`` where :func:`qmm_op` is available, else None."""
-    return None if qmm_op() is None else torch.ops.dikkat_native.dequantize
+    return _kernel("dequantize")
 
 
 def linear_rows_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.linear_rows`` (x (M, K) fp32, w (N, K) fp32, bias (N,) or None
     → x wᵀ + bias, (M, N); made for one row: further rows are multiplied one after another, with
     the rows of w from cache) where :func:`qmm_op` is available, else None."""
-    return None if qmm_op() is None else torch.ops.dikkat_native.linear_rows
+    return _kernel("linear_rows")
 
 
 def paged_attention_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.paged_attention`` where :func:`qmm_op` is available, else
     None."""
-    return None if qmm_op() is None else torch.ops.dikkat_native.paged_attention
+    return _kernel("paged_attention")
 
 
 def argmax_op() -> Callable[..., Tensor] | None:
