@@ -6,6 +6,8 @@ adapter, and the one-line errors. No figure is checked against a speed."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,17 @@ def test_random_ids_avoid_the_special_ids():
 
 def test_read_bandwidth_is_a_positive_rate():
     assert read_bandwidth(2**20) > 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc only")
+def test_the_peak_memory_is_the_programs_own_not_its_parents():
+    """A child started while this process holds 1.5 GB more reports its own peak: Linux's
+    ``ru_maxrss`` would carry the parent's resident size across ``execve``."""
+    held = b"\x01" * (1500 * 2**20)  # written, so resident
+    code = "from dikkat.bench.bandwidth import peak_rss_mb; print(peak_rss_mb())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    del held
+    assert 0 < float(done.stdout) < 1000, done.stdout
 
 
 def test_config_refuses_a_decode_of_one_token():

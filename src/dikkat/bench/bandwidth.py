@@ -134,8 +134,20 @@ def available_bytes() -> int | None:
 
 
 def peak_rss_mb() -> float | None:
-    """This process's peak resident memory so far, in 10⁶ bytes (``getrusage``'s
-    ``ru_maxrss``); None where the platform has no ``resource`` module."""
+    """This process's peak resident memory so far, in 10⁶ bytes; None where unknown.
+
+    On Linux it is ``VmHWM`` of ``/proc/self/status``, the high-water mark of this program's
+    own memory (:func:`dikkat.bench.timing.peak_memory` resets it: after that, the peak since).
+    ``getrusage``'s ``ru_maxrss`` serves elsewhere; on Linux it survives ``execve`` (getrusage(2),
+    NOTES), so a program that a large process starts (a benchmark script running ``dikkat bench
+    decode``) would report at least that process's resident size.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6  # reported in kB
+    except OSError:
+        pass
     try:
         import resource  # POSIX only
     except ImportError:
