@@ -7,6 +7,7 @@ import errno
 import gc
 import os
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -72,3 +73,33 @@ def test_a_real_full_disk(tmp_path):
     finally:
         gc.collect()  # a failed torch.save can hold its file open until collected
         subprocess.run(["umount", "--lazy", str(mnt)], check=False)
+
+
+_SAVE_UNDER_LIMIT = """
+import errno, resource, sys, torch
+from pathlib import Path
+from dikkat.files import atomic_write
+target = Path(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+try:
+    atomic_write(target, lambda tmp: torch.save({"a": torch.zeros(100_000)}, tmp))
+except OSError as e:
+    print(e.errno == errno.EFBIG, e)
+"""
+
+
+def test_a_save_past_the_file_size_limit_names_the_limit(tmp_path):
+    """torch.save's zip writer reports a write refused by ``ulimit -f`` as "unexpected pos";
+    the error names the limit instead (a child process: the limit is the process's)."""
+    target = tmp_path / "state.pt"
+    target.write_bytes(b"the previous checkpoint")
+    done = subprocess.run(
+        [sys.executable, "-c", _SAVE_UNDER_LIMIT, str(target)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first, _, message = done.stdout.strip().partition(" ")
+    assert first == "True", done.stdout
+    assert "ulimit -f" in message and "65536 bytes" in message, message
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary left

@@ -9,6 +9,7 @@ held to an fp64 reference where the numbers matter, torch's kernels being no ora
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -343,10 +344,38 @@ def test_jagged_inputs_get_their_gradient() -> None:
         torch.testing.assert_close(grad, want)
 
 
+def _outcome(call: Callable[[], torch.Tensor]) -> torch.Tensor | type[BaseException]:
+    try:
+        return call()
+    except Exception as e:  # the type is what is compared
+        return type(e)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "transposed", "mixed"])
+def test_strided_nested_inputs_get_torchs_answer_or_torchs_error(case: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: the strided nested layout is a prototype
+        nt = torch.nested.nested_tensor([_rand(2, 3, 4), _rand(2, 5, 4)])
+    q = k = v = nt.transpose(1, 2) if case == "transposed" else nt
+    if case == "mixed":
+        k = v = _rand(2, 2, 5, 4)
+    kwargs = {"is_causal": case == "causal"}
+    want = _outcome(lambda: TORCH_SDPA(q, k, v, **kwargs))
+    got = _outcome(lambda: scaled_dot_product_attention(q, k, v, **kwargs))
+    if isinstance(want, type):
+        assert isinstance(got, type) and issubclass(got, want), (got, want)
+    else:
+        assert isinstance(got, torch.Tensor) and got.is_nested
+        for g, w in zip(got.unbind(), want.unbind(), strict=True):
+            torch.testing.assert_close(g, w)
+
+
 def test_nested_inputs_other_than_jagged_ones_are_refused_by_name() -> None:
-    strided = torch.nested.nested_tensor([_rand(2, 3, 4), _rand(2, 5, 4)])
-    with pytest.raises(ValueError, match=r"layouts torch\.strided"):
-        scaled_dot_product_attention(strided, strided, strided)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        strided = torch.nested.nested_tensor([_rand(2, 3, 4), _rand(2, 5, 4)])
+    with pytest.raises(ValueError, match="cannot read strided nested tensors"):
+        scaled_dot_product_attention(strided, strided, strided, backend="tiled")
     q = _jagged([2, 3], 1, 4, seed=0)
     with pytest.raises(ValueError, match="attn_mask cannot go with jagged"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool))

@@ -104,12 +104,18 @@ def os_error_of(error: Exception, path: str | Path) -> OSError | None:
     safetensors reports a failed write as ``SafetensorError("… (os error 28)")`` and
     ``torch.save`` as a ``RuntimeError`` of its zip writer that names no cause, so a full disk
     would end in a traceback instead of the one line an ``OSError`` gets: the error number is
-    read from the message, else a file system with no free block is taken to be the cause.
+    read from the message; else a file that reached the process's limit on a file's size
+    (``ulimit -f``, ``RLIMIT_FSIZE``: a write past it fails with ``EFBIG``, getrlimit(2)) is
+    taken to be the cause, else a file system with no free block.
     """
     found = re.search(r"os error (\d+)", str(error))
     if found:
         number = int(found.group(1))
         return OSError(number, os.strerror(number), str(path))
+    limit = _size_limit_reached(path)
+    if limit is not None:
+        why = f"{os.strerror(errno.EFBIG)}: it reached the limit on a file's size (ulimit -f)"
+        return OSError(errno.EFBIG, f"{why}, {limit} bytes", str(path))
     try:
         stats = os.statvfs(Path(path).parent)
     except (OSError, AttributeError):  # no statvfs on this platform, or the folder is gone
@@ -117,6 +123,20 @@ def os_error_of(error: Exception, path: str | Path) -> OSError | None:
     if stats.f_bavail == 0:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     return None
+
+
+def _size_limit_reached(path: str | Path) -> int | None:
+    """The soft ``RLIMIT_FSIZE`` in bytes if the file at ``path`` has reached it, else None."""
+    try:
+        import resource  # POSIX only
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        size = os.path.getsize(path)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY or size < soft:
+        return None
+    return soft
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -182,6 +182,11 @@ def _sdpa(
     backend: str,
 ) -> Tensor:
     if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+        if any(isinstance(t, Tensor) and t.is_nested and t.layout == torch.strided
+               for t in (query, key, value)):  # fmt: skip
+            return _strided_nested(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
+            )
         return _jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, backend)
     causal_bias = _causal_bias(attn_mask)
     if causal_bias is not None:
@@ -245,6 +250,37 @@ def _sdpa(
     return out.reshape(*lead, L, Ev) if out.shape[:-2] != lead else out
 
 
+def _strided_nested(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    backend: str,
+) -> Tensor:
+    """Strided nested tensors (torch's older nested layout) go to torch's own kernel, which is
+    the only one that reads them: the answer, and the error for what it refuses (a
+    ``RuntimeError`` for a causal or non-contiguous call), are torch's."""
+    if backend not in ("auto", "sdpa"):
+        raise ValueError(
+            f"backend={backend!r} cannot read strided nested tensors; only torch's own kernel "
+            "does (backend='auto' or 'sdpa'), or pass jagged ones (layout=torch.jagged)"
+        )
+    return TORCH_SDPA(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
 def _jagged(
     query: Tensor,
     key: Tensor,
@@ -263,13 +299,6 @@ def _jagged(
     where = "query, key and value"
     if not all(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
         raise ValueError(f"{where} must all be nested tensors or none of them")
-    if any(t.layout != torch.jagged for t in (query, key, value)):
-        layouts = ", ".join(str(t.layout) for t in (query, key, value))
-        raise ValueError(
-            f"{where} are nested tensors of layouts {layouts}; dikkat takes jagged ones "
-            "(torch.nested.nested_tensor(..., layout=torch.jagged)) or dense tensors with a "
-            "mask (dikkat.masks.document for packed sequences)"
-        )
     if attn_mask is not None:
         raise ValueError(
             "attn_mask cannot go with jagged nested query, key and value (torch refuses it "
