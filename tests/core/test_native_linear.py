@@ -87,13 +87,20 @@ SCRIPT = textwrap.dedent(
         got = torch.ops.dikkat_native.linear_rows(x.float(), w.float(), b.float()).double()
         want = torch.nn.functional.linear(x, w, b)
         worst = max(worst, ((got - want).abs().max() / (want.abs().max() + 1) / (K + 4)).item())
+    x, w = torch.randn(2, 33, generator=g), torch.randn(5, 33, generator=g)
+    x[0, 7], x[1, 32], w[1, 7] = float("inf"), float("nan"), 0.0  # Inf · 0: NaN
+    got = torch.ops.dikkat_native.linear_rows(x, w, None)
+    want = (x.double()[:, None] * w.double()[None]).sum(-1)  # fp64, term by term
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(want)), (got, want)
     print(worst)
     """
 )
 
 
 def test_the_portable_loops_give_the_same_products(tmp_path: Path):
-    """The build for a CPU without AVX-512 (``-mno-avx512f``) runs the plain loops."""
+    """The build for a CPU without AVX-512 (``-mno-avx512f``) runs the plain loops, which keep
+    a NaN or ±Inf as IEEE arithmetic does too."""
     source = Path(native.__file__).with_name("linear.cpp")
     library = portable_build(tmp_path, [source], "-mno-avx512f")
     assert float(run_with(library, SCRIPT).strip().splitlines()[-1]) < 4e-7

@@ -1,5 +1,6 @@
 """The packed product's portable loops: the native library built for a CPU without AVX-512
-VNNI (``-mno-avx512vnni``) gives the VNNI build's products, within fp32 rounding.
+VNNI (``-mno-avx512vnni``) gives the VNNI build's products, within fp32 rounding, and keeps a
+NaN or ±Inf as IEEE arithmetic does (tests/native_nan_cases.py).
 
 The two builds register the same ops, so the portable one runs in a process of its own, with
 dikkat's native kernels turned off there (``DIKKAT_NATIVE=0``): its products are compared with
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from dikkat.core import native
 from native_builds import portable_build, run_with
@@ -54,6 +57,37 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_portable_loops_give_the_vnni_products(tmp_path: Path):
-    library = portable_build(tmp_path, [native._SOURCES[0]], "-mno-avx512vnni")
+NAN_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    torch.ops.load_library(sys.argv[1])
+    sys.path.insert(0, {tests!r})
+    from native_nan_cases import BAD, FORMATS, check_rows, check_scales, kernel
+    product = kernel(torch.ops.dikkat_native.qmm)
+    for name, f in FORMATS.items():
+        for M in (1, 3, 17, 40):
+            for bad in BAD:
+                check_rows(product, name, M, bad)
+            for which in ["scale", "offset"] if f.offsets else ["scale"]:
+                for bad in ("nan", "inf"):
+                    check_scales(product, name, M, bad, which)
+    print("ok")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """qmm.cpp built without VNNI, once for the tests below."""
+    folder = tmp_path_factory.mktemp("portable")
+    return portable_build(folder, [native._SOURCES[0]], "-mno-avx512vnni")
+
+
+def test_the_portable_loops_give_the_vnni_products(library: Path):
     assert float(run_with(library, SCRIPT).strip().splitlines()[-1]) < 1e-5
+
+
+def test_the_portable_loops_keep_nan_and_inf(library: Path):
+    """The checks of tests/core/test_native_nan.py, every format, in the portable build."""
+    tests = str(Path(__file__).parents[1])
+    assert run_with(library, NAN_SCRIPT.format(tests=tests)).strip().splitlines()[-1] == "ok"

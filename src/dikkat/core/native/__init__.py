@@ -2,7 +2,8 @@
 
 Five kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
 of 4-, 6- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
-product is), and ``dequantize``, the fp32 weight such blocks stand for; in ``linear.cpp``,
+product is), and in ``dequantize.cpp``, ``dequantize``, the fp32 weight such blocks stand for
+(``qmm_layout.h``: how both read the blocks); in ``linear.cpp``,
 ``linear_rows``, an fp32 row times an fp32 weight (decoding's products,
 :class:`dikkat.layers.inference.Fp32Linear`); in ``paged_attention.cpp``, ``paged_attention``,
 a decode step's attention over keys and values in a pool of slots
@@ -12,8 +13,14 @@ one library with the system's C++ compiler against the installed PyTorch, for th
 (``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
 compiler and CPU; the library is
 kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``), written under a temporary name and
-renamed into place, so a half-written library is never loaded. Its threads are PyTorch's own
-(``at::parallel_for``; ``torch.set_num_threads``).
+renamed into place, so a half-written library is never loaded. Beside it, a record of its size
+and SHA-256 (``<library>.sha256``, written the same way, after it) is checked before each load:
+a library that no longer matches it (cut short on a full disk, overwritten) or has none is
+rebuilt, with a line on stderr saying so — loading a damaged one kills the process (SIGBUS)
+without a word. Its threads are PyTorch's own (``at::parallel_for``; ``torch.set_num_threads``).
+
+Every kernel gives a NaN or ±Inf of its inputs on as IEEE arithmetic would in the same formula
+(``qmm``, whose integer product cannot hold one, adds such an input's terms in fp32 apart).
 
 Where there is no compiler, or ``DIKKAT_NATIVE=0`` is set, :func:`qmm_op` is None (and so are
 the others) and the callers compute the same with PyTorch operations; a failed build says why,
@@ -49,8 +56,9 @@ __all__ = [
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("qmm.cpp", "linear.cpp", "paged_attention.cpp", "argmax.cpp")
+    for name in ("qmm.cpp", "linear.cpp", "paged_attention.cpp", "argmax.cpp", "dequantize.cpp")
 ]
+_HEADERS = [Path(__file__).with_name("qmm_layout.h")]  # included by the sources: in the key too
 _LIBRARY = "dikkat_native"
 
 
@@ -99,12 +107,13 @@ def _command(compiler: str, sources: list[Path], out: Path) -> list[str]:
 
 def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
     """Compile the kernels into one library in ``folder`` (default :func:`native_dir`) unless
-    one built from the same sources, PyTorch, compiler and CPU is there; returns its path. A
-    RuntimeError with the compiler's message where the build fails."""
+    one built from the same sources, PyTorch, compiler and CPU is there and matches its record
+    (else it is rebuilt, saying why on stderr); returns its path. A RuntimeError with the
+    compiler's message where the build fails."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    source = b"\0".join(path.read_bytes() for path in _SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
@@ -115,10 +124,14 @@ def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
     folder = native_dir() if folder is None else folder
     target = folder / f"{_LIBRARY}-{key}.so"
     if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    if not quiet:
+        damage = _damage(target)
+        if damage is None:
+            return target
+        print(f"dikkat: the cached native library {target} {damage}; rebuilding it",
+              file=sys.stderr)  # fmt: skip
+    elif not quiet:
         print("dikkat: compiling its native kernels for this CPU (once)…", file=sys.stderr)
+    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / target.name
         done = subprocess.run(
@@ -130,8 +143,41 @@ def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
                 f"{compiler} could not build {', '.join(p.name for p in _SOURCES)}: "
                 f"{(errors or done.stderr.splitlines() or ['no message'])[0]}"
             )
+        record = Path(tmp) / _record(target).name
+        record.write_text(_fingerprint(out))
         os.replace(out, target)  # whole or absent: a rename within one folder
+        os.replace(record, _record(target))  # after the library: a record names a whole one
     return target
+
+
+def _record(library: Path) -> Path:
+    """Where the size and SHA-256 of ``library`` are kept: beside it, ``<name>.sha256``."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _fingerprint(library: Path) -> str:
+    """The record of ``library``: ``"<size> <sha256>"``."""
+    digest = hashlib.sha256()
+    with library.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"{library.stat().st_size} {digest.hexdigest()}"
+
+
+def _damage(library: Path) -> str | None:
+    """What is wrong with a cached ``library`` (no record, or not the size and hash recorded),
+    or None where it matches its record."""
+    try:
+        recorded = _record(library).read_text().strip()
+    except OSError:
+        return "has no record of its size and hash"
+    found = _fingerprint(library)
+    if found == recorded:
+        return None
+    size, want = found.split(" ")[0], recorded.split(" ")[0]
+    if size != want:
+        return f"is {size} bytes, not the {want} its record says"
+    return "does not have the SHA-256 its record says"
 
 
 @functools.cache

@@ -1,17 +1,5 @@
-// Products of fp32 activations with weights packed in blocks of 4-, 6- or 8-bit unsigned integers.
-//
-// A weight row of K values is stored as K/B blocks (B = 32, or 16); value j of block b is
-//   scale[b] * (q[j] - zero)        (symmetric formats: no offset tensor), or
-//   scale[b] * q[j] + offset[b]     (formats with a per-block minimum),
-// scales and offsets in fp32, or in fp16 (a file's own fp16 values, read a quarter fewer bytes),
-// or in two levels, as ggml's K-quants hold them: an int8 a block times an fp16 a super-block of
-// 256 values (a block's fp32 scale is then exactly their product).
-// 8-bit q: one byte a value. 4-bit q: 16 bytes a block of 32, byte j holding value j in its low
-// nibble and value j + 16 in its high nibble (ggml's Q4_0 order,
-// https://github.com/ggml-org/ggml/blob/master/docs/gguf.md). 6-bit q: 24 bytes a block, the
-// low 4 bits as 4-bit q holds them, then 8 bytes of top 2 bits (dikkat/layers/packed_bits.py).
-// The product reads the weight in groups of 16 rows (dikkat/layers/packed_groups.py): see
-// "A group's bytes" below.
+// Products of fp32 activations with weights packed in blocks of 4-, 6- or 8-bit unsigned integers,
+// held in groups of 16 rows (qmm_layout.h says how the blocks and groups lie).
 //
 // Each activation row is rounded to int16 per block of 32, a[j] = round(x[j] / d) with
 // d = max|x| / 32767 (16 bits, not llama.cpp's 8: an 8-bit rounding of a block that holds one of
@@ -29,8 +17,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "qmm_layout.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -41,21 +32,10 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // activation block
 constexpr int64_t kTile = 8;     // activation rows multiplied with one unpacked weight group
 constexpr int64_t kAhead = 4096;  // bytes of weights asked for ahead of their turn
 constexpr int32_t kLevels = 32767;  // activations: round(x / d), d = max |x| / kLevels
-constexpr int64_t kSuper = 256;  // values a super-block of two-level scales
 
-// a two-level format's fp16 super-block scales (and offsets): (N, K / 256), as the int8 ones
-struct Units {
-  const at::Half* scale = nullptr;
-  const at::Half* offset = nullptr;
-};
-
-// Scales and offsets are fp32, or fp16 where a file's fp16 values are kept as they are.
-inline float to_float(float v) { return v; }
-inline float to_float(at::Half v) { return static_cast<float>(v); }
 #if DIKKAT_VNNI
 inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 inline __m512 load16(const at::Half* p, __mmask16 k) {
@@ -67,20 +47,33 @@ struct Rounded {
   std::vector<int16_t> q;    // (M, K)
   std::vector<float> d;      // (M, K / 32) block scales
   std::vector<int32_t> sum;  // (M, K / 16) sums of the rounded values, per 16
+  std::vector<uint8_t> odd;  // (M): whether the row holds a NaN or ±Inf (rounded as zeros)
 };
+
+constexpr float kFinite = std::numeric_limits<float>::max();  // a NaN or ±Inf fails |x| <= it
 
 void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
   const int64_t G = K / kGroup;
   r.q.resize(M * K);
   r.d.resize(M * G);
   r.sum.resize(M * G * 2);
+  r.odd.assign(M, 0);
+  // a NaN or ±Inf is rounded as a zero, and its row marked: add_nonfinite adds its terms
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t g = 0; g < G; ++g) {
         const float* v = x + m * K + g * kGroup;
         int16_t* q = r.q.data() + m * K + g * kGroup;
 #if DIKKAT_VNNI
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const __m512 finite = _mm512_set1_ps(kFinite);  // |v| > it, or unordered: NaN or ±Inf
+        const __mmask16 odd0 = _mm512_cmp_ps_mask(_mm512_abs_ps(v0), finite, _CMP_NLE_UQ);
+        const __mmask16 odd1 = _mm512_cmp_ps_mask(_mm512_abs_ps(v1), finite, _CMP_NLE_UQ);
+        if ((odd0 | odd1) != 0) [[unlikely]] {
+          v0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(~odd0), v0);
+          v1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(~odd1), v1);
+          r.odd[m] = 1;
+        }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / static_cast<float>(kLevels);
         // x / d rounded half to even, as std::nearbyint below and torch.round do
@@ -96,7 +89,21 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
         r.sum[(m * G + g) * 2 + 1] = _mm512_reduce_add_epi32(i1);
 #else
         float amax = 0.f;
-        for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+        bool odd = false;
+        for (int j = 0; j < kGroup; ++j) {
+          amax = std::max(amax, std::fabs(v[j]));
+          odd |= !(std::fabs(v[j]) <= kFinite);
+        }
+        float kept[kGroup];
+        if (odd) [[unlikely]] {
+          amax = 0.f;
+          for (int j = 0; j < kGroup; ++j) {
+            kept[j] = std::fabs(v[j]) <= kFinite ? v[j] : 0.f;
+            amax = std::max(amax, std::fabs(kept[j]));
+          }
+          v = kept;
+          r.odd[m] = 1;
+        }
         const float d = amax / static_cast<float>(kLevels);
         int32_t s[2] = {0, 0};
         for (int j = 0; j < kGroup; ++j) {
@@ -131,35 +138,6 @@ void block_sums(const Rounded& r, int64_t M, int64_t K, int32_t zero, Sums& s) {
       s.da[m * per_row + b] = r.d[m * G + g] * static_cast<float>(total);
       s.zs[m * per_row + b] = -zero * total;
     }
-  }
-}
-
-// A group's bytes: chunk j (32 bytes) holds byte pair j of each of its 16 rows, row r's at
-// 2 r; its scales (and offsets) 16 a block, row r's at r. Byte pair j of a row holds, for
-// 8 bits, values 2 j and 2 j + 1; for 4 bits (16 bytes a block of 32), the low nibbles hold
-// values 2 c, 2 c + 1 and the high ones 2 c + 16, 2 c + 17 of the row's 32-value block j / 8,
-// c = j % 8. So an unpacked chunk is 16 lanes of two 16-bit weights, one lane a row, and
-// vpdpwssd multiplies it with a broadcast pair of activations. 6 bits (24 bytes a block): 8
-// chunks of low nibbles as for 4 bits, then 4 chunks of top bits; top chunk p, widened to
-// 16-bit words, holds in bits 0-1, 2-3, 4-5 and 6-7 of its two words the top bits of the
-// values of nibble chunk 2 p (low, high nibbles) and 2 p + 1 (low, high nibbles): a shift
-// by 4, 2, 0 or -2 and a mask move them above the nibbles.
-constexpr int64_t kRows = 16;  // weight rows a group
-
-// the integer q of value k (of K) of row r, in a group's bytes (the scalar paths and the tail)
-template <int BITS>
-inline int32_t group_value(const uint8_t* group, int64_t r, int64_t k) {
-  // the row's byte b, as a row holds it, in the group
-  const auto at = [&](int64_t b) { return group[(b / 2) * 32 + 2 * r + b % 2]; };
-  if constexpr (BITS == 8) {
-    return at(k);
-  } else {
-    constexpr int64_t block_bytes = kGroup * BITS / 8;
-    const int64_t i = k % 16, h = (k % 32) / 16, base = (k / 32) * block_bytes;
-    const int32_t low = (at(base + i) >> (4 * h)) & 0x0F;
-    if constexpr (BITS == 4) return low;
-    const int32_t top = (at(base + 16 + (i / 4) * 2 + i % 2) >> (2 * (2 * ((i / 2) % 2) + h))) & 3;
-    return low | (top << 4);
   }
 }
 
@@ -273,14 +251,6 @@ void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const ui
 #endif
 }
 
-// a block's scale (or offset) in fp32: element i of a plain one, or for two levels element i
-// of the int8 ones times element u of the fp16 super-block ones
-template <typename S>
-inline float scale_at(const S* s, const at::Half*, int64_t i, int64_t) { return to_float(s[i]); }
-inline float scale_at(const int8_t* s, const at::Half* unit, int64_t i, int64_t u) {
-  return static_cast<float>(s[i]) * static_cast<float>(unit[u]);
-}
-
 // a full group's two-level scales (or offsets) in fp32, as the group holds them: block b of row
 // r at 16 b + r, its super-block's fp16 at 16 (b · BLOCK / 256) + r
 template <int BLOCK>
@@ -383,26 +353,6 @@ void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* value
   });
 }
 
-// checks shared by both ops: values (N, K · bits / 8) uint8, scale (N, K / block) fp32 or fp16
-// (or int8: see check_units), offset absent or shaped and typed as scale
-void check_blocks(const at::Tensor& values, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block, int64_t K,
-                  bool two_level = false) {
-  TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2, "values must be (N, bytes) uint8");
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
-  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(values.size(1) == K * bits / 8, "values do not hold K values a row");
-  const bool typed = two_level ? scale.scalar_type() == at::kChar
-                               : scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf;
-  TORCH_CHECK(typed && scale.dim() == 2 && scale.size(0) == values.size(0) && scale.size(1) == K / block,
-              "scale must be (N, K / block) fp32 or fp16, or int8 with super_scale");
-  if (offset.has_value() && offset->defined()) {
-    TORCH_CHECK(offset->scalar_type() == scale.scalar_type() && offset->sizes() == scale.sizes(),
-                "offset must be shaped and typed as scale");
-  }
-}
-
 // a two-level scale's fp16 super-block values: (N, K / 256), present with an int8 scale (and
 // offset), absent otherwise
 void check_units(const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
@@ -423,8 +373,40 @@ void check_units(const at::Tensor& scale, const c10::optional<at::Tensor>& offse
   }
 }
 
+// The rows of x that hold a NaN or ±Inf, which the integer product took as zeros there: their
+// outputs become what IEEE arithmetic gives for the dequantised weight times x. A NaN makes every
+// output of its row NaN; an Inf's terms w[n, k] · x[m, k] are added in fp32 (±Inf, or NaN where
+// the weight is 0 or terms of both signs meet), a few per row, not a product's worth of work.
 template <typename S>
-void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
+void add_nonfinite(const float* x, const std::vector<uint8_t>& odd, const Weight<S>& w, float* out) {
+  const int64_t K = w.K, N = w.N;
+  std::vector<int64_t> at_inf;
+  for (int64_t m = 0; m < static_cast<int64_t>(odd.size()); ++m) {
+    if (!odd[m]) continue;
+    const float* row = x + m * K;
+    float* y = out + m * N;
+    at_inf.clear();
+    bool nan = false;
+    for (int64_t k = 0; k < K; ++k) {
+      nan |= std::isnan(row[k]);
+      if (std::isinf(row[k])) at_inf.push_back(k);
+    }
+    if (nan) {
+      std::fill(y, y + N, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        float terms = 0.f;
+        for (const int64_t k : at_inf) terms += w.at(n, k) * row[k];
+        y[n] += terms;
+      }
+    });
+  }
+}
+
+template <typename S>
+void qmm_as(const float* x, const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
             const at::Tensor& offset, const Units& units, int64_t bits, int64_t block,
             int64_t zero, int64_t M, int64_t K, at::Tensor& out) {
   const int64_t N = values.size(0);
@@ -442,6 +424,9 @@ void qmm_as(const Rounded& r, const at::Tensor& values, const at::Tensor& scale,
   else if (block == 32) { if (has_offset) DIKKAT_RUN(4, 32, true); else DIKKAT_RUN(4, 32, false); }
   else { if (has_offset) DIKKAT_RUN(4, 16, true); else DIKKAT_RUN(4, 16, false); }
 #undef DIKKAT_RUN
+  if (std::find(r.odd.begin(), r.odd.end(), 1) != r.odd.end()) [[unlikely]] {
+    add_nonfinite<S>(x, r.odd, Weight<S>{v, s, o, units, N, K, bits, block, z}, y);
+  }
 }
 
 at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale,
@@ -465,73 +450,11 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   thread_local Rounded r;  // the calling thread's, kept between calls
   round_rows(xc.data_ptr<float>(), M, K, r);
   if (two_level) {
-    qmm_as<int8_t>(r, vc, sc, oc, units, bits, block, zero, M, K, out);
+    qmm_as<int8_t>(xc.data_ptr<float>(), r, vc, sc, oc, units, bits, block, zero, M, K, out);
   } else if (sc.scalar_type() == at::kHalf) {
-    qmm_as<at::Half>(r, vc, sc, oc, units, bits, block, zero, M, K, out);
+    qmm_as<at::Half>(xc.data_ptr<float>(), r, vc, sc, oc, units, bits, block, zero, M, K, out);
   } else {
-    qmm_as<float>(r, vc, sc, oc, units, bits, block, zero, M, K, out);
-  }
-  return out;
-}
-
-template <typename S>
-void dequantize_as(const uint8_t* v, const S* s, const S* o, int64_t bits, int64_t block,
-                   int64_t zero, int64_t N, int64_t K, float* w) {
-  const int64_t per_row = K / block;
-  const float z = static_cast<float>(zero);
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    std::vector<float> q(K);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = v + n * (K * bits / 8);
-      if (bits == 8) {
-        for (int64_t k = 0; k < K; ++k) q[k] = static_cast<float>(row[k]);
-      } else {
-        const int64_t block_bytes = kGroup * bits / 8;
-        for (int64_t g = 0; g < K / kGroup; ++g) {
-          const uint8_t* b = row + g * block_bytes;
-          for (int j = 0; j < 32; ++j) {
-            const int i = j % 16, h = j / 16;
-            int value = (b[i] >> (4 * h)) & 0x0F;
-            if (bits == 6) value |= ((b[16 + (i / 4) * 2 + i % 2] >> (2 * (2 * ((i / 2) % 2) + h))) & 3) << 4;
-            q[g * 32 + j] = static_cast<float>(value);
-          }
-        }
-      }
-      float* out_row = w + n * K;
-      for (int64_t b = 0; b < per_row; ++b) {
-        const float sb = to_float(s[n * per_row + b]);
-        const float* qb = q.data() + b * block;
-        float* wb = out_row + b * block;
-        if (o != nullptr) {
-          const float add = to_float(o[n * per_row + b]);
-          for (int64_t j = 0; j < block; ++j) wb[j] = sb * qb[j] + add;
-        } else {
-          for (int64_t j = 0; j < block; ++j) wb[j] = sb * (qb[j] - z);
-        }
-      }
-    }
-  });
-}
-
-// the weight (N, K) that the blocks stand for, in fp32: a prefill multiplies it with oneDNN
-at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& offset, int64_t bits, int64_t block,
-                      int64_t zero) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
-  const int64_t N = values.size(0), K = values.size(1) * 8 / bits;
-  check_blocks(values, scale, offset, bits, block, K);
-  const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor vc = values.contiguous(), sc = scale.contiguous();
-  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({N, K}, scale.options().dtype(at::kFloat));
-  const uint8_t* v = vc.data_ptr<uint8_t>();
-  float* w = out.data_ptr<float>();
-  if (sc.scalar_type() == at::kHalf) {
-    dequantize_as<at::Half>(v, sc.data_ptr<at::Half>(),
-                            has_offset ? oc.data_ptr<at::Half>() : nullptr, bits, block, zero, N, K, w);
-  } else {
-    dequantize_as<float>(v, sc.data_ptr<float>(), has_offset ? oc.data_ptr<float>() : nullptr, bits,
-                         block, zero, N, K, w);
+    qmm_as<float>(xc.data_ptr<float>(), r, vc, sc, oc, units, bits, block, zero, M, K, out);
   }
   return out;
 }
@@ -543,12 +466,8 @@ bool vnni() { return DIKKAT_VNNI; }
 TORCH_LIBRARY(dikkat_native, m) {
   m.def("qmm(Tensor x, Tensor values, Tensor scale, Tensor? offset, Tensor? super_scale, "
         "Tensor? super_offset, int bits, int block, int zero) -> Tensor");
-  m.def("dequantize(Tensor values, Tensor scale, Tensor? offset, int bits, int block, int zero) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) {
-  m.impl("qmm", &qmm);
-  m.impl("dequantize", &dequantize);
-}
+TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) { m.impl("qmm", &qmm); }
 
 extern "C" int dikkat_native_vnni() { return vnni() ? 1 : 0; }
