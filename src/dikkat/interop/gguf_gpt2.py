@@ -41,6 +41,7 @@ __all__ = [
     "ARCHITECTURE",
     "check_writable",
     "gguf_names",
+    "gguf_shapes",
     "gguf_tensors",
     "gpt_state",
     "write_gguf",
@@ -83,6 +84,26 @@ def gguf_names(config: GPTConfig) -> set[str]:
     for i in range(config.n_layers):
         names |= {f"blk.{i}.{t}.{p}" for t in (*_BLOCK, "attn_qkv") for p in ("weight", "bias")}
     return names
+
+
+def gguf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The torch-order shape of each tensor of :func:`gguf_names` (what a file of ``config``
+    holds; a reader checks a file's tensors against it before reading them)."""
+    C, V, block = config.d_model, config.vocab_size, config.block()
+    qkv = C + 2 * block.kv_heads * (C // config.n_heads)  # q rows, then k's and v's
+    F = block.d_ff or 4 * C
+    rows = {"attn_norm": C, "attn_qkv": qkv, "attn_output": C, "ffn_norm": C, "ffn_up": F,
+            "ffn_down": C}  # fmt: skip
+    columns = {"attn_qkv": C, "attn_output": C, "ffn_up": C, "ffn_down": F}
+    shapes = {"token_embd.weight": (V, C), "position_embd.weight": (config.max_len, C)}
+    shapes |= {"output_norm.weight": (C,), "output_norm.bias": (C,)}
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (V, C)
+    for i in range(config.n_layers):
+        for kind, n in rows.items():
+            weight = (n, columns[kind]) if kind in columns else (n,)
+            shapes |= {f"blk.{i}.{kind}.weight": weight, f"blk.{i}.{kind}.bias": (n,)}
+    return shapes
 
 
 def gguf_tensors(model: GPT) -> dict[str, Tensor]:

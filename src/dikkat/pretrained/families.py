@@ -18,12 +18,21 @@ soft-capping, biases in the MLP) is refused by name, never dropped.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dikkat.models.decoder import DecoderConfig, LayerKind, gemma3_layer_kinds
+from dikkat.pretrained.gguf_checks import (
+    block_count,
+    check_shape,
+    header_float,
+    header_int,
+    vocab_rows,
+)
+from dikkat.pretrained.gguf_file import shown
 
 __all__ = ["config_from_gguf", "config_from_hf", "gguf_names", "hf_names", "unpermute_rope_rows"]
 
@@ -35,68 +44,85 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gem
 # sliding layers, and one full-attention layer in every six.
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_PATTERN = 6
+# where a GGUF header gives the head dimension, the first present wins (Gemma 3: key_length)
+_HEAD_DIM_KEYS = ("attention.key_length", "rope.dimension_count")
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], source: str) -> DecoderConfig:
-    """The config of the model a GGUF header describes (``tensor_names`` tell tying and biases)."""
+def config_from_gguf(
+    meta: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+) -> DecoderConfig:
+    """The config of the model a GGUF header describes. ``shapes`` (the file's tensors, name →
+    torch shape) tell tying and biases, and hold the header's sizes to the tensors they describe
+    (:mod:`dikkat.pretrained.gguf_checks`): the block count, the vocabulary, the widths and
+    head counts of the embedding and of block 0 — which bounds every size the model is built
+    with by a tensor the file really holds."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"{source}: GGUF architecture {arch!r} is not one dikkat runs; it reads "
+            f"{source}: GGUF architecture {shown(arch)} is not one dikkat runs; it reads "
             f"{', '.join(GGUF_ARCHITECTURES)} and gpt2 (as a GPT)"
         )
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"{source}: the GGUF header has no {arch}.{key}")
-        return value
-
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
+    key = f"{arch}.{{}}".format
+    scaling = meta.get(key("rope.scaling.type"))
+    if scaling not in (None, "none") or "rope_freqs.weight" in shapes:
         raise ValueError(
-            f"{source}: RoPE scaling ({scaling or 'rope_freqs'}) is not implemented in dikkat; "
-            "this model's long-context positions would be wrong"
+            f"{source}: RoPE scaling ({shown(scaling or 'rope_freqs')}) is not implemented in "
+            "dikkat; this model's long-context positions would be wrong"
         )
-    n_layers, n_heads = int(get("block_count")), int(get("attention.head_count"))
-    d_model = int(get("embedding_length"))
-    kv = get("attention.head_count_kv", n_heads)
-    if isinstance(kv, list):  # per-layer head counts (hybrid models)
+    if isinstance(meta.get(key("attention.head_count_kv")), list):  # per layer (hybrid models)
         raise ValueError(f"{source}: per-layer key/value head counts are not supported")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    n_layers = block_count(meta, key("block_count"), shapes, source)
+    n_heads = header_int(meta, key("attention.head_count"), source)
+    kv = header_int(meta, key("attention.head_count_kv"), source, default=n_heads)
+    d_model = header_int(meta, key("embedding_length"), source)
+    d_ff = header_int(meta, key("feed_forward_length"), source)
+    vocab = vocab_rows(meta, arch, shapes, source)
+    head_key = next((k for k in map(key, _HEAD_DIM_KEYS) if meta.get(k)), None)
+    head_dim = None if head_key is None else header_int(meta, head_key, source)
+    D = head_dim or d_model // n_heads
+    width = f"{key('embedding_length')} = {d_model}"
+    heads = f"heads of {D} ({head_key or f'{width} / heads'}) and {width}"
+    for name, rows, why in (
+        ("token_embd.weight", vocab, f"the vocabulary of {vocab} tokens and {width}"),
+        ("blk.0.attn_q.weight", n_heads * D, f"{key('attention.head_count')} = {n_heads} {heads}"),
+        ("blk.0.attn_k.weight", kv * D, f"{key('attention.head_count_kv')} = {kv} {heads}"),
+        ("blk.0.ffn_up.weight", d_ff, f"{key('feed_forward_length')} = {d_ff} and {width}"),
+    ):
+        check_shape(shapes, name, (rows, d_model), why, source)
     common: dict[str, Any] = dict(
         family=arch,
-        vocab_size=int(vocab),
-        max_len=int(get("context_length")),
+        vocab_size=vocab,
+        max_len=header_int(meta, key("context_length"), source),
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(kv),
-        d_ff=int(get("feed_forward_length")),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_base=float(get("rope.freq_base", 10000.0)),
-        tie_embeddings="output.weight" not in tensor_names,
+        n_kv_heads=kv,
+        d_ff=d_ff,
+        norm_eps=header_float(meta, key("attention.layer_norm_rms_epsilon"), source),
+        rope_base=header_float(meta, key("rope.freq_base"), source, default=10000.0),
+        tie_embeddings="output.weight" not in shapes,
     )
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-    if head_dim is not None and int(head_dim) != d_model // n_heads:
-        common["head_dim"] = int(head_dim)
-    if arch == "gemma3":
-        head = int(head_dim or d_model // n_heads)
-        # llama.cpp: 1/√(C/H) for the 27B model (query_pre_attn_scalar = C/H), 1/√D otherwise
-        scalar = d_model / n_heads if n_layers == 62 else head
-        return DecoderConfig(
-            **common,
-            activation="gelu_tanh",
-            local_rope_base=GEMMA3_LOCAL_ROPE_BASE,
-            sliding_window=int(get("attention.sliding_window")),
-            layer_kinds=gemma3_layer_kinds(n_layers, GEMMA3_PATTERN),
-            qk_norm=True,
-            sandwich_norm=True,
-            embed_scale=True,
-            attn_scale=scalar**-0.5,
-        )
-    bias = "blk.0.attn_q.bias" in tensor_names
-    return DecoderConfig(**common, qkv_bias=bias, out_bias="blk.0.attn_output.bias" in tensor_names)
+    if head_dim is not None and head_dim != d_model // n_heads:
+        common["head_dim"] = head_dim
+    try:
+        if arch == "gemma3":
+            # llama.cpp: 1/√(C/H) for the 27B model (query_pre_attn_scalar = C/H), 1/√D else
+            scalar = d_model / n_heads if n_layers == 62 else D
+            return DecoderConfig(
+                **common,
+                activation="gelu_tanh",
+                local_rope_base=GEMMA3_LOCAL_ROPE_BASE,
+                sliding_window=header_int(meta, key("attention.sliding_window"), source),
+                layer_kinds=gemma3_layer_kinds(n_layers, GEMMA3_PATTERN),
+                qk_norm=True,
+                sandwich_norm=True,
+                embed_scale=True,
+                attn_scale=scalar**-0.5,
+            )
+        bias = "blk.0.attn_q.bias" in shapes
+        return DecoderConfig(**common, qkv_bias=bias, out_bias="blk.0.attn_output.bias" in shapes)
+    except (TypeError, ValueError) as e:  # what the sizes above cannot be together
+        raise ValueError(f"{source}: the GGUF header's sizes do not make a model: {e}") from None
 
 
 def gguf_names(config: DecoderConfig) -> dict[str, str]:

@@ -8,10 +8,23 @@ The header is parsed here, in bulk: ``gguf.GGUFReader`` builds a Python object f
 of every array, which takes tens of seconds on a 262 144-token vocabulary. The tensor data stays
 in a read-only memory map and each tensor is dequantised by the ``gguf`` package
 (``gguf.quants.dequantize``), the format's own reference implementation.
+
+Nothing in the file is trusted (docs/models.md, "What a load checks"). Every length and count is
+held against the bytes left before anything sized by it is built; arrays nest at most
+:data:`MAX_NESTING` deep; a key or a tensor name appears once; ``general.alignment`` is a power
+of two; a tensor has at most four dimensions and fewer than 2⁶³ values; the tensors lie one after
+another in the data section, in directory order, each at the aligned end of the one before.
+Those are the rules of ggml's own reader (``ggml/src/gguf.cpp``, ``gguf_init_from_file_impl``),
+with which llama.cpp loads every file, so a file it reads passes them. One more: the file ends
+with the last tensor's data (and its padding), as gguf-py's writer and ggml's leave it. Together
+they make a wrong offset, shape or type id (F16 written over a Q4_1 tensor's type) a gap, an
+overlap or bytes left over, refused by name. :meth:`GGUFFile.read` refuses a tensor holding NaN
+or ±Inf.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -22,10 +35,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["GGUFFile", "TensorInfo"]
+__all__ = ["MAX_NESTING", "GGUFFile", "TensorInfo", "shown"]
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+_INT64_MAX = 2**63 - 1
+MAX_NESTING = 4  # arrays of arrays this deep at most (ggml's reader takes none nested)
 
 # GGUF value types: id → (struct format, numpy dtype) for the fixed-size ones
 _SCALARS: dict[int, tuple[str, str]] = {
@@ -42,6 +58,21 @@ _SCALARS: dict[int, tuple[str, str]] = {
     12: ("<d", "<f8"),
 }
 _STRING, _ARRAY, _BOOL = 8, 9, 7
+_U64 = struct.Struct("<Q")
+# the fewest bytes one entry can take: a key (length, type, a one-byte value); an array item
+# by type; a tensor's directory entry (name length, n_dims, type, offset)
+_KEY_BYTES, _TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
+_ITEM_BYTES = {_STRING: 8, _ARRAY: 4 + 8} | {
+    k: struct.calcsize(f) for k, (f, _) in _SCALARS.items()
+}
+_INTEGER_KINDS = ("I8", "I16", "I32", "I64")  # GGML types that hold no weights
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: a file's strings in a one-line
+    message (a key or a token may be megabytes long, or hold a newline)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "…"
 
 
 @dataclass(frozen=True)
@@ -62,47 +93,83 @@ class TensorInfo:
 
 
 class _Cursor:
-    """Reads little-endian values from the header, naming the file when it ends too early."""
+    """Reads little-endian values from the header; every read is held against the bytes left,
+    and a failure names the file and what was being read."""
 
     def __init__(self, buffer: memoryview, path: Path) -> None:
         self.buffer, self.pos, self.path = buffer, 0, path
 
-    def take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.buffer):
-            raise ValueError(f"{self.path} ends inside its GGUF header: truncated or not GGUF")
+    @property
+    def left(self) -> int:
+        return len(self.buffer) - self.pos
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n > self.left:
+            raise ValueError(
+                f"{self.path}: {what} needs {n} bytes at byte {self.pos}, but the file ends "
+                f"{self.left} bytes later: it is truncated, damaged or not GGUF"
+            )
         view = self.buffer[self.pos : self.pos + n]
         self.pos += n
         return view
 
-    def scalar(self, kind: int) -> Any:
+    def scalar(self, kind: int, what: str) -> Any:
         fmt = _SCALARS[kind][0]
-        (value,) = struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+        (value,) = struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
         return value
 
-    def string(self) -> str:
-        return bytes(self.take(self.scalar(10))).decode("utf-8", errors="replace")
+    def string(self, what: str) -> str:
+        n = self.scalar(10, f"the length of {what}")
+        return bytes(self.take(n, what)).decode("utf-8", errors="replace")
 
-    def value(self, kind: int) -> Any:
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings: :meth:`string` in a tight loop (a vocabulary holds 10⁵ of them)."""
+        buffer, pos, end, out = self.buffer, self.pos, len(self.buffer), []
+        unpack, add = _U64.unpack_from, out.append
+        for _ in range(count):
+            n = unpack(buffer, pos)[0] if pos + 8 <= end else end  # a length past the end
+            if pos + 8 + n > end:
+                self.pos = pos
+                self.take(8 + n, f"item {len(out)} of {what}")  # raises, naming the place
+            add(str(buffer[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self.pos = pos
+        return out
+
+    def value(self, kind: int, what: str, depth: int = 0) -> Any:
         if kind == _STRING:
-            return self.string()
+            return self.string(what)
         if kind == _ARRAY:
-            item, count = self.scalar(4), self.scalar(10)
+            if depth >= MAX_NESTING:
+                raise ValueError(
+                    f"{self.path}: {what} holds arrays nested more than {MAX_NESTING} deep"
+                )
+            item, count = self.scalar(4, f"the item type of {what}"), self.scalar(10, what)
+            size = _ITEM_BYTES.get(item)
+            if size is None:
+                raise ValueError(f"{self.path}: {what} is an array of unknown GGUF type {item}")
+            if count * size > self.left:  # before any list of that many items is built
+                raise ValueError(
+                    f"{self.path}: {what} claims {count} items, which need at least "
+                    f"{count * size} bytes; {self.left} are left in the file"
+                )
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count, what)
             if item in _SCALARS:
                 dtype = np.dtype(_SCALARS[item][1])
-                data = np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
+                data = np.frombuffer(self.take(count * size, what), dtype=dtype)
                 return (data != 0).tolist() if item == _BOOL else data.tolist()
-            return [self.value(item) for _ in range(count)]  # arrays of arrays
+            return [self.value(item, what, depth + 1) for _ in range(count)]
         if kind in _SCALARS:
-            value = self.scalar(kind)
+            value = self.scalar(kind, what)
             return bool(value) if kind == _BOOL else value
-        raise ValueError(f"{self.path}: unknown GGUF value type {kind} in the header")
+        raise ValueError(f"{self.path}: {what} has unknown GGUF value type {kind}")
 
 
 class GGUFFile:
     """A GGUF file opened for reading: ``metadata`` (key → value) and ``tensors`` (name →
-    :class:`TensorInfo`); :meth:`read` dequantises one tensor to fp32.
+    :class:`TensorInfo`); :meth:`read` dequantises one tensor to fp32. A file that breaks the
+    format's rules (the module's notes) is refused with a ``ValueError`` naming it.
 
     >>> f = GGUFFile("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
     >>> f.metadata["general.architecture"], f.tensors["blk.0.attn_q.weight"].kind_name
@@ -119,32 +186,45 @@ class GGUFFile:
                 raise ValueError(f"{self.path} is {size} bytes long: not a GGUF file")
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         cursor = _Cursor(memoryview(self._map), self.path)
-        if bytes(cursor.take(4)) != _MAGIC:
+        if bytes(cursor.take(4, "the magic")) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')")
-        version = cursor.scalar(4)
+        version = cursor.scalar(4, "the version")
         if version not in (2, 3):
             raise ValueError(f"{self.path} is GGUF version {version}; versions 2 and 3 are read")
-        n_tensors, n_keys = cursor.scalar(10), cursor.scalar(10)
+        n_tensors = cursor.scalar(10, "the tensor count")
+        n_keys = cursor.scalar(10, "the key count")
+        least = n_keys * _KEY_BYTES + n_tensors * _TENSOR_BYTES
+        if least > cursor.left:
+            raise ValueError(
+                f"{self.path}: the header lists {n_tensors} tensors and {n_keys} keys, which "
+                f"take at least {least} bytes; {cursor.left} are left in the file"
+            )
         self.metadata: dict[str, Any] = {}
-        for _ in range(n_keys):
-            key = cursor.string()
-            self.metadata[key] = cursor.value(cursor.scalar(4))
-        directory = []
-        for _ in range(n_tensors):
-            name = cursor.string()
-            dims = [cursor.scalar(10) for _ in range(cursor.scalar(4))]
-            directory.append((name, tuple(reversed(dims)), cursor.scalar(4), cursor.scalar(10)))
-        alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        for i in range(n_keys):
+            key = cursor.string(f"the name of key #{i}")
+            if key in self.metadata:
+                raise ValueError(f"{self.path}: key {shown(key)} is in the header twice")
+            self.metadata[key] = cursor.value(
+                cursor.scalar(4, f"the type of key {shown(key)}"), f"key {shown(key)}"
+            )
+        alignment = _alignment(self.metadata, self.path)
+        directory = [_directory_entry(cursor, i, self.path) for i in range(n_tensors)]
         start = -(-cursor.pos // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
+        end, previous = 0, None  # where the previous tensor's data ends, padded, from start
         for name, shape, kind, offset in directory:
-            info = TensorInfo(name, shape, kind, start + offset, _nbytes(shape, kind, name))
-            if info.offset + info.nbytes > size:
-                raise ValueError(
-                    f"{self.path}: tensor {name!r} ends at byte {info.offset + info.nbytes}, past "
-                    f"the end of the file ({size} bytes): the file is truncated"
-                )
+            if name in self.tensors:
+                raise ValueError(f"{self.path}: tensor {shown(name)} is listed twice")
+            info = TensorInfo(name, shape, kind, start + offset, _nbytes(shape, kind, name, path))
+            _check_place(info, offset, end, previous, alignment, size, self.path)
             self.tensors[name] = info
+            end, previous = offset + -(-info.nbytes // alignment) * alignment, name
+        if size > start + end:  # bytes no tensor reads: a shifted start, a shrunk last tensor
+            raise ValueError(
+                f"{self.path} holds {size - start - end} bytes after the data of its last "
+                f"tensor {shown(previous)}: a tensor's type, shape or offset, or "
+                "general.alignment, is wrong"
+            )
 
     @property
     def architecture(self) -> str:
@@ -155,16 +235,38 @@ class GGUFFile:
         info = self._info(name)
         data = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-        return data.reshape(rows, info.nbytes // rows)
+        return data.reshape(rows, info.nbytes // rows if rows else 0)
 
     def read(self, name: str) -> Tensor:
-        """Tensor ``name`` dequantised to fp32, in torch order (a new, writable tensor)."""
+        """Tensor ``name`` dequantised to fp32, in torch order (a new, writable tensor); a
+        ``ValueError`` where it holds NaN or ±Inf, or integers (I8 … I64: no weights)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         info = self._info(name)
-        values = dequantize(self.raw(name), GGMLQuantizationType(info.kind))
-        return torch.from_numpy(np.array(values, dtype=np.float32)).view(info.shape)  # a copy
+        if info.kind_name in _INTEGER_KINDS:
+            raise ValueError(
+                f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}: integers, "
+                "which no model reads as weights (a damaged type id?)"
+            )
+        try:
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN is refused just below
+                values = dequantize(self.raw(name), GGMLQuantizationType(info.kind))
+        except NotImplementedError:
+            raise ValueError(
+                f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}, which the gguf "
+                "package cannot dequantise"
+            ) from None
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32)).view(info.shape)  # a copy
+        # a finite sum has no NaN or Inf among its terms: one pass, no mask (a sum that
+        # overflows finite values is told apart by the mask)
+        if not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
+            first = int((~torch.isfinite(tensor)).flatten().nonzero()[0, 0])
+            raise ValueError(
+                f"{self.path}: tensor {shown(name)} ({info.kind_name}) holds NaN or Inf, the "
+                f"first at {_place(first, info.shape)}: the file is damaged"
+            )
+        return tensor
 
     def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
@@ -173,17 +275,95 @@ class GGUFFile:
         return info
 
 
-def _nbytes(shape: tuple[int, ...], kind: int, name: str) -> int:
+def _place(index: int, shape: tuple[int, ...]) -> str:
+    """Flat ``index`` of a tensor of ``shape`` as "row r, column c" (rows: all but the last
+    dimension, flattened) or, for a vector, "value i"."""
+    if len(shape) < 2:
+        return f"value {index}"
+    return f"row {index // shape[-1]}, column {index % shape[-1]}"
+
+
+def _alignment(metadata: dict[str, Any], path: Path) -> int:
+    """``general.alignment``: an integer power of two (ggml reads it as uint32 and refuses
+    any other)."""
+    value = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(
+            f"{path}: general.alignment = {shown(value)} is not a power of two: the tensors' "
+            "offsets cannot be read"
+        )
+    return value
+
+
+def _directory_entry(cursor: _Cursor, i: int, path: Path) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor's entry: name, torch-order shape, GGML type, offset in the data section."""
+    name = cursor.string(f"the name of tensor #{i}")
+    what = f"tensor {shown(name)}"
+    n_dims = cursor.scalar(4, f"the dimension count of {what}")
+    if n_dims > _MAX_DIMS:  # before reading that many
+        raise ValueError(
+            f"{path}: {what} has {n_dims} dimensions; a GGUF tensor has at most {_MAX_DIMS}"
+        )
+    dims = [cursor.scalar(10, f"the dimensions of {what}") for _ in range(n_dims)]
+    count = 1
+    for d in dims:
+        count *= max(d, 1)
+        if d > _INT64_MAX or count > _INT64_MAX:  # ggml's dims are int64_t
+            raise ValueError(
+                f"{path}: {what} has dimensions {dims} (fastest first), more values than a "
+                "64-bit count holds"
+            )
+    kind = cursor.scalar(4, f"the type of {what}")
+    return name, tuple(reversed(dims)), kind, cursor.scalar(10, f"the offset of {what}")
+
+
+def _check_place(
+    info: TensorInfo,
+    offset: int,
+    end: int,
+    previous: str | None,
+    alignment: int,
+    size: int,
+    path: Path,
+) -> None:
+    """``info`` starts at the aligned end of the previous tensor and ends inside the file."""
+    what = f"tensor {shown(info.name)}"
+    if offset % alignment:
+        raise ValueError(
+            f"{path}: {what} starts at offset {offset} of the data section, not a multiple of "
+            f"the alignment {alignment}"
+        )
+    if offset != end:
+        if previous is None:
+            where = "the data section's first tensor starts at 0"
+        else:
+            how = "overlaps" if offset < end else f"leaves {offset - end} bytes after"
+            where = f"{how} the data of {shown(previous)}, which ends at {end}"
+        raise ValueError(
+            f"{path}: {what} starts at offset {offset}, but {where}: its offset, or the type "
+            "or shape of a tensor before it, is wrong"
+        )
+    if info.offset + info.nbytes > size:
+        raise ValueError(
+            f"{path}: {what} ends at byte {info.offset + info.nbytes}, past the end of the "
+            f"file ({size} bytes): the file is truncated, or the tensor's type or shape is wrong"
+        )
+
+
+def _nbytes(shape: tuple[int, ...], kind: int, name: str, path: Path) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ValueError, KeyError):
-        raise ValueError(f"tensor {name!r} has GGML type {kind}, which gguf cannot read") from None
-    elements = int(np.prod(shape))
-    if shape and shape[-1] % block:
         raise ValueError(
-            f"tensor {name!r}: a row of {shape[-1]} values is not a whole number of "
+            f"{path}: tensor {shown(name)} has GGML type {kind}, which gguf cannot read"
+        ) from None
+    row = shape[-1] if shape else 1
+    if row % block:
+        raise ValueError(
+            f"{path}: tensor {shown(name)}: a row of {row} values is not a whole number of "
             f"{block}-value blocks"
         )
+    elements = int(np.prod(shape, dtype=object)) if shape else 1
     return elements // block * block_bytes

@@ -142,9 +142,14 @@ _FORMATS = {
 PACKED_KINDS: tuple[str, ...] = tuple(_FORMATS)
 
 
-def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
+def repack(
+    raw: np.ndarray, kind: str, shape: tuple[int, int], *, name: str = "the tensor"
+) -> PackedWeight:
     """The bytes ``raw`` (rows, bytes a row) of a GGUF tensor of type ``kind`` and torch shape
-    ``shape`` (N, K) as a :class:`PackedWeight`."""
+    ``shape`` (N, K) as a :class:`PackedWeight`. A block whose fp16 scale or minimum (a
+    K-quant's super-block d or dmin) is NaN or ±Inf is refused (``ValueError`` naming ``name``,
+    the row and the block): checking those fields is checking every weight, since the integers
+    times finite fp16 values stay finite in fp32."""
     if kind not in _FORMATS:
         raise ValueError(f"GGUF type {kind} is not packed by dikkat; packed: {PACKED_KINDS}")
     per_block, nbytes, read, bits, block = _FORMATS[kind]
@@ -155,6 +160,8 @@ def repack(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> PackedWeight:
             f"of {per_block}-value blocks, got {raw.shape}"
         )
     q, scale, offset, zero, units = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
+    floats = [scale, offset] if units is None else list(units)  # the fp16 fields, as fp32
+    _check_finite(floats, N, "block" if units is None else "super-block", name)
     q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
     dtype = np.float16 if units is None else np.int8  # (a K-quant's 6-bit sub-scales fit int8)
     scale_t, offset_t = (_rows(a, dtype, N) for a in (scale, offset))
@@ -171,3 +178,18 @@ def _rows(a: np.ndarray | None, dtype: type, N: int) -> torch.Tensor | None:
     return (
         None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(N, -1))
     )
+
+
+def _check_finite(fields: list[np.ndarray | None], N: int, unit: str, name: str) -> None:
+    """Each array (one value a block, N rows' blocks in order) holds finite numbers only."""
+    for a in fields:
+        if a is None:
+            continue
+        finite = np.isfinite(a)
+        if not finite.all():
+            first = int(np.argmin(finite.reshape(-1)))
+            per_row = a.size // N
+            raise ValueError(
+                f"{name}: {unit} {first % per_row} of row {first // per_row} has a non-finite "
+                f"scale or minimum ({a.reshape(-1)[first]}): the file is damaged"
+            )

@@ -11,16 +11,25 @@ is stored. Tensors of any type ``gguf`` dequantises (F32, F16, Q8_0, Q4_0, …) 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from dikkat.interop.gguf_gpt2 import _BLOCK, ARCHITECTURE, gguf_names, gpt_state
+from dikkat.interop.gguf_gpt2 import _BLOCK, ARCHITECTURE, gguf_names, gguf_shapes, gpt_state
 from dikkat.layers.packed import PackedWeight
 from dikkat.layers.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.models.io import load_checked
+from dikkat.pretrained.gguf_checks import (
+    block_count,
+    check_shape,
+    gguf_tokenizer,
+    header_float,
+    header_int,
+    vocab_rows,
+)
 from dikkat.pretrained.gguf_file import GGUFFile
 from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
 from dikkat.pretrained.tokenizer import Tokenizer
@@ -34,7 +43,8 @@ def gpt_from_gguf(file: GGUFFile, *, packed: bool = False) -> tuple[GPT, Tokeniz
     quantised (Q8_0, Q4_0, …) are kept in their blocks instead (``PackedLinear``, a
     ``PackedEmbedding`` shared with a tied output), as for a Llama's file."""
     source = str(file.path)
-    config = config_from_gguf(file.metadata, file.tensors, source)
+    shapes = {name: info.shape for name, info in file.tensors.items()}
+    config = config_from_gguf(file.metadata, shapes, source)
     wanted, stored = gguf_names(config), set(file.tensors)
     missing, extra = sorted(wanted - stored), sorted(stored - wanted)
     if missing or extra:
@@ -42,6 +52,9 @@ def gpt_from_gguf(file: GGUFFile, *, packed: bool = False) -> tuple[GPT, Tokeniz
             f"{source} does not hold the tensors of a GGUF 'gpt2' model: missing {missing[:4]}"
             f"{' …' * (len(missing) > 4)}, not used by dikkat {extra[:4]}{' …' * (len(extra) > 4)}"
         )
+    for name, shape in gguf_shapes(config).items():  # before any tensor is read
+        check_shape(shapes, name, shape, "the header's sizes", source)
+    tokenizer = gguf_tokenizer(file)
     held = {n: _repacked(file, n) for n in sorted(wanted) if packed and _packable(file, n)}
     tensors = {
         n: torch.empty(file.tensors[n].shape, device="meta") if n in held else file.read(n)
@@ -55,7 +68,7 @@ def gpt_from_gguf(file: GGUFFile, *, packed: bool = False) -> tuple[GPT, Tokeniz
         model.lm_head.weight = model.tok_emb.weight  # assign=True replaced the shared parameter
     for name, weight in held.items():
         _hold(model, name, weight)
-    return model, Tokenizer.from_gguf_metadata(file.metadata)
+    return model, tokenizer
 
 
 _LINEAR = ("token_embd.weight", "output.weight", ".attn_qkv.weight", ".attn_output.weight",
@@ -70,7 +83,8 @@ def _packable(file: GGUFFile, name: str) -> bool:
 
 def _repacked(file: GGUFFile, name: str) -> PackedWeight:
     info = file.tensors[name]
-    return repack(file.raw(name), info.kind_name, info.shape)  # type: ignore[arg-type]
+    where = f"{file.path}: tensor {name!r}"
+    return repack(file.raw(name), info.kind_name, info.shape, name=where)  # type: ignore[arg-type]
 
 
 def _hold(model: GPT, name: str, weight: PackedWeight) -> None:
@@ -96,56 +110,51 @@ def _hold(model: GPT, name: str, weight: PackedWeight) -> None:
     setattr(parent, leaf, PackedLinear(weight, getattr(parent, leaf).bias, False))
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> GPTConfig:
-    """The :class:`GPTConfig` a ``gpt2`` GGUF header describes (``tensors``: the file's
-    :attr:`GGUFFile.tensors`, which tell the vocabulary and tying)."""
+def config_from_gguf(
+    meta: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+) -> GPTConfig:
+    """The :class:`GPTConfig` a ``gpt2`` GGUF header describes (``shapes``: the file's tensors,
+    name → torch shape, which tell tying, and which the sizes must agree with:
+    :mod:`dikkat.pretrained.gguf_checks`)."""
     if meta.get("general.architecture") != ARCHITECTURE:
         raise ValueError(f"{source} is not a GGUF 'gpt2' model")
-
-    def get(key: str) -> Any:
-        value = meta.get(f"{ARCHITECTURE}.{key}")
-        if value is None:
-            raise ValueError(f"{source}: the GGUF header has no {ARCHITECTURE}.{key}")
-        return value
-
-    d_model, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    kv_heads = meta.get(f"{ARCHITECTURE}.attention.head_count_kv", n_heads)
-    if isinstance(kv_heads, list):
+    key = f"{ARCHITECTURE}.{{}}".format
+    if isinstance(meta.get(key("attention.head_count_kv")), list):
         raise ValueError(f"{source}: per-layer key/value head counts are not supported")
-    for key in ("attention.key_length", "attention.value_length"):
-        dim = meta.get(f"{ARCHITECTURE}.{key}")
-        if dim is not None and int(dim) != d_model // n_heads:
+    n_layers = block_count(meta, key("block_count"), shapes, source)
+    d_model = header_int(meta, key("embedding_length"), source)
+    n_heads = header_int(meta, key("attention.head_count"), source)
+    kv_heads = header_int(meta, key("attention.head_count_kv"), source, default=n_heads)
+    for name in ("attention.key_length", "attention.value_length"):
+        dim = meta.get(key(name))
+        if dim is not None and header_int(meta, key(name), source) != d_model // n_heads:
             raise ValueError(
-                f"{source}: {ARCHITECTURE}.{key} = {dim}, not width / heads = {d_model // n_heads}:"
-                " a GPT's heads split its width"
+                f"{source}: {key(name)} = {dim}, not width / heads = {d_model // n_heads}: a "
+                "GPT's heads split its width"
             )
-    embedding = tensors.get("token_embd.weight")
-    if embedding is None:
-        raise ValueError(f"{source} holds no token_embd.weight")
-    n_tokens = len(meta.get("tokenizer.ggml.tokens") or ())
-    if n_tokens != embedding.shape[0]:
-        raise ValueError(
-            f"{source}: {n_tokens} tokens in the vocabulary, {embedding.shape[0]} rows in "
-            "token_embd.weight: they must be equal"
-        )
-    d_ff = int(get("feed_forward_length"))
+    n_tokens = vocab_rows(meta, ARCHITECTURE, shapes, source)
+    check_shape(
+        shapes, "token_embd.weight", (n_tokens, d_model), f"{key('embedding_length')} = "
+        f"{d_model} and the vocabulary of {n_tokens} tokens", source,
+    )  # fmt: skip
+    d_ff = header_int(meta, key("feed_forward_length"), source)
     fields: dict[str, Any] = dict(
         vocab_size=n_tokens,
-        max_len=int(get("context_length")),
+        max_len=header_int(meta, key("context_length"), source),
         d_model=d_model,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=None if int(kv_heads) == n_heads else int(kv_heads),
+        n_kv_heads=None if kv_heads == n_heads else kv_heads,
         d_ff=None if d_ff == 4 * d_model else d_ff,  # GPTConfig's default, as GPT-2's
         position="learned",
         bias=True,
-        norm_eps=_f32_decimal(get("attention.layer_norm_epsilon")),
+        norm_eps=_f32_decimal(header_float(meta, key("attention.layer_norm_epsilon"), source)),
         activation="gelu_tanh",
-        tie_embeddings="output.weight" not in tensors,
+        tie_embeddings="output.weight" not in shapes,
     )
     try:
         return GPTConfig(**fields)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
 
 

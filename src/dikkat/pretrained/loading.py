@@ -35,6 +35,7 @@ from dikkat.models.decoder import Decoder, DecoderConfig
 from dikkat.models.gpt import GPT
 from dikkat.models.io import load_checked
 from dikkat.pretrained import families
+from dikkat.pretrained.gguf_checks import check_shape, gguf_tokenizer
 from dikkat.pretrained.gguf_file import GGUFFile
 from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
 from dikkat.pretrained.gpt2_gguf import gpt_from_gguf
@@ -103,13 +104,20 @@ def _give_back_freed_memory() -> None:
 
 
 def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder | GPT, Tokenizer, str | None]:
-    file = GGUFFile(path)
+    file = GGUFFile(path)  # the header's own rules (gguf_file.py)
     if file.architecture == "gpt2":  # GPT-2's layout, a dikkat GPT (gpt2_gguf.py)
         model, tokenizer = gpt_from_gguf(file, packed=packed)
         return model, tokenizer, file.metadata.get("tokenizer.chat_template")
-    config = families.config_from_gguf(file.metadata, set(file.tensors), str(path))
+    shapes = {name: info.shape for name, info in file.tensors.items()}
+    config = families.config_from_gguf(file.metadata, shapes, str(path))
     names = families.gguf_names(config)
     _check_names(set(file.tensors), set(names), (), str(path))
+    with torch.device("meta"):  # built once, its weights allocated only as they are loaded
+        model = Decoder(config)
+    own = model.state_dict()  # every tensor's shape, before any is read or repacked
+    for theirs, ours in names.items():
+        check_shape(shapes, theirs, tuple(own[ours].shape), "the header's sizes", str(path))
+    tokenizer = gguf_tokenizer(file)
 
     def read(name: str) -> Tensor:
         return families.from_gguf(name, file.read(name), config)
@@ -120,8 +128,7 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder | GPT, Tokenizer, s
             info = file.tensors[theirs]
             if len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
                 held[ours] = _packed(file, theirs, config)
-    model = _assemble(config, names, read, str(path), held)
-    tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
+    model = _assemble(model, names, read, str(path), held)
     return model, tokenizer, file.metadata.get("tokenizer.chat_template")
 
 
@@ -129,7 +136,8 @@ def _packed(file: GGUFFile, name: str, config: DecoderConfig) -> PackedWeight:
     """Tensor ``name`` repacked, its rows in dikkat's order (what :func:`families.from_gguf`
     does to the dequantised tensor, done to the row indices)."""
     info = file.tensors[name]
-    p = repack(file.raw(name), info.kind_name, info.shape)  # type: ignore[arg-type]
+    where = f"{file.path}: tensor {name!r}"
+    p = repack(file.raw(name), info.kind_name, info.shape, name=where)  # type: ignore[arg-type]
     rows = torch.arange(info.shape[0])
     order = families.from_gguf(name, rows[:, None], config)[:, 0]
     return p if torch.equal(order, rows) else p.take(order)
@@ -159,7 +167,9 @@ def _from_hf(folder: Path) -> tuple[Decoder, Tokenizer, str | None]:
         with safe_open(str(where[name]), framework="pt") as f:
             return families.from_hf(name, f.get_tensor(name).float(), config)
 
-    model = _assemble(config, names, read, str(folder))
+    with torch.device("meta"):
+        model = Decoder(config)
+    model = _assemble(model, names, read, str(folder))
     tokenizer, template = Tokenizer.from_hf_folder(folder)
     return model, tokenizer, template
 
@@ -177,17 +187,16 @@ def _check_names(stored: set[str], wanted: set[str], ignored: tuple[str, ...], s
 
 
 def _assemble(
-    config: DecoderConfig,
+    model: Decoder,
     names: dict[str, str],
     read: Callable[[str], Tensor],
     source: str,
     held: dict[str, PackedWeight] | None = None,
 ) -> Decoder:
-    """A Decoder holding the stored tensors (each read once, its memory kept as the parameter);
-    the weights in ``held`` (dikkat name → packed weight) in packed layers instead."""
-    held = dict(held or {})
-    with torch.device("meta"):
-        model = Decoder(config)
+    """``model`` (built on the meta device) holding the stored tensors (each read once, its
+    memory kept as the parameter); the weights in ``held`` (dikkat name → packed weight) in
+    packed layers instead."""
+    held, config = dict(held or {}), model.config
     read_here = {ours: theirs for theirs, ours in names.items()}
     done: set[str] = set()  # dikkat names taken by packed layers
     for i, block in enumerate(model.blocks):

@@ -1,24 +1,13 @@
 """Text ↔ token ids for a pretrained decoder, from a GGUF file's vocabulary or an HF folder.
 
-A GGUF file carries no ``tokenizer.json``: its header holds the vocabulary under llama.cpp's keys
-(``tokenizer.ggml.*``, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), and
-:meth:`Tokenizer.from_gguf_metadata` rebuilds a ``tokenizers`` (Hugging Face) tokenizer from them:
+A GGUF file carries no ``tokenizer.json``: :mod:`dikkat.pretrained.gguf_tokenizer` rebuilds a
+``tokenizers`` (Hugging Face) tokenizer from its header's ``tokenizer.ggml.*`` keys; an HF folder's
+``tokenizer.json`` is read as it is. Either way :class:`Tokenizer` wraps it with the model's
+special ids.
 
-* ``gpt2`` — byte-level BPE: the tokens and merges as stored, the text first cut into words by
-  the pre-tokenizer that ``tokenizer.ggml.pre`` names (the regular expressions llama.cpp uses
-  for each name, ``src/llama-vocab.cpp``; e.g. ``smollm`` splits every digit off before GPT-2's
-  expression, as SmolLM2's own ``tokenizer.json`` does).
-* ``llama`` — SentencePiece BPE (Llama 2, Mistral, Gemma): merges are not stored, so they are
-  rebuilt from the scores — a pair is merged when both halves and their concatenation are
-  normal tokens, higher-scoring results first, which is the order SentencePiece and llama.cpp
-  merge in; spaces are written ``▁``; a character outside the vocabulary is spelled by its UTF-8
-  bytes (the ``<0xXX>`` tokens); a ``▁`` goes before the text only when
-  ``tokenizer.ggml.add_space_prefix`` says so (Gemma: no).
-
-In both, the control tokens (GGUF token type 3: ``<|im_start|>``, ``<bos>``, ``<end_of_turn>``)
-and the user-defined ones (type 4: Gemma's runs of ``\\n``, ``\\t`` and spaces, HTML tags) are
-matched whole in the text before the BPE sees it, as llama.cpp does; ``decode(...,
-skip_special=True)`` leaves the control tokens out.
+``encode`` runs the ``tokenizers`` library's batch call for one text, which releases the GIL
+while it works (its single-text ``encode`` holds it): a server tokenising a long prompt in a
+worker thread keeps answering on its event loop.
 """
 
 from __future__ import annotations
@@ -29,16 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
-from tokenizers.models import BPE
 
 from dikkat.pretrained.chat_template import hf_chat_template
+from dikkat.pretrained.gguf_tokenizer import gguf_backend
 
 __all__ = ["END_OF_TURN_TOKENS", "Tokenizer"]
-
-# GGUF token types (llama.cpp's llama_token_type)
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 # Tokens that close a turn or a document in the common chat and training formats; a generation
 # ends at any of them that the vocabulary holds, as well as at EOS (llama.cpp's end-of-generation
@@ -53,36 +38,6 @@ END_OF_TURN_TOKENS = (
     "<|end_of_text|>",  # Llama 3 base, Granite
     "<EOT>",  # CodeLlama infill
 )
-
-# Pre-tokenizer expressions by tokenizer.ggml.pre (llama.cpp's names and expressions).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2, _DIGITS_GPT2 = "gpt2", "digits+gpt2"  # GPT-2's expression; every digit split off first
-# name → (the expression, or one of the two above; whether a word that is a token is taken whole)
-_PRE: dict[str, tuple[str, bool]] = {
-    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo"), (_GPT2, False)),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-        (_DIGITS_GPT2, False),
-    ),
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), (_LLAMA3_SPLIT, True)
-    ),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), (_LLAMA3_SPLIT, False)),
-    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2_SPLIT, False)),
-    "tekken": (_TEKKEN_SPLIT, False),
-}
 
 
 class Tokenizer:
@@ -143,7 +98,7 @@ class Tokenizer:
         them itself: encode its output with ``add_special=False``)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         """The text of ``ids``; ``skip_special`` leaves the control tokens out. A character cut off
@@ -183,29 +138,15 @@ class Tokenizer:
         transformers' GGUF tokenizer does, except where that departs from the model's own
         tokenizer and llama.cpp: ``smollm``'s digits, Gemma's runs of 32 or more spaces, and a
         ``llama`` vocabulary's ``add_space_prefix = False`` (tests/pretrained/test_tokenizer.py)."""
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise ValueError("the GGUF metadata holds no tokenizer.ggml.tokens list of strings")
-        types = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-        if len(types) != len(tokens):
-            raise ValueError(
-                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
-            )
-        backend, add_bos = _gguf_backend(metadata, tokens, types)
-        _add_special_tokens(backend, tokens, types)
-        key = "tokenizer.ggml.{}_token_id".format
-        bos, eos = metadata.get(key("bos")), metadata.get(key("eos"))
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-        backend.post_processor = _bos_eos(tokens, bos, eos, add_bos, add_eos)
+        backend, ids, n = gguf_backend(metadata)
         return cls(
             backend,
-            bos_id=bos,
-            eos_id=eos,
-            pad_id=metadata.get(key("padding")),
-            unk_id=metadata.get(key("unknown")),
-            extra_eos=[i for k in ("eot", "eom") if (i := metadata.get(key(k))) is not None],
-            vocab_size=len(tokens),
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            pad_id=ids["padding"],
+            unk_id=ids["unknown"],
+            extra_eos=[i for k in ("eot", "eom") if (i := ids[k]) is not None],
+            vocab_size=n,
         )
 
     @classmethod
@@ -252,115 +193,6 @@ class Tokenizer:
         extra = [extra] if isinstance(extra, int) else list(extra)
         tokenizer = cls.from_file(folder / "tokenizer.json", config, extra_eos=extra)
         return tokenizer, hf_chat_template(folder, config)
-
-
-def _gguf_backend(
-    metadata: Mapping[str, Any], tokens: list[str], types: list[int]
-) -> tuple[Backend, bool]:
-    """The BPE of a GGUF vocabulary, and whether its kind starts a text with BOS by default."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind == "gpt2":
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE:
-            raise ValueError(
-                f"tokenizer.ggml.pre {pre!r} is not a pre-tokenizer dikkat knows; known: "
-                f"{sorted(_PRE)}"
-            )
-        merges = metadata.get("tokenizer.ggml.merges")
-        if not isinstance(merges, list):
-            raise ValueError("a 'gpt2' (byte-level BPE) vocabulary needs tokenizer.ggml.merges")
-        split, whole_words = _PRE[pre]
-        return _byte_level_bpe(tokens, merges, split, whole_words), whole_words  # Llama 3: BOS
-    if kind == "llama":
-        scores = metadata.get("tokenizer.ggml.scores")
-        if not isinstance(scores, list) or len(scores) != len(tokens):
-            raise ValueError("a 'llama' (SentencePiece) vocabulary needs one score per token")
-        unk = metadata.get("tokenizer.ggml.unknown_token_id")
-        prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-        return _sentencepiece_bpe(tokens, scores, types, unk, prefix), True
-    raise ValueError(
-        f"tokenizer.ggml.model {kind!r} is not supported: dikkat reads 'gpt2' (byte-level BPE) "
-        "and 'llama' (SentencePiece BPE) vocabularies"
-    )
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], split: str, whole_words: bool) -> Backend:
-    pairs = []
-    for k, merge in enumerate(merges):
-        pair = merge.split(" ")
-        if len(pair) != 2:
-            raise ValueError(f"tokenizer.ggml.merges[{k}] = {merge!r} is not two tokens")
-        pairs.append((pair[0], pair[1]))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = Backend(BPE(vocab, pairs, ignore_merges=whole_words))
-    if split in (_GPT2, _DIGITS_GPT2):
-        words = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        digits = [pre_tokenizers.Digits(individual_digits=True)] if split == _DIGITS_GPT2 else []
-        backend.pre_tokenizer = pre_tokenizers.Sequence([*digits, words])
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_bpe(
-    tokens: list[str], scores: list[float], types: list[int], unk: int | None, prefix: bool
-) -> Backend:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    normal = {t for t, kind in zip(tokens, types, strict=True) if kind == _NORMAL}
-    # SentencePiece merges the adjacent pair whose union scores highest: a merge's rank is its
-    # result's score (ties: the lower id first)
-    order = [i for i, kind in enumerate(types) if kind == _NORMAL]
-    order.sort(key=lambda i: (-scores[i], i))
-    merges: list[tuple[str, str]] = []
-    is_normal, add = normal.__contains__, merges.append  # 1.8 M look-ups for Gemma 3: kept tight
-    for i in order:
-        token = tokens[i]
-        for k in range(1, len(token)):
-            if is_normal(left := token[:k]) and is_normal(right := token[k:]):
-                add((left, right))
-    unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
-    model = BPE(vocab, merges, unk_token=unk_token, byte_fallback=True, fuse_unk=True)
-    backend = Backend(model)
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend
-
-
-def _add_special_tokens(backend: Backend, tokens: list[str], types: list[int]) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens: both are
-    then matched whole in the raw text (before any normalisation), longest first."""
-    control = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
-    user = [t for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
-
-def _bos_eos(
-    tokens: list[str], bos: Any, eos: Any, add_bos: bool, add_eos: bool
-) -> processors.TemplateProcessing:
-    """A post-processor that puts BOS before and EOS after a text where the header says so."""
-    single, special = ["$A"], {}
-    for name, wanted, id_ in (("bos", add_bos, bos), ("eos", add_eos, eos)):
-        if not wanted:
-            continue
-        if not (isinstance(id_, int) and 0 <= id_ < len(tokens)):
-            raise ValueError(
-                f"tokenizer.ggml.add_{name}_token is set, but the {name} id is {id_!r}"
-            )
-        single.insert(0 if name == "bos" else len(single), tokens[id_])
-        special[tokens[id_]] = id_
-    return processors.TemplateProcessing(single=single, special_tokens=list(special.items()))
 
 
 def _post_processor_ids(backend: Backend) -> tuple[list[int], list[int]]:
