@@ -7,6 +7,7 @@ from the header, rendering with ``tokenize=False``.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,85 @@ def test_the_gemma3_base_model_has_no_template(gemma3_gguf: Path):
     metadata = GGUFFile(gemma3_gguf).metadata
     assert metadata["general.architecture"] == "gemma3"
     assert metadata.get("tokenizer.chat_template") is None
+
+
+# ---------------------------------------------------------------- bounds on a render
+
+HI = [{"role": "user", "content": "hi"}]
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_template_that_loops_is_stopped_by_its_steps():
+    with pytest.raises(ValueError, match=r"limit of 10,000 steps \(max_steps\)"):
+        render_chat(LOOPS, HI, max_steps=10_000)
+    # every loop counts, not range's alone: three nested loops over 100 messages
+    nested = "{% for a in messages %}{% for b in messages %}{% for c in messages %}" + (
+        "{% endfor %}{% endfor %}{% endfor %}ok"
+    )
+    messages = HI * 100
+    with pytest.raises(ValueError, match="max_steps"):
+        render_chat(nested, messages, max_steps=100_000)
+    assert render_chat(nested, messages, max_steps=2_000_000) == "ok"
+
+
+def test_a_template_that_loops_is_stopped_by_the_clock():
+    # a macro that calls itself twice, 40 deep: 2**40 calls, each a step, none past the budget
+    doubling = (
+        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}"
+    )
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"limit of 0\.3 seconds \(max_seconds\)"):
+        render_chat(doubling, HI, max_seconds=0.3, max_steps=10**12)
+    assert time.monotonic() - start < 10
+
+
+def test_the_module_defaults_are_read_at_each_render(monkeypatch):
+    import dikkat.pretrained.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_RENDER_STEPS", 1_000)
+    with pytest.raises(ValueError, match=r"limit of 1,000 steps"):
+        render_chat(LOOPS, HI)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'a' * 10**9 }}",
+        "{{ ['a'] * 10**9 }}",
+        "{{ 'a' | center(10**9) }}",
+        "{{ 'a'.ljust(10**9) }}",
+        "{{ '%1000000000d' % 1 }}",
+        "{{ '{:>1000000000}'.format(1) }}",
+        "{% set s = 'ab' * 100000 %}{{ s.replace('', s) }}",
+        "{% set s = 'ab' * 1000000 %}{{ ([s] * 100) | join }}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}",
+        "{% for i in range(100) %}{{ 'x' * 10**6 }}{% endfor %}",
+    ],
+)
+def test_a_template_that_grows_a_value_is_stopped_before_it_fills_the_memory(template):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"limit of 10,000,000 characters \(max_chars\)"):
+        render_chat(template, HI, max_chars=10_000_000)
+    assert time.monotonic() - start < 10
+
+
+def test_huge_numbers_and_deep_recursion_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"MAX_INT_BITS"):
+        render_chat("{{ 7 ** 1000000 }}", HI)
+    with pytest.raises(ValueError, match="recursed deeper than Python allows"):
+        render_chat("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", HI)
+    with pytest.raises(ValueError, match="the chat template failed: TypeError"):
+        render_chat("{{ 'a' + 1 }}", HI)
+    with pytest.raises(ValueError, match="the chat template failed: OverflowError: Range too big"):
+        render_chat("{{ range(10**6) | list }}", HI)
+
+
+def test_a_real_template_takes_few_steps(smollm2_template):
+    messages = CONVERSATIONS["system multi-turn"]
+    assert render_chat(smollm2_template, messages, max_steps=100) == render_chat(
+        smollm2_template, messages
+    )
+    assert render_chat(FEATURES, FEATURE_MESSAGES, max_steps=400, note="x").endswith("<assistant>")

@@ -9,12 +9,13 @@ while an answer is being written stops that answer).
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dikkat.cli.args import non_negative_float, positive_int, probability
-from dikkat.cli.common import add_command, add_device, device_of
+from dikkat.cli.common import add_command, add_device, device_of, utf8_text
 from dikkat.generation import WEIGHT_FORMATS, SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.message is not None:
         answer(lm, [*system, {"role": "user", "content": args.message}], args, sys.stdout)
         return 0
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # a line that is not UTF-8 arrives as lone surrogates, refused alone (converse), instead
+        # of a decoding error that ends the input, the lines before it included
+        sys.stdin.reconfigure(errors="surrogateescape")
     return converse(lm, system, args, sys.stdin, sys.stdout)
 
 
@@ -100,6 +105,11 @@ def converse(
             print("dikkat: a new conversation", file=sys.stderr)
             continue
         if not text:
+            continue
+        try:
+            utf8_text(text)
+        except argparse.ArgumentTypeError as e:
+            print(f"dikkat: error: that line is {e}", file=sys.stderr)
             continue
         turn = [*history, {"role": "user", "content": text}]
         try:
@@ -153,7 +163,9 @@ def add_commands(sub: Any) -> None:
         ],
     )
     chat.add_argument("model", help="a name (smollm2), a .gguf file or an HF folder")
-    chat.add_argument("--message", "-m", help="answer this one message and exit")
-    chat.add_argument("--system", help="a system message that starts the conversation")
+    chat.add_argument("--message", "-m", type=utf8_text, help="answer this one message and exit")
+    chat.add_argument(
+        "--system", type=utf8_text, help="a system message that starts the conversation"
+    )
     add_sampling_flags(chat, max_new_tokens=256)
     add_device(chat)

@@ -77,6 +77,24 @@ def require_extra(extra: str, command: str) -> None:
             )
 
 
+def utf8_text(value: str) -> str:
+    """argparse type: text a model reads (a message, a prompt), refused when the command line
+    held bytes that are not UTF-8. Python decodes such bytes of ``argv`` to lone surrogates
+    (``os.fsdecode``'s ``surrogateescape``), which no tokenizer takes; a path may hold them,
+    text may not."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = value[e.start]
+        byte = f"byte 0x{ord(char) - 0xDC00:02X}" if "\udc80" <= char <= "\udcff" else repr(char)
+        raise argparse.ArgumentTypeError(
+            f"not valid UTF-8 text ({byte} at character {e.start}): give the text in UTF-8"
+        ) from None
+    return value
+
+
 class DikkatParser(argparse.ArgumentParser):
     """argparse, with a bad argument reported in one line instead of a usage dump, and its
     subcommands kept where they can be listed (:func:`iter_commands`)."""

@@ -14,7 +14,7 @@ import torch
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
 from dikkat.cli.chat import load_pretrained, sampling
-from dikkat.cli.common import add_command, add_device, device_of, require_extra
+from dikkat.cli.common import add_command, add_device, device_of, require_extra, utf8_text
 from dikkat.cli.folders import load_model
 from dikkat.generation import WEIGHT_FORMATS, LookupStats, iter_generate, iter_lookup_generate
 from dikkat.interop import load_hf_gpt2_dir
@@ -186,7 +186,7 @@ def add_commands(sub: Any) -> None:
         ],
     )
     gen.add_argument("checkpoint", nargs="?", help="a run or model folder (dikkat train, save)")
-    gen.add_argument("prompt", help="text to continue")
+    gen.add_argument("prompt", type=utf8_text, help="text to continue")
     gen.add_argument("--hf-gpt2", metavar="PATH", help="an HF GPT-2 directory (save_pretrained)")
     gen.add_argument(
         "--model",

@@ -24,7 +24,14 @@ from dikkat.generation.lookup import (
     lookup_generate,
 )
 from dikkat.generation.protocol import CacheLayout, DecoderLM
-from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from dikkat.generation.sampling import (
+    NonFiniteLogitsError,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    check_finite,
+    token_logprobs,
+)
 from dikkat.layers.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
@@ -36,10 +43,12 @@ __all__ = [
     "KVCache",
     "LookupStats",
     "NgramIndex",
+    "NonFiniteLogitsError",
     "Sampler",
     "SamplingParams",
     "TokenLogprob",
     "WeightFormat",
+    "check_finite",
     "decode_step",
     "generate",
     "inference_model",

@@ -28,6 +28,7 @@ from dikkat.generation.sampling import (
     Sampling,
     SamplingParams,
     as_params,
+    check_finite,
     draw,
     largest,
 )
@@ -125,7 +126,9 @@ def sample_loop(
     ``start()`` runs the model over what it is given (a prompt's prefill; or a source's encoding
     and the decoder's first step) and returns the logits (B, V) of the first new token;
     ``step(token, i)`` feeds the i-th new token (B,) (i from 0) and returns the logits of the
-    next. The tokens are picked as ``params`` says (:class:`~dikkat.generation.Sampler`); a
+    next. The tokens are picked as ``params`` says (:class:`~dikkat.generation.Sampler`), from
+    logits checked first: NaN or +inf in them raises
+    :class:`~dikkat.generation.NonFiniteLogitsError` rather than pick a token from them; a
     row that has produced one of ``params.stop_ids`` keeps yielding it; the loop stops when
     every row has (checked once a step) or after ``params.max_new_tokens``. The functions run
     whichever model they were built over: build them over an inference copy
@@ -153,6 +156,7 @@ def _loop(
     last = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=logits.device) if stops else None
     for i in range(params.max_new_tokens):
+        check_finite(logits, i)  # a sync, as the consumer of each token makes one anyway
         token = sampler.pick(logits)
         if stop_ids is not None:
             token = torch.where(done, last, token)  # a finished row repeats its stop token

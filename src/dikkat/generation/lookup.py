@@ -36,7 +36,7 @@ from dikkat.core.masks import causal
 from dikkat.generation.generate import TOKEN_LEVEL, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import Sampling, SamplingParams, as_params
+from dikkat.generation.sampling import Sampling, SamplingParams, as_params, check_finite
 from dikkat.layers.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.quantized import WeightFormat
@@ -177,7 +177,9 @@ def _lookup(
     T = ids.shape[1]
     index = NgramIndex(ngram, ids[0].tolist())
     cache = model.new_cache(1, T + max_new_tokens)
-    predicted = [int(prefill(model, ids, cache).argmax(dim=-1))]
+    first = prefill(model, ids, cache)
+    check_finite(first, 0)
+    predicted = [int(first.argmax(dim=-1))]
     stats.calls += 1
     draft: list[int] = []
     produced = 0
@@ -196,17 +198,20 @@ def _lookup(
                 break
         # no guess past the last new token: its slot would lie outside the cache
         draft = index.draft(min(k, max_new_tokens - produced - 1))
-        predicted = _check_draft(model, [token, *draft], cache, T + produced - 1)
+        predicted = _check_draft(model, [token, *draft], cache, T + produced - 1, produced)
         stats.calls += 1
         stats.drafted += len(draft)
 
 
 @torch.no_grad()
-def _check_draft(model: DecoderLM, tokens: list[int], cache: list[KVCache], slot: int) -> list[int]:
+def _check_draft(
+    model: DecoderLM, tokens: list[int], cache: list[KVCache], slot: int, step: int
+) -> list[int]:
     """Feed ``tokens`` at cache slots ``slot`` … (the last real token, then the guesses); the
-    greedy next token after each, k + 1 of them."""
+    greedy next token after each, k + 1 of them (the first is new token ``step``)."""
     device = cache[0].k.device
     logits = model(torch.tensor([tokens], device=device), causal(), offset=slot, cache=cache)
+    check_finite(logits[0], step)
     return logits[0].argmax(dim=-1).tolist()  # (1, k + 1, V) → k + 1 tokens
 
 

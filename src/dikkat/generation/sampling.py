@@ -34,6 +34,31 @@ from dikkat.validate import check_bool, check_float, check_int, is_int
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's limit for chat
 
 
+class NonFiniteLogitsError(ValueError):
+    """A model's logits hold NaN or +inf (or a row is all −inf): no token can be picked from
+    them, and picking one anyway (argmax takes a NaN as the largest: token 0, or EOS) would end
+    in an empty or meaningless answer. The model's weights or inputs hold non-finite values — a
+    damaged file, or weights that overflowed. A ``ValueError``: the command line reports it in
+    one line, as it does a damaged file."""
+
+
+def check_finite(logits: Tensor, step: int) -> None:
+    """Raise :class:`NonFiniteLogitsError` unless every row of ``logits`` (B, V), those of the
+    ``step``-th new token (from 0), has a finite largest value. One reduction per row: a NaN
+    anywhere makes the row's ``amax`` NaN."""
+    bad = ~torch.isfinite(logits.amax(dim=-1))
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero().flatten().tolist()
+    kind = "NaN" if bool(logits[rows].isnan().any()) else "infinite"
+    shown = ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
+    raise NonFiniteLogitsError(
+        f"the model's output (its logits) is {kind} at step {step} (new token {step + 1}), "
+        f"row{'s' if len(rows) > 1 else ''} {shown}: the model's weights or inputs hold "
+        "non-finite values (NaN or Inf), as a damaged model file does"
+    )
+
+
 def largest(logits: Tensor) -> Tensor:
     """``logits.argmax(dim=-1)`` of (B, V) logits: the first of equal values, a NaN as the
     largest. fp32 logits on the CPU go through dikkat's native kernel where it is loaded (a

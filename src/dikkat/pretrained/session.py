@@ -20,7 +20,8 @@ from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.quantized import WeightFormat
 from dikkat.models.decoder import Decoder
 from dikkat.models.gpt import GPT, GPTConfig
-from dikkat.pretrained.chat_template import render_chat
+from dikkat.pretrained.chat_template import check_unicode, render_chat
+from dikkat.pretrained.chat_tokens import ChatTokens
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.text.stream import TextStream
 
@@ -51,6 +52,7 @@ class Pretrained:
         # (dikkat.models.static_step; a Decoder): a minute's compile, then faster steps
         self.compile_steps = False
         self._text = _TextOf(tokenizer)
+        self._chat_tokens = ChatTokens(tokenizer)
 
     def __repr__(self) -> str:
         c = self.model.config
@@ -80,6 +82,8 @@ class Pretrained:
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError("text must be a str or a non-empty list of str")
+        for k, t in enumerate(texts):
+            check_unicode("text" if isinstance(text, str) else f"text[{k}]", t)
         params = self._params(params, sampling)
         prompts = [self.tokenizer.encode(t) for t in texts]
         streams = [TextStream(self._text, params.stop) for _ in prompts]
@@ -111,6 +115,7 @@ class Pretrained:
         only); the arguments are those of :meth:`generate`."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_unicode("text", text)
         params = self._params(params, sampling)
         yield from self._stream_ids(self.tokenizer.encode(text), params, weights)
 
@@ -128,11 +133,16 @@ class Pretrained:
             eos_token=self.tokenizer.eos_token or "",
         )
 
-    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+    def chat_ids(self, messages: Sequence[dict], *, special_in_content: bool = False) -> list[int]:
         """The token ids of :meth:`chat_prompt`: the template writes the special tokens (BOS
-        included) itself, as transformers' ``apply_chat_template(tokenize=True)`` encodes
-        without adding them."""
-        return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
+        included) itself, and they are encoded without adding any, as transformers'
+        ``apply_chat_template(tokenize=True)`` does. A special token's string inside a message
+        (``<|im_start|>`` in a user's text) is encoded as plain text, so that no message can
+        forge a turn (:mod:`dikkat.pretrained.chat_tokens`); ``special_in_content=True``
+        encodes it as the special token, as transformers does."""
+        if special_in_content:
+            return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
+        return self._chat_tokens.ids(messages, self.chat_prompt)
 
     def chat(
         self,

@@ -63,7 +63,8 @@ class HFTokenizer:
         return self.inner.get_vocab_size()  # type: ignore[attr-defined]
 
     def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text).ids  # type: ignore[attr-defined]
+        # the batch call releases the GIL while it works (a server tokenises in a thread)
+        return self.inner.encode_batch([text])[0].ids  # type: ignore[attr-defined]
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids)  # type: ignore[attr-defined]
