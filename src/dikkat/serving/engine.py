@@ -37,7 +37,8 @@ from dikkat.generation.protocol import CacheLayout, DecoderLM
 from dikkat.generation.sampling import Sampler, SamplingParams
 from dikkat.layers.inference import InferenceLinear, inference_model
 from dikkat.layers.quantized import WeightFormat, check_weights
-from dikkat.serving.forward import decode, emit, first_events, pool_decode
+from dikkat.serving.failures import StepWork, decode_each, prefill_each
+from dikkat.serving.forward import decode_rows
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
 from dikkat.serving.requests import (
     EngineFull,
@@ -45,6 +46,7 @@ from dikkat.serving.requests import (
     EngineStats,
     TokenEvent,
     check_prompt,
+    vocab_rows,
 )
 from dikkat.validate import check_bool, check_int
 
@@ -130,7 +132,8 @@ class Engine:
         self.weights: str = held[0] if held else "fp32"  # the format the steps multiply in
         self._inference: DecoderLM = snapshot  # type: ignore[assignment]
         self.max_len: int = layout.context
-        self.vocab_size: int = model.config.vocab_size
+        # the ids its embedding holds: a header may claim more (and the step would fail on them)
+        self.vocab_size: int = vocab_rows(snapshot, model.config.vocab_size)
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         if num_blocks is None:
             num_blocks = default_num_blocks(layout, block_size, max_batch, layout.context)
@@ -160,9 +163,8 @@ class Engine:
         self._reserved = 0  # blocks promised to running sequences, not yet taken
         self._in_step = False
         self._next_id = 0
-        self._counts = dict.fromkeys(
-            ("prompt_tokens", "generated_tokens", "finished", "aborted", "prefix_hit_tokens"), 0
-        )
+        counts = "prompt_tokens generated_tokens finished aborted failed prefix_hit_tokens"
+        self._counts = dict.fromkeys(counts.split(), 0)
 
     @property
     def model(self) -> DecoderLM:
@@ -269,8 +271,10 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """One iteration: admit and prefill the waiting requests that fit, then one batched
         decode step for every running request. Returns this iteration's events; the requests
-        that ended give back their blocks. If the model raises, every request in the engine is
-        dropped (counted aborted) and the error propagates."""
+        that ended give back their blocks. A request the model raises for, or whose logits are
+        not finite, ends alone with an error event (counted failed); if anything outside the
+        model work raises, every request in the engine is dropped (counted aborted) and the
+        error propagates (docs/engine.md, "When a request fails")."""
         with self._step_lock:
             with self._lock:
                 self._in_step = True
@@ -326,30 +330,24 @@ class Engine:
     def _run(
         self, admitted: list[EngineSequence], running: list[EngineSequence]
     ) -> list[TokenEvent]:
-        """The model work of a step (outside the lock): the prefills, then one decode forward."""
+        """The model work of a step (outside the lock): the prefills, then one decode forward,
+        each failure pinned on its request (:mod:`dikkat.serving.failures`)."""
         if not running:
             return []
-        events = []
-        for seq in admitted:
-            events += first_events(self._inference, self._pool, seq)
+        work = StepWork()
+        unwritten, recomputed = prefill_each(self._inference, self._pool, admitted, work)
+        with self._lock:
+            for block in unwritten:
+                self._blocks.forget(block)
+            self._counts["prefix_hit_tokens"] -= recomputed
         decoding = [s for s in running if s.finish is None and not s.aborted]
         if decoding:
             with self._lock:
                 for seq in decoding:
                     self._take_block_for(seq)
-            batch = (
-                [s.tokens[-1] for s in decoding],
-                [s.cached for s in decoding],
-                [s.blocks for s in decoding],
-            )
-            if self._decode_step is None:
-                logits = decode(self._inference, self._pool, *batch)
-            else:
-                logits = pool_decode(self._decode_step, self._pool, *batch)
-            for seq in decoding:
-                seq.cached += 1
-            events += emit(decoding, logits)
-        return events
+            model, step, pool = self._inference, self._decode_step, self._pool
+            decode_each(lambda rows: decode_rows(model, step, pool, rows), decoding, work)
+        return work.events
 
     def _take_block_for(self, seq: EngineSequence) -> None:
         """A block for the slot the next token's keys go to, if the table has none (taken from
@@ -360,15 +358,15 @@ class Engine:
             self._reserved -= 1
 
     def _finish_step(self, events: list[TokenEvent]) -> list[TokenEvent]:
-        """Under the lock: end what finished or was aborted, drop the aborted's events."""
+        """Under the lock: end what finished, failed or was aborted, drop the aborted's events."""
         dropped = {s.id for s in self._running if s.aborted}
         for seq in list(self._running):
             if seq.aborted or seq.finish is not None:
                 if not seq.aborted:
-                    self._counts["finished"] += 1
+                    self._counts["failed" if seq.finish == "error" else "finished"] += 1
                 self._end(seq)
         events = [e for e in events if e.request_id not in dropped]
-        self._counts["generated_tokens"] += len(events)
+        self._counts["generated_tokens"] += sum(e.finish_reason != "error" for e in events)
         self._in_step = False
         return events
 

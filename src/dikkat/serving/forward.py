@@ -16,7 +16,7 @@ from dikkat.core.masks import dense
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampling import TokenLogprob, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
-from dikkat.serving.requests import EngineSequence, TokenEvent
+from dikkat.serving.requests import EngineSequence, TokenEvent, describe
 
 
 @torch.no_grad()
@@ -100,13 +100,32 @@ def pool_decode(
     return step(ids, torch.tensor(positions, device=device), slots)
 
 
+def decode_rows(
+    model: DecoderLM,
+    step: Callable[[Tensor, Tensor, Tensor], Tensor] | None,
+    pool: PagedKVPool,
+    rows: Sequence[EngineSequence],
+) -> Tensor:
+    """One decode forward for the sequences ``rows``, each feeding its last token at its next
+    position: through ``step`` (a model's pool step) if given, else :func:`decode`. The logits
+    (B, V)."""
+    batch = ([s.tokens[-1] for s in rows], [s.cached for s in rows], [s.blocks for s in rows])
+    if step is None:
+        return decode(model, pool, *batch)
+    return pool_decode(step, pool, *batch)
+
+
 def first_events(model: DecoderLM, pool: PagedKVPool, seq: EngineSequence) -> list[TokenEvent]:
-    """Run a new request's prompt (after its shared prefix); its first event."""
+    """Run a new request's prompt (after its shared prefix); its first event (its last, with an
+    error, when the prompt's logits are not finite)."""
     every = seq.params.prompt_logprobs  # then nothing was shared: seq.cached == 0
     logits = prefill(model, pool, seq.tokens, seq.blocks, seq.cached, every=every)
     seq.cached = seq.prompt_len
     prompt = None
     if every:  # row i of the logits predicts prompt token i + 1
+        finite = torch.isfinite(logits).all(dim=-1)  # (T,)
+        if not bool(finite.all()):
+            return [seq.fail(not_finite(int((~finite).nonzero()[0])))]
         following = torch.tensor(seq.tokens[1:], device=logits.device)
         prompt = (None, *token_logprobs(logits[:-1], following, seq.params.top_logprobs))
         logits = logits[-1:]
@@ -116,35 +135,57 @@ def first_events(model: DecoderLM, pool: PagedKVPool, seq: EngineSequence) -> li
     return emit([seq], logits, prompt)
 
 
+def not_finite(position: int) -> str:
+    return (
+        f"the model's output is not finite (NaN or inf) at position {position}: no token can be "
+        f"drawn from it (non-finite weights, or a kernel's fault)"
+    )
+
+
 def emit(
     seqs: list[EngineSequence],
     logits: Tensor,
     prompt: tuple[TokenLogprob | None, ...] | None = None,
 ) -> list[TokenEvent]:
     """Each sequence's next token from its row of ``logits`` (B, V), recorded as an event
-    (the first carries ``prompt``, the prompt's log-probabilities, when given)."""
-    picked = _pick(seqs, logits)
+    (the first carries ``prompt``, the prompt's log-probabilities, when given). A row that is
+    not finite, or whose draw raises, ends its sequence alone with an error event: a NaN row
+    would otherwise become a token (argmax picks a NaN's index) and a sampler would raise for
+    the whole batch."""
+    # the greedy picks and the finite rows in one host sync
+    greedy, finite = torch.stack(
+        (logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long())
+    ).tolist()
     events = []
-    for b, (seq, token) in enumerate(zip(seqs, picked, strict=True)):
-        p = seq.params
-        logprob = None
-        if p.logprobs:
-            chosen = torch.tensor([token], device=logits.device)
-            logprob = token_logprobs(logits[b : b + 1], chosen, p.top_logprobs)[0]
-        seq.tokens.append(token)
-        if token in p.stop_ids:
-            seq.finish = "stop"
-        elif seq.generated == p.max_new_tokens:
-            seq.finish = "length"
-        events.append(TokenEvent(seq.id, token, seq.finish, logprob, prompt))
+    for b, seq in enumerate(seqs):
+        if not finite[b]:
+            events.append(seq.fail(not_finite(len(seq.tokens) - 1)))
+            continue
+        try:
+            events.append(_next(seq, logits[b : b + 1], greedy[b], prompt))
+        except Exception as e:  # this request's sampling parameters on these logits
+            events.append(seq.fail(f"drawing the next token failed: {describe(e)}"))
     return events
 
 
-def _pick(seqs: list[EngineSequence], logits: Tensor) -> list[int]:
-    """Row b's next token: the plain greedy rows in one argmax, every other row by its own
-    sampler, the draw :func:`dikkat.generation.generate` makes for one prompt."""
-    picked = logits.argmax(dim=-1).tolist()
-    for b, seq in enumerate(seqs):
-        if not seq.params.greedy or seq.params.adjusts_logits:
-            picked[b] = int(seq.sampler.pick(logits[b : b + 1]))
-    return picked
+def _next(
+    seq: EngineSequence,
+    row: Tensor,
+    greedy: int,
+    prompt: tuple[TokenLogprob | None, ...] | None,
+) -> TokenEvent:
+    """The sequence's next token from its ``row`` (1, V) of logits: ``greedy`` (the row's
+    argmax) for a plain greedy request, else its own sampler's draw, the one
+    :func:`dikkat.generation.generate` makes for one prompt."""
+    p = seq.params
+    token = greedy if p.greedy and not p.adjusts_logits else int(seq.sampler.pick(row))
+    logprob = None
+    if p.logprobs:
+        chosen = torch.tensor([token], device=row.device)
+        logprob = token_logprobs(row, chosen, p.top_logprobs)[0]
+    seq.tokens.append(token)
+    if token in p.stop_ids:
+        seq.finish = "stop"
+    elif seq.generated == p.max_new_tokens:
+        seq.finish = "length"
+    return TokenEvent(seq.id, token, seq.finish, logprob, prompt)

@@ -23,6 +23,7 @@ ENGINE_METRICS = (
     ("generated_tokens", "generation_tokens_total", "counter", "tokens generated"),
     ("finished", "requests_finished_total", "counter", "requests the engine finished"),
     ("aborted", "requests_aborted_total", "counter", "requests aborted (the client left)"),
+    ("failed", "requests_failed_total", "counter", "requests ended alone by their own error"),
     ("prefix_hit_tokens", "prefix_hit_tokens_total", "counter", "prompt tokens reused"),
 )
 

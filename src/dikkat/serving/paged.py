@@ -110,6 +110,17 @@ class BlockAllocator:
             self._by_key[key] = block
             self._key_of[block] = key
 
+    def forget(self, block: int) -> None:
+        """Take ``block`` out of the prefix index (what it holds is not the prefix its key
+        names: the prefill that was to write it failed); evictable, it becomes free."""
+        key = self._key_of.pop(block, None)
+        if key is None:
+            return
+        del self._by_key[key]
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
+
     def release(self, block: int) -> None:
         """One user fewer; at none, the block becomes evictable (if indexed) or free."""
         if self._refs[block] <= 0:

@@ -12,7 +12,7 @@ from dikkat.validate import is_int
 
 __all__ = ["EngineFull", "EngineStats", "FinishReason", "SamplingParams", "TokenEvent"]
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "error"]
 
 
 class EngineFull(Exception):  # noqa: N818 (a state, like queue.Full, not an Error)
@@ -24,8 +24,10 @@ class EngineFull(Exception):  # noqa: N818 (a state, like queue.Full, not an Err
 class TokenEvent:
     """One new token of one request; the request's last event carries why it ended.
 
-    ``token`` is None only in the one event of a request with ``max_new_tokens = 0`` (which
-    asks for its prompt's log-probabilities alone). ``logprob`` is the token's
+    ``token`` is None in the one event of a request with ``max_new_tokens = 0`` (which asks
+    for its prompt's log-probabilities alone) and in the last event of a request that failed:
+    ``finish_reason`` "error", and ``error`` says why (the model raised on it, or its output was
+    not finite; the other requests go on). ``logprob`` is the token's
     :class:`~dikkat.generation.TokenLogprob` when the request asked for ``logprobs``;
     ``prompt_logprobs``, on a request's first event when it asked for them, holds one entry per
     prompt token, None for the first (nothing comes before it).
@@ -36,6 +38,7 @@ class TokenEvent:
     finish_reason: FinishReason | None  # None while running
     logprob: TokenLogprob | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    error: str | None = None  # with finish_reason "error": one line
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,10 @@ class EngineStats:
     cached prompt prefixes that no running sequence uses (kept for reuse until a block is needed).
     When nothing runs it equals ``total_blocks``. The token counts and the request counts
     (``finished``: ended by a stop token, by ``max_new_tokens`` or by
-    :meth:`~dikkat.serving.Engine.finish`, a stop string; ``aborted``) are totals since the
-    engine was built; ``prefix_hit_tokens`` counts prompt tokens whose keys and values were
-    found in the cache instead of computed.
+    :meth:`~dikkat.serving.Engine.finish`, a stop string; ``aborted``; ``failed``: ended alone by
+    an error of its own, docs/engine.md) are totals since the engine was built;
+    ``prefix_hit_tokens`` counts prompt tokens whose keys and values were found in the cache
+    instead of computed.
     """
 
     running: int
@@ -60,6 +64,7 @@ class EngineStats:
     generated_tokens: int
     finished: int
     aborted: int
+    failed: int
     prefix_hit_tokens: int
 
 
@@ -78,6 +83,11 @@ class EngineSequence:
     finish: FinishReason | None = None
     aborted: bool = False
 
+    def fail(self, message: str) -> TokenEvent:
+        """End the request with an error (its blocks are given back when the step ends)."""
+        self.finish = "error"
+        return TokenEvent(self.id, None, "error", error=message)
+
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
@@ -86,6 +96,20 @@ class EngineSequence:
     def slots(self) -> int:
         """Cache slots the request needs in all: its last token is never fed back."""
         return self.prompt_len + max(self.params.max_new_tokens, 1) - 1
+
+
+def vocab_rows(model: object, vocab_size: int) -> int:
+    """The ids ``model`` can embed: ``vocab_size`` (its config's), or the rows of its token
+    embedding (``tok_emb``, an ``nn.Embedding`` or a packed one) when they are fewer (a GGUF
+    header may claim more ids than its embedding holds)."""
+    rows = getattr(getattr(model, "tok_emb", None), "num_embeddings", None)
+    return min(vocab_size, rows) if is_int(rows) else vocab_size
+
+
+def describe(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def check_prompt(prompt: object, vocab_size: int) -> list[int]:

@@ -41,7 +41,8 @@ class EngineLike(Protocol):
 
 @dataclass(frozen=True)
 class Failure:
-    """Put on a request's queue instead of a token when the engine's step raised."""
+    """Put on a request's queue instead of a token when the request failed: alone (the engine's
+    error event for it) or with every other (the engine's step raised)."""
 
     message: str
 
@@ -128,7 +129,7 @@ class EngineRunner:
                 continue
             try:
                 events = self.engine.step()
-            except Exception as e:  # report it to every waiting request, and keep serving
+            except Exception as e:  # the whole step failed: tell every request, keep serving
                 log.exception("the engine's step failed")
                 self.error = f"{type(e).__name__}: {e}"
                 self._call(self._fail_all, self.error)
@@ -145,11 +146,18 @@ class EngineRunner:
 
     def _deliver(self, events: list[Any]) -> None:
         for event in events:
+            if event.finish_reason == "error":  # it failed alone: the engine has ended it
+                log.warning("request %d failed: %s", event.request_id, event.error)
+                queue = self._queues.pop(event.request_id, None)
+                if queue is not None:
+                    queue.put_nowait(Failure(event.error))
+                continue
             queue = self._queues.get(event.request_id)
             if queue is not None:  # None: aborted after this step began
                 queue.put_nowait(event)
 
     def _fail_all(self, message: str) -> None:
+        """The engine's step raised, and the engine dropped every request: all are told."""
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(Failure(message))
             self.engine.abort(request_id)
