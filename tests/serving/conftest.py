@@ -18,6 +18,12 @@ def chatml(messages: list[dict[str, Any]]) -> str:
     return turns + "<assistant>"
 
 
+def chatml_ids(messages: list[dict[str, Any]]) -> list[int]:
+    """:func:`chatml`'s prompt as the byte tokenizer's ids (what ``create_app``'s ``chat_ids``
+    gives the server)."""
+    return list(chatml(messages).encode("utf-8"))
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
-"""Serve an app on a free loopback port from a thread, for the duration of a ``with`` block;
-every wait is bounded."""
+"""Serve an app on a free loopback port from a thread, for the duration of a ``with`` block, with
+``dikkat serve``'s uvicorn settings (``dikkat.serving.listen.uvicorn_settings``); every wait is
+bounded."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ from typing import Any
 
 import uvicorn
 
+from dikkat.serving.listen import uvicorn_settings
 from dikkat.serving.metrics import parse
 
 WAIT = 20.0  # seconds any test waits for a server to start, stop or settle
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """The base URL (http://127.0.0.1:PORT) of ``app`` served by uvicorn in a thread."""
+def serving(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """The base URL (http://127.0.0.1:PORT) of ``app`` served by uvicorn in a thread, with the
+    settings of ``dikkat serve`` for the app's limits."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    settings = uvicorn_settings(app.state.limits, log_level)
+    server = uvicorn.Server(uvicorn.Config(app, **settings))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -86,3 +90,38 @@ def settled(url: str, headers: dict | None = None) -> dict[str, float]:
     except TimeoutError as e:
         raise AssertionError(f"{e}: {seen}") from None
     return seen
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def raw(url: str, data: bytes, timeout: float = WAIT) -> tuple[int, bytes]:
+    """``data`` sent as it is on a new connection, then everything the server writes until it
+    closes the connection: (the status, or 0 for none, and the bytes). Ask with ``Connection:
+    close`` for an answer the server would keep the connection open after."""
+    with socket.create_connection(address(url), timeout=timeout) as s:
+        s.sendall(data)
+        answer = read_to_close(s)
+    return (int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0), answer
+
+
+def read_to_close(s: socket.socket, limit: int = 2**20) -> bytes:
+    """What the peer writes until it closes (at most ``limit`` bytes; the socket's timeout
+    bounds each wait)."""
+    parts: list[bytes] = []
+    while sum(map(len, parts)) < limit:
+        try:
+            part = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        parts.append(part)
+    return b"".join(parts)
+
+
+def body_of(answer: bytes) -> Any:
+    """The JSON body of a raw answer (Content-Length framed)."""
+    return json.loads(answer.partition(b"\r\n\r\n")[2])

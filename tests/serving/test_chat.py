@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 import torch  # noqa: E402
 from live_server import WAIT, request, serving, settled  # noqa: E402
 
-from conftest import chatml  # noqa: E402
+from conftest import chatml, chatml_ids  # noqa: E402
 from dikkat.generation import SamplingParams, generate  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
 from dikkat.text import ByteTokenizer  # noqa: E402
@@ -37,7 +37,7 @@ def answer_ids(model: Any, messages: list[dict], n: int, **sampling: Any) -> lis
 
 @pytest.fixture(scope="module")
 def url(tiny_gpt):
-    app = create_app(Engine(tiny_gpt, max_batch=4), BYTES, NAME, chat_prompt=chatml)
+    app = create_app(Engine(tiny_gpt, max_batch=4), BYTES, NAME, chat_ids=chatml_ids)
     with serving(app) as base:
         yield base
 
@@ -176,7 +176,7 @@ def test_tokenize_and_detokenize_speak_vllm_s_shapes(url):
 
 
 def test_max_model_len_caps_the_context_an_answer_may_run_to(tiny_gpt):
-    app = create_app(Engine(tiny_gpt), BYTES, NAME, chat_prompt=chatml, max_model_len=48)
+    app = create_app(Engine(tiny_gpt), BYTES, NAME, chat_ids=chatml_ids, max_model_len=48)
     with serving(app) as base:
         assert client(base).models.list().data[0].model_extra["max_model_len"] == 48
         r = client(base).chat.completions.create(model=NAME, messages=MESSAGES, temperature=0)

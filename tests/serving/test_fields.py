@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from live_server import WAIT, request, serving, settled  # noqa: E402
 
-from conftest import chatml  # noqa: E402
+from conftest import chatml_ids  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
 from dikkat.serving.protocol import ChatRequest, CompletionRequest, StreamOptions  # noqa: E402
 from dikkat.text import ByteTokenizer  # noqa: E402
@@ -35,7 +35,7 @@ def client(url: str) -> Any:
 
 @pytest.fixture(scope="module")
 def url(tiny_gpt):
-    app = create_app(Engine(tiny_gpt, max_batch=4), ByteTokenizer(), NAME, chat_prompt=chatml)
+    app = create_app(Engine(tiny_gpt, max_batch=4), ByteTokenizer(), NAME, chat_ids=chatml_ids)
     with serving(app) as base:
         yield base
 

@@ -33,7 +33,7 @@ def engine_for(lm: Any, max_batch: int = 16) -> Engine:
 
 @pytest.fixture(scope="module")
 def url(smollm2):
-    app = create_app(engine_for(smollm2), smollm2.tokenizer, NAME, chat_prompt=smollm2.chat_prompt)
+    app = create_app(engine_for(smollm2), smollm2.tokenizer, NAME, chat_ids=smollm2.chat_ids)
     with serving(app) as base:
         yield base
 
@@ -176,22 +176,26 @@ def test_16_streams_4_left_each_answer_is_the_request_alone_no_block_leaked(url)
 
 
 def test_dikkat_serve_model_serves_a_pretrained_decoder(smollm2, monkeypatch, capsys):
-    import uvicorn
-
-    from dikkat.cli import main
+    from dikkat.cli import main, serve
 
     served: dict[str, Any] = {}
     monkeypatch.setattr(
         "dikkat.pretrained.load", lambda source, device, weights=None: smollm2
     )  # as loaded
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
-    argv = ["serve", "--model", "smollm2", "--num-blocks", "32", "--max-batch", "2"]
+
+    def run_server(app: Any, sockets: Any, log_level: str) -> None:
+        with serving(app) as base:  # (served here: the engine's thread ends with the command)
+            r = client(base).chat.completions.create(
+                model="smollm2", messages=ASK, max_tokens=5, temperature=0
+            )
+            served["answer"] = r.choices[0].message.content
+            served["max_model_len"] = (
+                client(base).models.list().data[0].model_extra["max_model_len"]
+            )
+
+    monkeypatch.setattr(serve, "run_server", run_server)
+    argv = ["serve", "--model", "smollm2", "--num-blocks", "32", "--max-batch", "2", "--port", "0"]
     assert main(argv) == 0
     assert "chat and completions" in capsys.readouterr().out
-    with serving(served["app"]) as base:
-        r = client(base).chat.completions.create(
-            model="smollm2", messages=ASK, max_tokens=5, temperature=0
-        )
-        assert r.choices[0].message.content == smollm2.chat(ASK, 5)
-        status = client(base).models.list().data[0].model_extra["max_model_len"]
-        assert status == smollm2.model.config.max_len
+    assert served["answer"] == smollm2.chat(ASK, 5)
+    assert served["max_model_len"] == smollm2.model.config.max_len

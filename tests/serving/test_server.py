@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 from live_server import WAIT, metrics, request, serving, settled, wait_for  # noqa: E402
 
-from conftest import chatml  # noqa: E402
+from conftest import chatml_ids  # noqa: E402
 from dikkat.generation import generate  # noqa: E402
 from dikkat.models import GPT, GPTConfig  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
@@ -273,8 +273,9 @@ def test_a_client_that_leaves_frees_its_cache_blocks(model):
         body = b'{"model": "tiny", "prompt": "ab", "max_tokens": 60}'
         with socket.create_connection((host, int(port)), timeout=WAIT) as s:
             s.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
             )
             wait_for(lambda: metrics(base)["dikkat_requests_running"] >= 1, "it to run")
         seen = settled(base)
@@ -332,28 +333,31 @@ def test_the_documented_client_example_runs(model, page, capsys):
     ]  # fmt: skip
     key = re.search(r'api_key="([^"]+)"', block).group(1)
     name = re.search(r'model="([^"]+)"', block).group(1)
-    app = create_app(engine_for(model), TOKENIZER, name, api_key=key, chat_prompt=chatml)
+    app = create_app(engine_for(model), TOKENIZER, name, api_key=key, chat_ids=chatml_ids)
     with serving(app) as base:
         exec(compile(block.replace("http://127.0.0.1:8000", base), page, "exec"), {})
     assert capsys.readouterr().out.strip()
 
 
 def test_dikkat_serve_serves_a_saved_model(model, tmp_path, monkeypatch):
-    import uvicorn
-
-    from dikkat.cli import main
+    from dikkat.cli import main, serve
 
     model.save(tmp_path / "tiny-gpt")
     served: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
-    argv = [str(tmp_path / "tiny-gpt"), "--port", "8123", "--max-batch", "2", "--api-key", "k"]
+
+    def run_server(app: Any, sockets: list[socket.socket], log_level: str) -> None:
+        served["address"] = sockets[0].getsockname()  # bound by dikkat serve: port 0 chose one
+        with serving(app) as base:  # (served here: the engine's thread ends with the command)
+            c = client(base, key="k")
+            assert [m.id for m in c.models.list().data] == ["tiny-gpt"]
+            r = c.completions.create(model="tiny-gpt", prompt=PROMPT, max_tokens=6, temperature=0)
+            served["text"] = r.choices[0].text
+
+    monkeypatch.setattr(serve, "run_server", run_server)
+    argv = [str(tmp_path / "tiny-gpt"), "--port", "0", "--max-batch", "2", "--api-key", "k"]
     assert main(["serve", *argv]) == 0
-    assert (served["host"], served["port"]) == ("127.0.0.1", 8123)
-    with serving(served["app"]) as base:
-        c = client(base, key="k")
-        assert [m.id for m in c.models.list().data] == ["tiny-gpt"]
-        r = c.completions.create(model="tiny-gpt", prompt=PROMPT, max_tokens=6, temperature=0)
-        assert r.choices[0].text == TOKENIZER.decode(new_tokens(model, TOKENIZER.encode(PROMPT), 6))
+    assert served["address"][0] == "127.0.0.1" and served["address"][1] > 0
+    assert served["text"] == TOKENIZER.decode(new_tokens(model, TOKENIZER.encode(PROMPT), 6))
 
 
 def test_dikkat_serve_refuses_two_models_or_none(capsys):

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import socket
+import sys
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dikkat.cli.args import add_no_verify, positive_int
+from dikkat.cli.args import add_no_verify, positive_float, positive_int
 from dikkat.cli.chat import load_pretrained
 from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import load_model
@@ -24,21 +27,21 @@ from dikkat.text import load_tokenizer
 def build_app(args: argparse.Namespace, executor: Executor | None = None) -> Any:
     """The app ``dikkat serve`` would serve: the model and its tokenizer, an engine over them
     (stepped in ``executor``, :func:`dikkat.serving.server.create_app`)."""
-    sources = [s for s in (args.checkpoint, args.hf_gpt2, args.model) if s is not None]
-    if len(sources) != 1:
-        raise ValueError("give one of a run or model folder, --hf-gpt2 PATH or --model MODEL")
+    check_source(args)
     require_extra("serve", "serve")  # before the model is loaded: fastapi and uvicorn
     from dikkat.serving import Engine  # loaded when a command runs (see dikkat.cli)
     from dikkat.serving.engine import default_num_blocks
+    from dikkat.serving.limits import LOOPBACK_NAMES, MIB, WILDCARD_HOSTS, Limits
 
     device = device_of(args)
-    chat_prompt = None
+    chat_ids = None
     if args.model is not None:
         # a GGUF file's own packed weights, or fp32 for the engine to convert (batched layouts)
         lm = load_pretrained(args, None if args.weights is None else "fp32")
         model, tokenizer, name = lm.model, lm.tokenizer, lm.name
         if lm.chat_template is not None:
-            chat_prompt = lm.chat_prompt
+            special = args.allow_special_in_content
+            chat_ids = functools.partial(lm.chat_ids, special_in_content=special)
     elif args.hf_gpt2 is not None:
         model = load_hf_gpt2_dir(args.hf_gpt2)
         tokenizer = load_tokenizer(args.hf_gpt2)
@@ -78,44 +81,130 @@ def build_app(args: argparse.Namespace, executor: Executor | None = None) -> Any
     from dikkat.serving.server import create_app  # needs fastapi (checked above)
 
     stats = engine.stats()
-    chat = "chat and completions" if chat_prompt is not None else "completions (no chat template)"
+    chat = "chat and completions" if chat_ids is not None else "completions (no chat template)"
     print(
         f"dikkat: {args.name or name} ({model.n_params:,} parameters, context "
-        f"{served_len}) on http://{args.host}:{args.port}/v1: {chat}; {stats.total_blocks} "
-        f"KV cache blocks of {stats.block_size} tokens, batches of up to {args.max_batch}, "
-        f"{engine.weights} weights",
+        f"{served_len}) on http://{_address(args.host, args.port)}/v1: {chat}; "
+        f"{stats.total_blocks} KV cache blocks of {stats.block_size} tokens, batches of up to "
+        f"{args.max_batch}, {engine.weights} weights",
         flush=True,
     )
+    if args.host not in LOOPBACK_NAMES and args.api_key is None:
+        print(f"dikkat: {args.host} is reachable from other machines, and no --api-key is "
+              "asked: anyone who reaches it may use it", file=sys.stderr, flush=True)  # fmt: skip
+    hosts = [*([] if args.host in WILDCARD_HOSTS else [args.host]), *args.allowed_hosts]
     return create_app(
         engine,
         tokenizer,
         args.name or name,
         api_key=args.api_key,
-        chat_prompt=chat_prompt,
+        chat_ids=chat_ids,
         max_model_len=args.max_model_len,
         executor=executor,
+        limits=Limits(max_body_bytes=int(args.max_body_mb * MIB)),
+        allowed_hosts=hosts,
+        allowed_origins=args.allowed_origins,
     )
+
+
+def check_source(args: argparse.Namespace) -> None:
+    sources = [s for s in (args.checkpoint, args.hf_gpt2, args.model) if s is not None]
+    if len(sources) != 1:
+        raise ValueError("give one of a run or model folder, --hf-gpt2 PATH or --model MODEL")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C); with --dry-run, build everything and stop there.
 
-    The model's load, the warm-up and every engine step run in one thread, not the event loop's:
-    each thread that starts OpenMP parallel regions gets a team of workers of its own, and with
-    more workers than cores libgomp stops spinning idle ones (its ``GOMP_SPINCOUNT`` throttling,
+    The address is bound first, before the model loads: one in use, or not this machine's, is
+    one line and exit status 2 at once. The model's load, the warm-up and every engine step run
+    in one thread, not the event loop's: each thread that starts OpenMP parallel regions gets a
+    team of workers of its own, and with more workers than cores libgomp stops spinning idle
+    ones (its ``GOMP_SPINCOUNT`` throttling,
     https://gcc.gnu.org/onlinedocs/libgomp/GOMP_005fSPINCOUNT.html), so that every region of
-    every step would wait for its workers to wake.
+    every step would wait for its workers to wake. However serving ends, the engine's loop is
+    stopped and that thread let go, so that nothing keeps the process from exiting.
     """
-    # (not shut down here: the app's engine loop runs in it for as long as the app is served;
-    # its idle thread ends with the interpreter)
-    torch_thread = ThreadPoolExecutor(1, thread_name_prefix="dikkat-torch")
-    app = torch_thread.submit(build_app, args, torch_thread).result()
-    if args.dry_run:
-        return 0
-    import uvicorn  # optional, like fastapi (build_app checked that the server imports)
+    check_source(args)
+    require_extra("serve", "serve")  # before anything is bound or loaded
+    from dikkat.serving.listen import listen
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    sockets = [] if args.dry_run else listen(args.host, args.port)
+    if sockets:
+        args.port = sockets[0].getsockname()[1]  # (port 0: the one the system chose)
+    torch_thread = ThreadPoolExecutor(1, thread_name_prefix="dikkat-torch")
+    app = None
+    try:
+        app = torch_thread.submit(build_app, args, torch_thread).result()
+        if not args.dry_run:
+            run_server(app, sockets, args.log_level)
+    finally:
+        if app is not None:
+            app.state.runner.stop()  # (done already after a clean shutdown: then a no-op)
+        torch_thread.shutdown(wait=False, cancel_futures=True)
+        for sock in sockets:
+            sock.close()
     return 0
+
+
+def run_server(app: Any, sockets: list[socket.socket], log_level: str) -> None:
+    """Serve ``app`` on ``sockets`` until interrupted, with the server's uvicorn settings."""
+    import uvicorn  # optional, like fastapi (cmd_serve checked that the server imports)
+
+    from dikkat.serving.listen import uvicorn_settings
+
+    settings = uvicorn_settings(app.state.limits, log_level)
+    server = uvicorn.Server(uvicorn.Config(app, **settings))
+    try:
+        server.run(sockets=sockets)
+    except OSError as e:  # the sockets are bound, but a listen can still fail
+        raise ValueError(f"cannot serve on {sockets[0].getsockname()}: {e}") from None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 (one the system chooses) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {port}")
+    return port
+
+
+def api_key(text: str) -> str:
+    """argparse type: a key a client can send in an HTTP header."""
+    from dikkat.serving.limits import check_api_key  # loaded when the command runs
+
+    try:
+        return check_api_key(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def host_list(text: str) -> list[str]:
+    """argparse type: comma-separated host names (``--allowed-hosts``)."""
+    return _access_list(text, "hosts")
+
+
+def origin_list(text: str) -> list[str]:
+    """argparse type: comma-separated web origins (``--allowed-origins``)."""
+    return _access_list(text, "origins")
+
+
+def _access_list(text: str, what: str) -> list[str]:
+    from dikkat.serving.limits import Access, names  # loaded when the command runs
+
+    items = names(text)
+    try:
+        Access.of(**{what: items})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return items
 
 
 def add_commands(sub: Any) -> None:
@@ -143,9 +232,43 @@ def add_commands(sub: Any) -> None:
         help="a pretrained decoder: a name (smollm2, gemma3-270m), a .gguf file or an HF folder",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     serve.add_argument("--name", help="the model's name in the API (default: the folder's)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    serve.add_argument(
+        "--api-key", type=api_key, help="require 'Authorization: Bearer KEY' on every request"
+    )
+    safety = serve.add_argument_group("who may use it (docs/server.md, 'Running it safely')")
+    safety.add_argument(
+        "--allowed-hosts",
+        type=host_list,
+        default=[],
+        metavar="NAMES",
+        help="comma-separated host names a request's Host header may give, besides localhost, "
+        "127.0.0.1, ::1, --host and the address it arrived at ('*': any; the default refuses "
+        "other names, as DNS rebinding would send them)",
+    )
+    safety.add_argument(
+        "--allowed-origins",
+        type=origin_list,
+        default=[],
+        metavar="ORIGINS",
+        help="comma-separated web origins (http://localhost:3000) whose pages may call the "
+        "server, with CORS headers ('*': any; default: none, and a request from any other "
+        "origin is refused)",
+    )
+    safety.add_argument(
+        "--max-body-mb",
+        type=positive_float,
+        default=16.0,
+        metavar="MB",
+        help="a request body's limit in MiB (default 16; past it 413)",
+    )
+    safety.add_argument(
+        "--allow-special-in-content",
+        action="store_true",
+        help="tokenise special-token text in chat messages (<|im_start|>) as the special tokens, "
+        "which lets a user forge turns of the conversation (default: as plain text)",
+    )
     engine = serve.add_argument_group("the engine")
     engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     engine.add_argument(

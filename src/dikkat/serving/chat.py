@@ -18,7 +18,8 @@ from dikkat.serving.logprobs import chat_logprobs
 from dikkat.serving.params import (
     RequestError,
     chat_max_tokens,
-    chat_prompt_ids,
+    check_ids,
+    conversation_ids,
     room,
     sampling_params,
     stops_of,
@@ -27,14 +28,19 @@ from dikkat.serving.protocol import ChatRequest, error_body, refusal
 
 
 class ChatCompletion:
-    """A submitted chat request: :meth:`whole` or :meth:`events`, once."""
+    """A checked chat request, its conversation rendered and tokenised (CPU work: the server
+    makes it on a worker thread); :meth:`submit` it on the event loop, then :meth:`whole` or
+    :meth:`events`, once."""
 
     def __init__(self, body: ChatRequest, served: Served) -> None:
         refused = refusal(body)
         if refused is not None:
             raise RequestError(refused[1], param=refused[0])
         self.body, self.served = body, served
-        prompt = chat_prompt_ids(body.messages, served.chat_prompt, served.vocab, served.name)
+        prompt = conversation_ids(
+            body.messages, served.chat_ids, served.vocab, served.max_len, served.name
+        )
+        check_ids(prompt, served.vocab.vocab_size, "the rendered conversation", "messages")
         served.check_count(body.n, "n", f"n={body.n}")
         limit, param = chat_max_tokens(body)
         new = room(len(prompt), limit, served.max_len, param, "the conversation")
@@ -42,10 +48,14 @@ class ChatCompletion:
         params = sampling_params(
             body, served.vocab, new, logprobs=body.logprobs, top_logprobs=self.top
         )
-        stops = stops_of(body)
-        self.choices = Choices(served.runner, served.vocab, [(prompt, params)], stops)
+        self.job, self.stops = (prompt, params), stops_of(body)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    def submit(self) -> None:
+        """Hand the choices to the engine (raises ``EngineFull`` or the engine's ``ValueError``);
+        on the event loop, where the runner registers each request's queue."""
+        self.choices = Choices(self.served.runner, self.served.vocab, [self.job], self.stops)
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dikkat.generation import SamplingParams, TokenLogprob
-from dikkat.serving.params import ChatPrompt, RequestError
+from dikkat.serving.params import ChatIds, RequestError
 from dikkat.serving.requests import EngineFull
 from dikkat.serving.runner import EngineRunner, Failure
 from dikkat.serving.tokens import Vocabulary
@@ -234,7 +234,7 @@ class Served:
     name: str
     max_len: int
     max_queue: int | None
-    chat_prompt: ChatPrompt | None  # messages → prompt text; None: no chat template
+    chat_ids: ChatIds | None  # messages → prompt ids; None: no chat template
 
     def check_count(self, count: int, param: str, what: str) -> None:
         """Refuse a request of more choices than the engine's queue holds at all."""

@@ -28,14 +28,16 @@ from dikkat.serving.protocol import CompletionRequest, error_body, refusal
 
 
 class Completion:
-    """A submitted completions request: :meth:`whole` or :meth:`events`, once."""
+    """A checked completions request, its prompts tokenised (CPU work: the server makes it on a
+    worker thread); :meth:`submit` it on the event loop, then :meth:`whole` or :meth:`events`,
+    once."""
 
     def __init__(self, body: CompletionRequest, served: Served) -> None:
         refused = refusal(body)
         if refused is not None:
             raise RequestError(refused[1], param=refused[0])
         self.body, self.served, vocab = body, served, served.vocab
-        self.prompts = completion_prompts(body, vocab)
+        self.prompts = completion_prompts(body, vocab, served.max_len)
         self.n = body.n
         self.best_of = body.best_of or body.n
         self.top = body.logprobs  # None: no log-probabilities
@@ -57,10 +59,15 @@ class Completion:
                 prompt_logprobs=body.echo and self.top is not None,
             )
             jobs.append((prompt, params))
+        self.jobs, self.stops = jobs, stops
         self.prompt_texts = [vocab.decode(p) for p in self.prompts]
-        self.choices = Choices(served.runner, vocab, jobs, stops)  # EngineFull, ValueError
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    def submit(self) -> None:
+        """Hand the choices to the engine (raises ``EngineFull`` or the engine's ``ValueError``);
+        on the event loop, where the runner registers each request's queue."""
+        self.choices = Choices(self.served.runner, self.served.vocab, self.jobs, self.stops)
 
     def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -11,8 +11,9 @@ from dikkat.generation import SamplingParams
 from dikkat.serving.protocol import ChatRequest, CompletionRequest, Message, Sampling, stop_list
 from dikkat.serving.tokens import Vocabulary
 
-# messages → the prompt text in the model's chat template, ready for the assistant's turn
-ChatPrompt = Callable[[list[dict[str, Any]]], str]
+# messages → the prompt's token ids in the model's chat template, ready for the assistant's turn
+# (``Pretrained.chat_ids``: the contents tokenised as text, the template's markup as special ids)
+ChatIds = Callable[[list[dict[str, Any]]], list[int]]
 
 
 class RequestError(ValueError):
@@ -25,15 +26,19 @@ class RequestError(ValueError):
         self.param, self.status, self.code = param, status, code
 
 
-def completion_prompts(body: CompletionRequest, vocab: Vocabulary) -> list[list[int]]:
+def completion_prompts(body: CompletionRequest, vocab: Vocabulary, max_len: int) -> list[list[int]]:
     """The prompts of a completions request as token ids: a string, a list of strings, a list
     of ids, or a list of lists of ids. Each must have at least one token, every id in the
-    vocabulary."""
+    vocabulary; a text too long to fit ``max_len`` tokens is refused before it is encoded."""
     prompt = body.prompt
     if isinstance(prompt, str):
+        check_text(len(prompt), vocab, max_len, "the prompt", "prompt")
         prompts = [vocab.encode(prompt)]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [vocab.encode(p) for p in prompt]  # type: ignore[arg-type]
+        texts: list[str] = list(prompt)  # type: ignore[arg-type]
+        for i, text in enumerate(texts):
+            check_text(len(text), vocab, max_len, f"prompt[{i}]", "prompt")
+        prompts = [vocab.encode(t) for t in texts]
     elif prompt and all(isinstance(p, list) for p in prompt):
         prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
     else:
@@ -74,30 +79,47 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_text(messages: Sequence[Message], chat_prompt: ChatPrompt | None, model: str) -> str:
-    """The conversation in the model's chat template, ready for the assistant's turn."""
-    if chat_prompt is None:
+def check_text(length: int, vocab: Vocabulary, max_len: int, where: str, param: str) -> None:
+    """Refuse, before encoding it, a text of ``length`` characters that cannot fit ``max_len``
+    tokens (:meth:`Vocabulary.max_text`): encoding a text takes time in its length, and the
+    answer would be a refusal anyway."""
+    bound = vocab.max_text(max_len)
+    if length > bound:
+        raise RequestError(
+            f"{where} has {length:,} characters; the model's context is {max_len} tokens, which "
+            f"hold at most {bound:,} characters (no token of this vocabulary is longer than "
+            f"{vocab.longest_token} bytes)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def conversation_ids(
+    messages: Sequence[Message],
+    chat_ids: ChatIds | None,
+    vocab: Vocabulary,
+    max_len: int,
+    model: str,
+) -> list[int]:
+    """The conversation in the model's chat template as token ids, ready for the assistant's
+    turn (the template writes its special tokens, BOS included, itself). Contents too long to
+    fit ``max_len`` tokens are refused before the template runs."""
+    if chat_ids is None:
         raise RequestError(
             f"{model} has no chat template (a base model): use /v1/completions with a text prompt",
             param="messages",
             code="chat_template_missing",
         )
+    conversation = chat_messages(messages)
+    length = sum(len(m["content"]) for m in conversation)
+    check_text(length, vocab, max_len, "the conversation's contents", "messages")
     try:
-        return chat_prompt(chat_messages(messages))
-    except Exception as e:  # a template's own raise_exception, or a jinja error on odd input
-        raise RequestError(
-            f"the chat template refused the messages: {e}", param="messages"
-        ) from None
-
-
-def chat_prompt_ids(
-    messages: Sequence[Message], chat_prompt: ChatPrompt | None, vocab: Vocabulary, model: str
-) -> list[int]:
-    """The conversation as token ids (the template writes the special tokens itself, so none
-    are added)."""
-    ids = vocab.encode(chat_text(messages, chat_prompt, model), special=False)
-    check_ids(ids, vocab.vocab_size, "the rendered conversation", "messages")
-    return ids
+        return list(chat_ids(conversation))
+    except Exception as e:  # a template's own raise_exception, one too long, or a jinja error
+        why = (
+            str(e) if "chat template" in str(e) else f"the chat template refused the messages: {e}"
+        )
+        raise RequestError(why, param="messages") from None
 
 
 def room(prompt_len: int, max_tokens: int | None, max_len: int, param: str, where: str) -> int:

@@ -3,16 +3,20 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (whole,
 or streamed as server-sent events), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
 ``GET /health`` and ``GET /metrics`` (Prometheus text). Every refusal is OpenAI's error object
-naming the field; nothing a client sends is answered with 500. fastapi is an optional dependency
-(``pip install dikkat[serve]``).
+naming the field; nothing a client sends is answered with 500. Every request passes the
+:class:`~dikkat.serving.guard.Guard` first (the Host, the origin, the API key, the body's type,
+size and time). A request's CPU work (parsing its body, rendering the chat template,
+tokenising) runs on a worker thread, so that one long prompt never stalls the event loop and
+the other clients; its submission to the engine runs on the loop (``runner.submit`` registers
+the request's queue there). fastapi is an optional dependency (``pip install dikkat[serve]``).
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,13 +25,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dikkat.serving.chat import ChatCompletion
 from dikkat.serving.choices import EngineFailedError, Served, unless_disconnected
 from dikkat.serving.completions import Completion
+from dikkat.serving.guard import Guard, error_response
+from dikkat.serving.limits import Access, Limits, check_api_key
 from dikkat.serving.metrics import RequestCounter, render
-from dikkat.serving.params import ChatPrompt, RequestError
+from dikkat.serving.params import ChatIds, RequestError
 from dikkat.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -48,52 +53,6 @@ COMPLETIONS = "/v1/completions"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_response(status: int, message: str, **fields: Any) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 503: "server_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
-    )
-    return JSONResponse(error_body(message, kind, **fields), status_code=status)
-
-
-class Gate:
-    """ASGI middleware: the API key check (``Authorization: Bearer KEY``) and the request count
-    for ``/metrics``. Plain ASGI rather than ``BaseHTTPMiddleware``, so that a streamed
-    response and its disconnect reach the route untouched."""
-
-    def __init__(
-        self, app: ASGIApp, api_key: str | None, counter: RequestCounter, routes: frozenset[str]
-    ) -> None:
-        self.app, self.api_key, self.counter = app, api_key, counter
-        self.routes = routes  # counted by path; any other path as "other" (bounded labels)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in self.routes else "other"
-        if self.api_key is not None and not self._authorized(scope):
-            self.counter.add(route, 401)
-            response = error_response(
-                401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                code="invalid_api_key",
-            )  # fmt: skip
-            await response(scope, receive, send)
-            return
-
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.counter.add(route, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        expected = self.api_key or ""
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), expected)
-
-
 def create_app(
     engine: EngineLike,
     tokenizer: Any,
@@ -101,31 +60,40 @@ def create_app(
     *,
     api_key: str | None = None,
     stop_ids: tuple[int, ...] | None = None,
-    chat_prompt: ChatPrompt | None = None,
+    chat_ids: ChatIds | None = None,
     max_model_len: int | None = None,
     executor: Executor | None = None,
+    limits: Limits | None = None,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The server's ASGI app over ``engine`` (``uvicorn.run(app)`` serves it).
+    """The server's ASGI app over ``engine``; serve it with uvicorn and
+    :func:`~dikkat.serving.listen.uvicorn_settings` of the same ``limits``.
 
     ``tokenizer`` encodes prompts and decodes tokens (``dikkat.text.load_tokenizer``, or a
     pretrained model's ``.tokenizer``); ``model_name`` is the one model ``/v1/models`` lists and
     requests must name; ``api_key`` makes every route need ``Authorization: Bearer KEY``;
     ``stop_ids`` end every answer (the default: the tokenizer's end-of-generation ids, if it has
-    any); ``chat_prompt`` renders a conversation (a list of ``{"role", "content"}``) in the
-    model's chat template, ready for the assistant's turn (``Pretrained.chat_prompt``; None: the
-    model has no chat template and ``/v1/chat/completions`` answers 400). The engine is stepped
-    by a worker thread from the app's startup to its shutdown. ``max_model_len`` caps the
-    context a request may use (prompt and answer; default: the model's, ``engine.max_len``),
-    as vLLM's flag does: the engine promises a request the blocks of its whole length.
-    ``executor``: where the engine's loop runs (:class:`~dikkat.serving.runner.EngineRunner`);
-    None: a thread of its own.
+    any); ``chat_ids`` turns a conversation (a list of ``{"role", "content"}``) into the token
+    ids of the model's chat template, ready for the assistant's turn (``Pretrained.chat_ids``,
+    which tokenises the contents as text; None: the model has no chat template and
+    ``/v1/chat/completions`` answers 400). The engine is stepped by a worker thread from the
+    app's startup to its shutdown. ``max_model_len`` caps the context a request may use (prompt
+    and answer; default: the model's, ``engine.max_len``), as vLLM's flag does: the engine
+    promises a request the blocks of its whole length. ``executor``: where the engine's loop
+    runs (:class:`~dikkat.serving.runner.EngineRunner`); None: a thread of its own. ``limits``
+    bound a request's body (default :class:`~dikkat.serving.limits.Limits`);
+    ``allowed_hosts`` are names a request's ``Host`` may give besides the loopback names and
+    the address it arrived at, and ``allowed_origins`` the browser origins answered, with CORS
+    headers (``"*"``: any; docs/server.md, "Running it safely").
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be a non-empty string or None")
-    if chat_prompt is not None and not callable(chat_prompt):
-        raise TypeError(f"chat_prompt must be callable or None, got {type(chat_prompt).__name__}")
+    if api_key is not None:
+        check_api_key(api_key)
+    if chat_ids is not None and not callable(chat_ids):
+        raise TypeError(f"chat_ids must be callable or None, got {type(chat_ids).__name__}")
+    access = Access.of(allowed_hosts, allowed_origins)
     context = int(engine.max_len)
     if max_model_len is not None:
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
@@ -140,7 +108,7 @@ def create_app(
     vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
     runner = EngineRunner(engine, executor=executor)
     queue = getattr(engine, "max_queue", None)
-    served = Served(runner, vocab, model_name, context, queue, chat_prompt)
+    served = Served(runner, vocab, model_name, context, queue, chat_ids)
     counter = RequestCounter()
     started = int(time.time())
 
@@ -152,10 +120,14 @@ def create_app(
 
     app = FastAPI(title="dikkat", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runner = runner
+    app.state.limits = limits = limits or Limits()  # (uvicorn_settings needs the same)
     routes = frozenset(
         ("/health", "/metrics", "/v1/models", COMPLETIONS, CHAT, "/tokenize", "/detokenize")
     )
-    app.add_middleware(Gate, api_key=api_key, counter=counter, routes=routes)
+    app.add_middleware(
+        Guard, access=access, limits=limits, api_key=api_key, counter=counter,
+        routes=routes,
+    )  # fmt: skip
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -202,45 +174,47 @@ def create_app(
     return app
 
 
-async def _parse(request: Request, kind: type[BaseModel]) -> Any:
-    """The body as ``kind``, or an error response naming what is wrong."""
+def _prepare(raw: bytes, kind: type[BaseModel], work: Callable[[Any], Any]) -> Any:
+    """``work`` of the body parsed as ``kind``, or the refusal (on a worker thread)."""
     try:
-        return kind.model_validate_json(await request.body())
+        body = kind.model_validate_json(raw)
     except ValidationError as e:
         message, param = validation_message(e.errors(include_url=False))
         return error_response(400, message, param=param)
-
-
-def _refused(e: RequestError) -> JSONResponse:
-    return error_response(e.status, str(e), param=e.param, code=e.code)
+    try:
+        return work(body)
+    except RequestError as e:
+        return error_response(e.status, str(e), param=e.param, code=e.code)
+    except ValueError as e:  # a tokenizer's own refusal of a text
+        return error_response(400, str(e))
 
 
 async def _answer(request: Request, kind: type[BaseModel], work: Callable[[Any], Any]) -> Response:
-    body = await _parse(request, kind)
-    if isinstance(body, Response):
-        return body
-    try:
-        return JSONResponse(work(body))
-    except RequestError as e:
-        return _refused(e)
+    answer = await asyncio.to_thread(_prepare, await request.body(), kind, work)
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
+def _job(body: Any, job_of: Callable[[Any, Served], Any], served: Served) -> Any:
+    if body.model != served.name:
+        raise RequestError(
+            f"the model {body.model!r} does not exist; this server has {served.name!r}",
+            param="model", status=404, code="model_not_found",
+        )  # fmt: skip
+    return job_of(body, served)
 
 
 async def _generate(
     request: Request, kind: type[BaseModel], job_of: Callable[[Any, Served], Any], served: Served
 ) -> Response:
-    """Check a completions or chat request, submit its choices, answer whole or streamed."""
-    body = await _parse(request, kind)
-    if isinstance(body, Response):
-        return body
+    """Check a completions or chat request and tokenise it (on a worker thread), submit its
+    choices (on the loop), answer whole or streamed."""
+    job = await asyncio.to_thread(
+        _prepare, await request.body(), kind, lambda body: _job(body, job_of, served)
+    )
+    if isinstance(job, Response):
+        return job
     try:
-        if body.model != served.name:
-            raise RequestError(
-                f"the model {body.model!r} does not exist; this server has {served.name!r}",
-                param="model", status=404, code="model_not_found",
-            )  # fmt: skip
-        job = job_of(body, served)
-    except RequestError as e:
-        return _refused(e)
+        job.submit()
     except EngineFull as e:
         return JSONResponse(
             error_body(f"the server is full, retry later ({e})", "server_error",
@@ -249,12 +223,26 @@ async def _generate(
         )  # fmt: skip
     except ValueError as e:  # the engine's own check of a prompt and its parameters
         return error_response(400, str(e))
-    if body.stream:
-        return StreamingResponse(job.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    where = f"{request.method} {request.url.path}"
+    if job.body.stream:
+        events = _logged(job.events(), where)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         answer = await unless_disconnected(job.whole(), request.receive)
     except EngineFailedError as e:
         return error_response(500, f"the engine failed: {e}")
     if answer is None:  # the client left: its choices were aborted
+        log.info("%s: the client left before its answer; its request was aborted", where)
         return Response(status_code=499)
     return JSONResponse(answer)
+
+
+async def _logged(events: AsyncIterator[str], where: str) -> AsyncIterator[str]:
+    """``events``, and a line in the log when the client leaves mid-stream (the stream is
+    cancelled, which aborts the request's choices)."""
+    try:
+        async for event in events:
+            yield event
+    except (asyncio.CancelledError, GeneratorExit):
+        log.info("%s: the client left mid-stream; its request was aborted", where)
+        raise

@@ -4,7 +4,9 @@
 unless ``add_special_tokens: false``) or ``{"messages": [...]}`` (the conversation in the chat
 template, as ``/v1/chat/completions`` would feed it) and answers ``{"tokens", "count",
 "max_model_len"}`` (and ``"token_strs"`` with ``return_token_strs: true``); ``/detokenize``
-takes ``{"tokens": [...]}`` and answers ``{"prompt": text}`` (control tokens written out).
+takes ``{"tokens": [...]}`` and answers ``{"prompt": text}`` (control tokens written out). A
+text that cannot fit the context is refused before it is tokenised, as the other routes refuse
+it (:func:`~dikkat.serving.params.check_text`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from dikkat.serving.choices import Served
-from dikkat.serving.params import RequestError, chat_text, check_ids
+from dikkat.serving.params import RequestError, check_ids, check_text, conversation_ids
 from dikkat.serving.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -36,11 +38,15 @@ def tokenize(body: TokenizeRequest, served: Served) -> dict[str, Any]:
                 "conversation with the assistant's turn opened",
                 param="add_generation_prompt",
             )
-        text = chat_text(body.messages, served.chat_prompt, served.name)
-        ids = vocab.encode(text, special=bool(body.add_special_tokens))
+        ids = conversation_ids(body.messages, served.chat_ids, vocab, served.max_len, served.name)
+        if body.add_special_tokens:  # what the tokenizer adds around a text (BOS), as a text
+            front, back = vocab.specials
+            ids = front + ids + back
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = vocab.encode(body.prompt or "", special=special)
+        prompt = body.prompt or ""
+        check_text(len(prompt), vocab, served.max_len, "the prompt", "prompt")
+        ids = vocab.encode(prompt, special=special)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": served.max_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = [vocab.token_text(t) for t in ids]

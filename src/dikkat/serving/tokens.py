@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 REPLACEMENT = "\ufffd"
@@ -69,6 +69,35 @@ class Vocabulary:
         if self._add_special:
             return list(self.tokenizer.encode(text, add_special=special))
         return list(self.tokenizer.encode(text))
+
+    @cached_property
+    def longest_token(self) -> int:
+        """At least the UTF-8 bytes of text any one token stands for: the longest spelling in the
+        vocabulary (a spelling is never shorter than its text: GPT-2's byte characters, ``▁``
+        and ``<0x0A>`` are each one byte of text and one or more of spelling), or, for a
+        tokenizer that lists no spellings, the longest of :meth:`token_bytes`."""
+        backend = getattr(self.tokenizer, "backend", None)  # a pretrained model's tokenizer
+        if backend is None:
+            backend = getattr(self.tokenizer, "inner", None)  # dikkat.text.HFTokenizer's
+        spellings = getattr(backend, "get_vocab", None)
+        if spellings is not None:
+            return max(len(s.encode("utf-8")) for s in spellings(with_added_tokens=True))
+        return max(len(self.token_bytes(t)) for t in range(self.known))
+
+    def max_text(self, tokens: int) -> int:
+        """The characters past which a text surely encodes to more than ``tokens`` tokens: each
+        character is one byte or more, each token at most :attr:`longest_token` bytes (for a
+        tokenizer that drops no text: byte-level BPE and SentencePiece with byte fallback)."""
+        return tokens * self.longest_token
+
+    @cached_property
+    def specials(self) -> tuple[list[int], list[int]]:
+        """The ids ``encode(text, special=True)`` puts before and after a text's own (BOS …)."""
+        bare, full = self.encode("a", special=False), self.encode("a", special=True)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        return [], []
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text shown to a client: control tokens left out (where the tokenizer knows them),
