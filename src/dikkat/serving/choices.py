@@ -86,7 +86,7 @@ class Choice:
             while not self.finished:
                 event = await self.queue.get()
                 if isinstance(event, Failure):
-                    self.finished = True  # the runner already aborted it
+                    self.finished = True  # it is over: the engine ended it (or dropped all)
                     raise EngineFailedError(event.message)
                 yield self._piece(event)
         finally:
