@@ -34,6 +34,10 @@ NOT_ON_IMPORT = (
     "tokenizers",
     "transformers",
     "uvicorn",
+    # the compiler's stack: a second of every start-up, for programs that never compile
+    "torch._dynamo",
+    "torch._inductor",
+    "torch.fx.experimental.symbolic_shapes",
 )
 
 

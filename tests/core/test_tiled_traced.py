@@ -326,3 +326,16 @@ def test_window_width_changes_under_one_compiled_function() -> None:
     for width in (2, 3, 4, 6):
         torch.testing.assert_close(compiled(q, width), fn(q, width), rtol=0, atol=0)
     assert not torch.equal(fn(q, 2), fn(q, 6))
+
+
+def test_the_mask_registry_is_marked_constant_as_torchs_decorator_marks_a_function() -> None:
+    """mask_flat marks its registry function for dynamo by hand (importing dynamo to decorate
+    it would cost every ``import dikkat`` a second): torch's decorator must still do no more."""
+    from dikkat.core import mask_flat
+
+    def probe() -> str:
+        return ""
+
+    torch.compiler.assume_constant_result(probe)
+    assert probe.__dict__ == {"_dynamo_marked_constant": True}
+    assert mask_flat._register.__dict__ == probe.__dict__

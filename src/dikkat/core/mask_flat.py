@@ -30,9 +30,9 @@ import dataclasses
 import functools
 import importlib
 import json
+from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from dikkat.core.mask_base import DenseMask, Mask
@@ -81,7 +81,16 @@ def _describe(mask: Mask | None, flat: Flat) -> str:
     return _register(key, mask)
 
 
-@torch.compiler.assume_constant_result  # run while dynamo traces, not replayed after the graph
+def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
+    """``torch.compiler.assume_constant_result`` without importing torch._dynamo, which the
+    decorator does and which adds about a second to every ``import dikkat``: all it does is set
+    this attribute (torch/_dynamo/decorators.py), and tests/core/test_tiled_traced.py checks
+    that torch's decorator still sets only that."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_assume_constant_result  # run while dynamo traces, not replayed after the graph
 def _register(key: str, mask: Mask) -> str:
     """The description of a mask kept whole in the registry under ``key``: the op that
     rebuilds it may run inside the very graph being traced, before dynamo would replay a side
