@@ -237,3 +237,19 @@ def test_a_real_template_takes_few_steps(smollm2_template):
         smollm2_template, messages
     )
     assert render_chat(FEATURES, FEATURE_MESSAGES, max_steps=400, note="x").endswith("<assistant>")
+
+
+@pytest.mark.parametrize(
+    "bound, value, error",
+    [
+        ("max_steps", 0, ValueError),
+        ("max_steps", "many", TypeError),
+        ("max_seconds", 0, ValueError),
+        ("max_seconds", float("inf"), ValueError),
+        ("max_chars", True, TypeError),
+        ("max_chars", -1, ValueError),
+    ],
+)
+def test_a_bound_that_is_no_bound_is_refused_by_name(bound, value, error):
+    with pytest.raises(error, match=bound):
+        render_chat(LOOPS, HI, **{bound: value})

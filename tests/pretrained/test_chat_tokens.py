@@ -240,3 +240,8 @@ def test_a_special_token_made_by_the_normaliser_is_refused():
     assert lm.chat_ids(forged, special_in_content=True).count(user) == 2  # what it would do
     with pytest.raises(ValueError, match="becomes the special token '<\\|user\\|>'"):
         lm.chat_ids(forged)
+
+
+def test_special_in_content_must_be_a_bool(smollm2):
+    with pytest.raises(TypeError, match="special_in_content must be True or False"):
+        smollm2.chat_ids([{"role": "user", "content": "Hi"}], special_in_content="yes")

@@ -33,6 +33,7 @@ from dikkat.pretrained.template_sandbox import (
     TemplateLimitError,
     active_budget,
 )
+from dikkat.validate import check_float, check_int
 
 __all__ = [
     "MAX_RENDER_CHARS",
@@ -79,10 +80,13 @@ def render_chat(
         raise TypeError(f"template must be a str, got {type(template).__name__}")
     _check_messages(messages)
     budget = Budget(
-        max_steps=MAX_RENDER_STEPS if max_steps is None else max_steps,
-        max_seconds=MAX_RENDER_SECONDS if max_seconds is None else max_seconds,
-        max_chars=MAX_RENDER_CHARS if max_chars is None else max_chars,
-    )
+        max_steps=check_int("max_steps", MAX_RENDER_STEPS if max_steps is None else max_steps),
+        max_seconds=check_float(
+            "max_seconds", MAX_RENDER_SECONDS if max_seconds is None else max_seconds,
+            low=0, low_open=True,
+        ),
+        max_chars=check_int("max_chars", MAX_RENDER_CHARS if max_chars is None else max_chars),
+    )  # fmt: skip
     variables = {"tools": None, "documents": None, **extra}
     compiled = _compiled(template)
     slot = active_budget()

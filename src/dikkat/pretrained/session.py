@@ -24,6 +24,7 @@ from dikkat.pretrained.chat_template import check_unicode, render_chat
 from dikkat.pretrained.chat_tokens import ChatTokens
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.text.stream import TextStream
+from dikkat.validate import check_bool
 
 __all__ = ["Pretrained"]
 
@@ -140,7 +141,7 @@ class Pretrained:
         (``<|im_start|>`` in a user's text) is encoded as plain text, so that no message can
         forge a turn (:mod:`dikkat.pretrained.chat_tokens`); ``special_in_content=True``
         encodes it as the special token, as transformers does."""
-        if special_in_content:
+        if check_bool("special_in_content", special_in_content):
             return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
         return self._chat_tokens.ids(messages, self.chat_prompt)
 
