@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from dikkat.pretrained.gguf_file import shown
+from dikkat.validate import is_int
 
 __all__ = ["gguf_backend"]
 
@@ -226,10 +227,6 @@ def _gguf_token_id(metadata: Mapping[str, Any], name: str, n: int) -> int | None
     """``tokenizer.ggml.{name}_token_id``: None where absent, else an id of the ``n`` tokens."""
     key = f"tokenizer.ggml.{name}_token_id"
     value = metadata.get(key)
-    if value is not None and not (_is_int(value) and 0 <= value < n):
+    if value is not None and not (is_int(value) and 0 <= value < n):
         raise ValueError(f"{key} = {shown(value)} is not a token id of the {n} tokens")
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
