@@ -20,7 +20,7 @@ too. Both take the same query and cache; their outputs are compared.
 q/k/v 2304 × 768, output 768 × 768, MLP 3072 × 768 and 768 × 3072) and its 50 257 × 768 head,
 random fp32 weights (498 MB, more than the caches hold), times 1 and 2 rows: ``F.linear``
 (PyTorch's CPU product), oneDNN's (the weights reordered for it, as
-:class:`dikkat.layers.inference.Fp32Linear` does for many rows) and the native ``linear_rows``.
+:class:`dikkat.weights.dense.Fp32Linear` does for many rows) and the native ``linear_rows``.
 A call is one pass over all 50 matrices; ``--product-rounds`` rounds; medians in milliseconds,
 and the read bandwidth that makes.
 
@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from common import machine, save_json
-from dikkat.core.native import linear_rows_op, paged_attention_op, qmm_op
+from dikkat.kernels import linear_rows_op, paged_attention_op, qmm_op
 from dikkat.generation.sampling import largest
-from dikkat.layers.inference import inference_model
+from dikkat.weights.inference import inference_model
 from dikkat.models import static_step
 from dikkat.models.static_step import _attend
 

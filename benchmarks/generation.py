@@ -32,8 +32,8 @@ from torch import nn
 
 from common import save_json
 from dikkat.interop import gpt_from_hf
-from dikkat.layers import (
-    Linear,
+from dikkat.layers import Linear
+from dikkat.weights import (
     dequantize_int8,
     inference_model,
     int8_linear,

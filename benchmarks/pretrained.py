@@ -36,7 +36,7 @@ from torch import nn
 from common import save_json
 from dikkat.bench.bandwidth import weight_bytes
 from dikkat.generation import generate
-from dikkat.layers import inference_model, w8a8_available
+from dikkat.weights import inference_model, w8a8_available
 from dikkat.models import Decoder
 from dikkat.pretrained import Pretrained, load
 from dikkat.pretrained.sources import resolve

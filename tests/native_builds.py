@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dikkat.core import native
+from dikkat import kernels as native
 
 
 def portable_build(folder: Path, sources: list[Path], without: str) -> Path:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dikkat.layers.packed import PackedWeight, _dequantize
-from dikkat.layers.packed_bits import pack
+from dikkat.weights.packed import PackedWeight, _dequantize
+from dikkat.weights.bits import pack
 
 N, K = 37, 256
 COLUMN = 37  # the input feature that gets the NaN or Inf: in the second block of 32 (or 16)

@@ -1,12 +1,11 @@
 """The shape of the source tree: imports between packages flow one way, files stay small.
 
-The order (README, "Layout"): core → layers → generation → models / serving → interop / vision /
-hf → pretrained → tasks / audit / maps → training → cli, with bench beside (only the command line
-imports it), viz a leaf that draws (it imports nothing of the model stack, only files), and the
-one-file utilities (files, runs, validate, presets, seeds, text) where their imports put them
-(:data:`TIERS`). A
-package may import only packages of a lower tier — counting imports inside functions, which hide
-a circle without removing it.
+The order (README, "Layout"): core (the kernels beside it) → layers → weights → generation →
+models / serving → interop / vision / hf → pretrained → tasks / audit / maps → training → cli,
+with bench beside (only the command line imports it), viz a leaf that draws (it imports nothing
+of the model stack, only files), and the one-file utilities (files, runs, validate, presets,
+seeds, text) where their imports put them (:data:`TIERS`). A package may import only packages of
+a lower tier — counting imports inside functions, which hide a circle without removing it.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ TIERS: tuple[frozenset[str], ...] = tuple(
     frozenset(t.split())
     for t in (
         "validate version files presets",
-        "core runs viz",
+        "core kernels runs viz",
         "masks layers text functional",
+        "weights",  # the formats' layers over layers.linear, their kernels; generation uses them
         "generation seeds distributed",
         "models serving",  # the engine and the server need the decoder protocol, no model class
         "interop vision hf",
@@ -141,6 +141,11 @@ def test_every_import_goes_down_the_tiers():
 def test_the_core_imports_nothing_above_it():
     graph = import_graph()
     assert set(graph.get("core", {})) <= {"validate"}, dict(graph["core"])
+
+
+def test_the_kernels_import_nothing_but_the_utilities():
+    graph = import_graph()
+    assert set(graph.get("kernels", {})) <= {"validate", "files"}, dict(graph["kernels"])
 
 
 def test_no_source_file_holds_two_ideas():

@@ -17,8 +17,8 @@ import dikkat
 from dikkat.bench.bandwidth import kv_bytes, mean_kv_bytes, read_bandwidth, weight_bytes
 from dikkat.bench.decode import DecodeBenchConfig, _load, random_ids
 from dikkat.generation import SamplingParams, generate
-from dikkat.layers.inference import Int8Linear, inference_model
-from dikkat.layers.quantized import w8a8_available
+from dikkat.weights.inference import Int8Linear, inference_model
+from dikkat.weights.formats import w8a8_available
 from dikkat.models import Decoder, DecoderConfig
 from dikkat.pretrained import families
 from helpers import run_cli

@@ -255,7 +255,7 @@ def test_python_dash_m_dikkat_is_the_command():
 def test_generate_with_int8_weights_prints_the_int8_greedy_tokens(
     tiny_checkpoint, capsys, monkeypatch
 ):
-    from dikkat.layers import InferenceLinear
+    from dikkat.weights import InferenceLinear
 
     path, model = tiny_checkpoint
     seen = []  # the format every linear layer of the loaded model's copy multiplied in

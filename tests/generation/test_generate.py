@@ -22,7 +22,7 @@ from dikkat.generation import (
     prefill,
     sample,
 )
-from dikkat.layers import InferenceLinear, w8a8_available
+from dikkat.weights import InferenceLinear, w8a8_available
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 

@@ -20,7 +20,8 @@ from dikkat.generation import (
     iter_lookup_generate,
     lookup_generate,
 )
-from dikkat.layers import InferenceLinear, KVCache
+from dikkat.layers import KVCache
+from dikkat.weights import InferenceLinear
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 

@@ -9,12 +9,15 @@ The oracle of cached generation is teacher forcing: the whole generated target f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import Tensor
 
-from dikkat.layers import InferenceLinear, Linear, inference_model, w8a8_available
-from dikkat.layers import inference as inference_module
+from dikkat.layers import Linear
+from dikkat.weights import InferenceLinear, inference_model, w8a8_available
+from dikkat.weights import formats
 from dikkat.models import Seq2Seq, Seq2SeqConfig
 from helpers import scramble
 
@@ -298,10 +301,11 @@ def test_generate_in_a_smaller_format_is_the_recompute_loop_in_that_format(weigh
     copy in that format, and the parameters are left as they were."""
     model = small(seed=33)
     made: list[str] = []
-    layer = inference_module.LAYERS[weights]
-    monkeypatch.setitem(
-        inference_module.LAYERS, weights, lambda *a: made.append(weights) or layer(*a)
+    layer = formats.FORMATS[weights].layer
+    counted = dataclasses.replace(
+        formats.FORMATS[weights], layer=lambda *a: made.append(weights) or layer(*a)
     )
+    monkeypatch.setitem(formats.FORMATS, weights, counted)
     src = random_ids(3, 7, seed=34, high=SRC_V)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tgt = torch.full((3, 1), BOS)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dikkat
-from dikkat.layers import PackedEmbedding, PackedLinear
+from dikkat.weights import PackedEmbedding, PackedLinear
 from dikkat.models import GPT
 
 transformers = pytest.importorskip("transformers")

@@ -22,7 +22,7 @@ import torch
 from hf_reference import exact_fp64
 
 import dikkat
-from dikkat.layers import inference_model
+from dikkat.weights import inference_model
 
 pytest.importorskip("transformers")
 
@@ -121,7 +121,7 @@ def test_the_weight_formats_run_and_stay_close(smollm2_gguf, weights):
     """Each format's loss on real text near the dequantised fp32 model's; "file": the file's
     own Q4_1/Q8_0 blocks kept packed (the default), which differ from the dequantised model
     only by the activations' rounding to 8 bits, so they stay within 1 %."""
-    from dikkat.layers import w8a8_available
+    from dikkat.weights import w8a8_available
 
     if weights == "w8a8" and not w8a8_available():
         pytest.skip("w8a8 needs PyTorch's FBGEMM int8 kernels (x86)")

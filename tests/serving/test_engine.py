@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dikkat.generation import generate
-from dikkat.layers import InferenceLinear, w8a8_available
+from dikkat.weights import InferenceLinear, w8a8_available
 from dikkat.models import GPT, GPTConfig
 from dikkat.serving import Engine, EngineFull, SamplingParams, TokenEvent
 from helpers import scramble

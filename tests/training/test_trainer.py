@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dikkat.layers import inference_model, onednn_linear_available
+from dikkat.weights import inference_model, onednn_linear_available
 from dikkat.runs import checkpoint_dir
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import (

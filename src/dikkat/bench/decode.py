@@ -27,7 +27,7 @@ from dikkat.bench.bandwidth import (
 )
 from dikkat.bench.record import machine
 from dikkat.generation import SamplingParams, iter_generate, prefill
-from dikkat.layers.inference import InferenceLinear, inference_model
+from dikkat.weights import InferenceLinear, inference_model
 from dikkat.validate import check_int
 
 __all__ = [

@@ -32,9 +32,9 @@ from dikkat.generation.sampling import (
     check_finite,
     token_logprobs,
 )
-from dikkat.layers.inference import inference_model
+from dikkat.weights.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.quantized import WEIGHT_FORMATS, WeightFormat
+from dikkat.weights.formats import WEIGHT_FORMATS, WeightFormat
 
 __all__ = [
     "WEIGHT_FORMATS",

@@ -32,9 +32,9 @@ from dikkat.generation.sampling import (
     draw,
     largest,
 )
-from dikkat.layers.inference import inference_model
+from dikkat.weights.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.quantized import WeightFormat
+from dikkat.weights.formats import WeightFormat
 
 
 def check_room(
@@ -132,7 +132,7 @@ def sample_loop(
     row that has produced one of ``params.stop_ids`` keeps yielding it; the loop stops when
     every row has (checked once a step) or after ``params.max_new_tokens``. The functions run
     whichever model they were built over: build them over an inference copy
-    (:func:`~dikkat.layers.inference_model`) to decode in its weight format. ``params.n`` is the
+    (:func:`~dikkat.weights.inference_model`) to decode in its weight format. ``params.n`` is the
     caller's (each prompt a row per choice); the models' own checks (the vocabulary, the
     context) are the caller's too.
     """
@@ -206,7 +206,7 @@ def iter_generate(
     the linear layers multiply in while generating: "fp32" (the weights as they are), "bf16",
     "int8" (per-channel int8, weight-only), "w8a8" (int8 weights, 8-bit inputs; x86 CPUs), or
     None: the format of ``model`` if it is an inference copy already, else "fp32". Generation
-    runs on an inference copy of the model made here (:func:`dikkat.layers.inference_model`; a
+    runs on an inference copy of the model made here (:func:`dikkat.weights.inference_model`; a
     copy given is used as it is): the model's own parameters are never changed, and changes to
     them after this call do not reach its tokens. ``compile=True`` decodes with the model's
     static, ``torch.compile``'d step (``model.static_step``: a :class:`~dikkat.models.Decoder`

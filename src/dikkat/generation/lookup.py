@@ -37,9 +37,9 @@ from dikkat.generation.generate import TOKEN_LEVEL, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params, check_finite
-from dikkat.layers.inference import inference_model
+from dikkat.weights.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.quantized import WeightFormat
+from dikkat.weights.formats import WeightFormat
 from dikkat.validate import check_int
 
 
@@ -137,7 +137,7 @@ def iter_lookup_generate(
     ``max_new_tokens``. ``weights`` is the format the linear layers multiply in
     ("fp32", "bf16", "int8", "w8a8", or None, as :func:`~dikkat.generation.iter_generate`
     takes it): decoding runs on an inference copy made here
-    (:func:`dikkat.layers.inference_model`).
+    (:func:`dikkat.weights.inference_model`).
     ``stats``, when given, counts the tokens, model calls, and guessed and accepted tokens. The
     arguments are checked here, when it is called.
     """

@@ -28,7 +28,7 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor
 
-from dikkat.core.native import argmax_op
+from dikkat.kernels import argmax_op
 from dikkat.validate import check_bool, check_float, check_int, is_int
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's limit for chat

@@ -4,9 +4,9 @@
 :class:`LinearRows` is a block of a ``Linear``'s output features used on its own, e.g. the
 queries of a fused q/k/v projection applied to x alone (cross-attention); it owns no parameters.
 
-For inference, :func:`dikkat.layers.inference_model` copies a model with every ``Linear``
+For inference, :func:`dikkat.weights.inference_model` copies a model with every ``Linear``
 replaced by a layer that holds its weight packed for oneDNN or in a smaller format
-(:mod:`dikkat.layers.inference`); a ``Linear`` itself always multiplies its own parameters.
+(:mod:`dikkat.weights.inference`); a ``Linear`` itself always multiplies its own parameters.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class LinearRows(nn.Module):
     dict and the optimizer stay the source's (and in-place writes to ``weight`` under
     ``torch.no_grad()`` write the source). ``forward`` multiplies by those rows only, through
     the source's :meth:`~Linear.forward_rows`; in an inference copy
-    (:func:`dikkat.layers.inference_model`) the source is the copy's inference layer, whose
+    (:func:`dikkat.weights.inference_model`) the source is the copy's inference layer, whose
     rows are held in its format.
 
     >>> qkv = Linear(8, 24)

@@ -25,14 +25,14 @@ from dikkat.generation.generate import TOKEN_LEVEL, Step, check_room, sample_loo
 from dikkat.generation.prompts import Prompts, check_prompts, left_pad
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.layers.inference import inference_model
+from dikkat.weights.inference import inference_model
 from dikkat.layers.inputs import check_token_id, check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
-from dikkat.layers.quantized import WeightFormat
+from dikkat.weights.formats import WeightFormat
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_sizes
@@ -279,7 +279,7 @@ class Seq2Seq(SaveLoad, nn.Module):
         the context: at most ``max_len − 1`` new tokens. ``weights`` is the format the linear
         layers multiply in (``"fp32"``, ``"bf16"``, ``"int8"``, ``"w8a8"``; see
         :meth:`GPT.generate`), the encoder's included: the translation runs on an inference copy
-        of the model (:func:`dikkat.layers.inference_model`), whose parameters stay as they are.
+        of the model (:func:`dikkat.weights.inference_model`), whose parameters stay as they are.
         """
         c = self.config
         params = as_params(params, sampling)

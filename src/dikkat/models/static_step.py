@@ -36,7 +36,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 
-from dikkat.core.native import paged_attention_op
+from dikkat.kernels import paged_attention_op
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.positional import rotate_half
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from dikkat.interop.gguf_gpt2 import _BLOCK, ARCHITECTURE, gguf_names, gguf_shapes, gpt_state
-from dikkat.layers.packed import PackedWeight
-from dikkat.layers.packed_layers import PackedEmbedding, PackedLinear
+from dikkat.weights.packed import PackedWeight
+from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.models.io import load_checked
 from dikkat.pretrained.gguf_checks import (
@@ -31,7 +31,7 @@ from dikkat.pretrained.gguf_checks import (
     vocab_rows,
 )
 from dikkat.pretrained.gguf_file import GGUFFile
-from dikkat.pretrained.gguf_packed import PACKED_KINDS, repack
+from dikkat.weights.formats import PACKED_KINDS, repack
 from dikkat.pretrained.tokenizer import Tokenizer
 
 __all__ = ["config_from_gguf", "gpt_from_gguf"]

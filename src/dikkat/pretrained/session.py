@@ -17,7 +17,7 @@ from typing_extensions import Unpack
 
 from dikkat.generation.generate import iter_generate
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
-from dikkat.layers.quantized import WeightFormat
+from dikkat.weights.formats import WeightFormat
 from dikkat.models.decoder import Decoder
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.pretrained.chat_template import check_unicode, render_chat

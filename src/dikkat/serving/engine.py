@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 from dikkat.generation.protocol import CacheLayout, DecoderLM
 from dikkat.generation.sampling import Sampler, SamplingParams
-from dikkat.layers.inference import InferenceLinear, inference_model
-from dikkat.layers.quantized import WeightFormat, check_weights
+from dikkat.weights import InferenceLinear, inference_model
+from dikkat.weights.formats import WeightFormat, check_weights
 from dikkat.serving.failures import StepWork, decode_each, prefill_each
 from dikkat.serving.forward import decode_rows
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
@@ -67,7 +67,7 @@ class Engine:
     Args:
         model: a decoder of :class:`~dikkat.generation.DecoderLM` (``dikkat.models.GPT``,
             ``dikkat.models.Decoder``). The engine serves an inference copy of it made here
-            (:func:`dikkat.layers.inference_model`, in eval mode): the weights as they are now;
+            (:func:`dikkat.weights.inference_model`, in eval mode): the weights as they are now;
             changes to the model afterwards (training, ``load_state_dict``) do not reach it.
         block_size: slots per cache block.
         num_blocks: blocks in the pool; None: enough for ``max_batch`` sequences of the model's

@@ -1,4 +1,4 @@
-"""A NaN or ±Inf in, the same out: each native kernel (dikkat.core.native) gives what IEEE
+"""A NaN or ±Inf in, the same out: each native kernel (dikkat.kernels) gives what IEEE
 arithmetic gives in its formula — the packed product in every format, for one row, a few, a
 tile's worth and more (tests/native_nan_cases.py), and with NaN or Inf scales; the dequantised
 weight; the fp32 row product; the attention over a pool of slots, against the PyTorch step it
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dikkat.core import native
-from dikkat.layers.packed import _dequantize, dequantize, packed_linear
+from dikkat import kernels as native
+from dikkat.weights.packed import _dequantize, dequantize, packed_linear
 from dikkat.models.static_step import _attend
 from native_nan_cases import (
     BAD,

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dikkat.layers import (
+from dikkat.layers import Linear, LinearRows
+from dikkat.weights import (
     WEIGHT_FORMATS,
-    Linear,
-    LinearRows,
     dequantize_int8,
     inference_model,
     int8_linear,

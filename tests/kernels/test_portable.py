@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dikkat.core import native
+from dikkat import kernels as native
 from native_builds import portable_build, run_with
 
 SCRIPT = textwrap.dedent(
@@ -22,8 +22,8 @@ SCRIPT = textwrap.dedent(
     import ctypes, sys, torch
     torch.ops.load_library(sys.argv[1])
     assert ctypes.CDLL(sys.argv[1]).dikkat_native_vnni() == 0, "VNNI built in"
-    from dikkat.layers.packed import PackedWeight, dequantize, round_activations
-    from dikkat.layers.packed_bits import pack
+    from dikkat.weights.packed import PackedWeight, dequantize, round_activations
+    from dikkat.weights.bits import pack
     op = torch.ops.dikkat_native.qmm
     g = torch.Generator().manual_seed(0)
     worst = 0.0

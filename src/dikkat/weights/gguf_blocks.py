@@ -1,5 +1,6 @@
-"""A GGUF file's quantised tensors repacked, without expanding them to fp32, into the one layout
-of :class:`dikkat.layers.packed.PackedWeight`.
+"""A GGUF file's quantised blocks read and repacked, without expanding them to fp32, into the one
+layout of :class:`dikkat.weights.packed.PackedWeight`; which block kinds there are, and how each
+is read, is :data:`dikkat.weights.formats.FORMATS`.
 
 Each GGML block format is read into unsigned integers, one scale per block of 32 (16 for Q6_K)
 and, for the formats with a minimum, one offset per block — in fp16 as the blocks of Q8_0, Q4_0,
@@ -7,7 +8,7 @@ Q4_1, Q5_0 and Q5_1 store them, and in two levels as the K-quants do (an int8 a 
 file's 6- or 8-bit sub-scale or minimum, times an fp16 a super-block of 256: its d or −dmin) —
 such that
 ``dequantize(packed)`` equals the ``gguf`` package's own ``dequantize`` of the same bytes, bit
-for bit (tests/pretrained/test_gguf_packed.py). The block layouts are those of ggml's
+for bit (tests/weights/test_gguf_blocks.py). The block layouts are those of ggml's
 ``ggml-common.h`` (https://github.com/ggml-org/ggml/blob/master/src/ggml-common.h):
 
 =====  ======================================  =====================  ===================
@@ -25,21 +26,24 @@ Q6_K   256 values, 210: low 4 bits, high 2      6 bits, per 16,        d·sc·(q
        bits, int8 sub-scales ×16, d f16         zero 32
 =====  ======================================  =====================  ===================
 
-5-bit integers take 6 bits here (:mod:`dikkat.layers.packed_bits`): the kernel reads 4, 6 or 8.
+5-bit integers take 6 bits here (:mod:`dikkat.weights.bits`): the kernel reads 4, 6 or 8.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from dikkat.layers.packed import PackedWeight
-from dikkat.layers.packed_bits import pack
+from dikkat.weights.packed import PackedWeight
+from dikkat.weights.bits import pack
 
-__all__ = ["PACKED_KINDS", "repack"]
+__all__ = ["QK_K", "GGUFBlocks", "read_q4_0", "read_q4_1", "read_q4_k", "read_q5_0", "read_q5_1",
+           "read_q5_k", "read_q6_k", "read_q8_0"]
 
-_QK_K = 256
-
+QK_K = 256  # values a K-quant super-block
 
 def _f16(column: np.ndarray) -> np.ndarray:
     """A (n, 2) uint8 column of fp16 → (n,) fp32."""
@@ -72,24 +76,24 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # None, or for two levels the super-blocks' fp16 (d, −dmin or None) that scale and offset times
 
 
-def _q8_0(b: np.ndarray) -> tuple:
+def read_q8_0(b: np.ndarray) -> tuple:
     return b[:, 2:] ^ 0x80, _f16(b[:, 0:2]), None, 128, None  # int8 → offset binary: x + 128
 
 
-def _q4_0(b: np.ndarray) -> tuple:
+def read_q4_0(b: np.ndarray) -> tuple:
     return _low_high(b[:, 2:18]), _f16(b[:, 0:2]), None, 8, None
 
 
-def _q4_1(b: np.ndarray) -> tuple:
+def read_q4_1(b: np.ndarray) -> tuple:
     return _low_high(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0, None
 
 
-def _q5_0(b: np.ndarray) -> tuple:
+def read_q5_0(b: np.ndarray) -> tuple:
     q = _low_high(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)
     return q, _f16(b[:, 0:2]), None, 16, None
 
 
-def _q5_1(b: np.ndarray) -> tuple:
+def read_q5_1(b: np.ndarray) -> tuple:
     q = _low_high(b[:, 8:24]) | (_high_bits(b[:, 4:8]) << 4)
     return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 0, None
 
@@ -101,13 +105,13 @@ def _k_low(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
 
 
-def _q4_k(b: np.ndarray) -> tuple:
+def read_q4_k(b: np.ndarray) -> tuple:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
     return _k_low(b[:, 16:144]), sc, mn, 0, (d, -dmin)
 
 
-def _q5_k(b: np.ndarray) -> tuple:
+def read_q5_k(b: np.ndarray) -> tuple:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
     # bit i of high byte j: the fifth bit of value j of sub-block i
@@ -116,7 +120,7 @@ def _q5_k(b: np.ndarray) -> tuple:
     return q, sc, mn, 0, (d, -dmin)
 
 
-def _q6_k(b: np.ndarray) -> tuple:
+def read_q6_k(b: np.ndarray) -> tuple:
     ql, qh = b[:, 0:128], b[:, 128:192]
     d = _f16(b[:, 208:210])
     # 64 bytes of low 4 bits per half (128 values): low nibbles values 0-63, high 64-127;
@@ -128,48 +132,44 @@ def _q6_k(b: np.ndarray) -> tuple:
     return q, b[:, 192:208].view(np.int8), None, 32, (d, None)
 
 
-# name → (values a block, bytes a block, reader, bits, block of a scale)
-_FORMATS = {
-    "Q8_0": (32, 34, _q8_0, 8, 32),
-    "Q4_0": (32, 18, _q4_0, 4, 32),
-    "Q4_1": (32, 20, _q4_1, 4, 32),
-    "Q5_0": (32, 22, _q5_0, 6, 32),
-    "Q5_1": (32, 24, _q5_1, 6, 32),
-    "Q4_K": (_QK_K, 144, _q4_k, 4, 32),
-    "Q5_K": (_QK_K, 176, _q5_k, 6, 32),
-    "Q6_K": (_QK_K, 210, _q6_k, 6, 16),
-}
-PACKED_KINDS: tuple[str, ...] = tuple(_FORMATS)
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A GGML block kind: ``values`` a block in ``nbytes`` bytes, read by ``read`` into integers
+    of ``bits`` bits (4, 6 or 8: what the kernel reads) with a scale per ``scale_block`` values."""
 
+    kind: str  # the GGML type's name: "Q4_K"
+    values: int
+    nbytes: int
+    read: Callable[[np.ndarray], tuple]  # a reader above
+    bits: int
+    scale_block: int
 
-def repack(
-    raw: np.ndarray, kind: str, shape: tuple[int, int], *, name: str = "the tensor"
-) -> PackedWeight:
-    """The bytes ``raw`` (rows, bytes a row) of a GGUF tensor of type ``kind`` and torch shape
-    ``shape`` (N, K) as a :class:`PackedWeight`. A block whose fp16 scale or minimum (a
-    K-quant's super-block d or dmin) is NaN or ±Inf is refused (``ValueError`` naming ``name``,
-    the row and the block): checking those fields is checking every weight, since the integers
-    times finite fp16 values stay finite in fp32."""
-    if kind not in _FORMATS:
-        raise ValueError(f"GGUF type {kind} is not packed by dikkat; packed: {PACKED_KINDS}")
-    per_block, nbytes, read, bits, block = _FORMATS[kind]
-    N, K = shape
-    if K % per_block or raw.shape != (N, K // per_block * nbytes):
-        raise ValueError(
-            f"a {kind} tensor of shape {shape} must be ({N}, {K // per_block * nbytes}) bytes "
-            f"of {per_block}-value blocks, got {raw.shape}"
-        )
-    q, scale, offset, zero, units = read(np.ascontiguousarray(raw).reshape(-1, nbytes))
-    floats = [scale, offset] if units is None else list(units)  # the fp16 fields, as fp32
-    _check_finite(floats, N, "block" if units is None else "super-block", name)
-    q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
-    dtype = np.float16 if units is None else np.int8  # (a K-quant's 6-bit sub-scales fit int8)
-    scale_t, offset_t = (_rows(a, dtype, N) for a in (scale, offset))
-    supers = (None, None) if units is None else (_rows(a, np.float16, N) for a in units)
-    # in the kernel's groups already, so that a table and its tied output share one copy
-    return PackedWeight(
-        pack(q, bits), scale_t, offset_t, zero, bits, block, kind, False, *supers
-    ).in_groups()
+    def repack(
+        self, raw: np.ndarray, shape: tuple[int, int], *, name: str = "the tensor"
+    ) -> PackedWeight:
+        """The bytes ``raw`` (rows, bytes a row) of a GGUF tensor of this kind and torch shape
+        ``shape`` (N, K) as a :class:`PackedWeight`. A block whose fp16 scale or minimum (a
+        K-quant's super-block d or dmin) is NaN or ±Inf is refused (``ValueError`` naming
+        ``name``, the row and the block): checking those fields is checking every weight, since
+        the integers times finite fp16 values stay finite in fp32."""
+        kind, per_block, nbytes, bits = self.kind, self.values, self.nbytes, self.bits
+        N, K = shape
+        if K % per_block or raw.shape != (N, K // per_block * nbytes):
+            raise ValueError(
+                f"a {kind} tensor of shape {shape} must be ({N}, {K // per_block * nbytes}) "
+                f"bytes of {per_block}-value blocks, got {raw.shape}"
+            )
+        q, scale, offset, zero, units = self.read(np.ascontiguousarray(raw).reshape(-1, nbytes))
+        floats = [scale, offset] if units is None else list(units)  # the fp16 fields, as fp32
+        _check_finite(floats, N, "block" if units is None else "super-block", name)
+        q = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K))
+        dtype = np.float16 if units is None else np.int8  # (a K-quant's 6-bit sub-scales fit int8)
+        scale_t, offset_t = (_rows(a, dtype, N) for a in (scale, offset))
+        supers = (None, None) if units is None else (_rows(a, np.float16, N) for a in units)
+        # in the kernel's groups already, so that a table and its tied output share one copy
+        return PackedWeight(
+            pack(q, bits), scale_t, offset_t, zero, bits, self.scale_block, kind, False, *supers
+        ).in_groups()
 
 
 def _rows(a: np.ndarray | None, dtype: type, N: int) -> torch.Tensor | None:

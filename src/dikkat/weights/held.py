@@ -1,4 +1,4 @@
-"""The base of every layer of an inference copy (:func:`dikkat.layers.inference_model`): a linear
+"""The base of every layer of an inference copy (:func:`dikkat.weights.inference_model`): a linear
 layer holding its weight in one format, and what it shows as its ``weight``."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-
-from dikkat.layers.quantized import WeightFormat
 
 __all__ = ["BATCH_ROWS", "HeldWeight", "InferenceLinear"]
 
@@ -25,7 +23,7 @@ class HeldWeight:
     (the model's), which is what the layers' input checks read. It holds no numbers; the
     product goes through the layer."""
 
-    weights_format: WeightFormat
+    weights_format: str  # a name in dikkat.weights.formats.FORMATS
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
@@ -42,7 +40,8 @@ class InferenceLinear(nn.Module):
     block for ``forward_rows``.
     """
 
-    weights_format: ClassVar[str]  # a WeightFormat, or "gguf": as a GGUF file held it
+    # a WeightFormat (dikkat.weights.formats), or "gguf": as a GGUF file held it
+    weights_format: ClassVar[str]
 
     def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
         super().__init__()

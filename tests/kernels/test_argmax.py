@@ -1,4 +1,4 @@
-"""Greedy decoding's pick in the native kernel (dikkat.core.native, ``argmax_rows``), against
+"""Greedy decoding's pick in the native kernel (dikkat.kernels, ``argmax_rows``), against
 ``torch.argmax``: ties go to the first, a NaN counts as the largest, rows of any length; and
 :func:`dikkat.generation.sampling.largest`, which uses it where it is loaded."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dikkat.core import native
+from dikkat import kernels as native
 from dikkat.generation.sampling import largest
 from native_builds import portable_build, run_with
 

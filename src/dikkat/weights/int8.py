@@ -1,4 +1,4 @@
-"""Weight formats for inference: fp32 as trained, bf16, int8 weight-only, and w8a8.
+"""The int8 weight formats: int8 weight-only and w8a8 (int8 weights times 8-bit inputs).
 
 Notation: ``N`` output features, ``K`` input features, ``M`` rows of the input.
 
@@ -27,28 +27,15 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-WeightFormat = Literal["fp32", "bf16", "int8", "w8a8", "q8", "q4"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("fp32", "bf16", "int8", "w8a8", "q8", "q4")
-
 _INT8_MAX = 127  # symmetric: −128 is never used, so q and −q are both representable
 # The CPU kernel of torch 2.13 returns wrong numbers, or crashes, unless K is a multiple of 16
-# (tests/layers/test_quantized.py runs shapes on both sides of this; BENCHMARKS.md, Generation).
+# (tests/weights/test_int8.py runs shapes on both sides of this; BENCHMARKS.md, Generation).
 _KERNEL_K_MULTIPLE = 16
-
-
-def check_weights(name: str, weights: object) -> WeightFormat:
-    """``weights`` as a :data:`WeightFormat`; a ValueError naming ``name`` and the choices."""
-    if not isinstance(weights, str) or weights not in WEIGHT_FORMATS:
-        raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {weights!r}"
-        )
-    return cast(WeightFormat, weights)
 
 
 @dataclass(frozen=True)

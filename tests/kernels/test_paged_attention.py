@@ -1,4 +1,4 @@
-"""The native attention over a pool of slots (dikkat.core.native, ``paged_attention``): each
+"""The native attention over a pool of slots (dikkat.kernels, ``paged_attention``): each
 row's query at its own position, over its own slots, sliding windows and grouped heads, against
 an fp64 reference."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dikkat.core.native import paged_attention_op
+from dikkat.kernels import paged_attention_op
 
 
 def reference(q, k, v, slots, positions, window, scale):

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dikkat.layers import (
-    Linear,
-    LinearRows,
+from dikkat.layers import Linear, LinearRows
+from dikkat.weights import (
     dequantize_int8,
     inference_model,
     quantize_int8,

@@ -1,6 +1,6 @@
 """dikkat's own block formats for any weight: Q8_0 and Q4_0 as llama.cpp quantises them
 (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), packed as
-:class:`~dikkat.layers.packed.PackedWeight` and multiplied by the same kernel as a GGUF file's
+:class:`~dikkat.weights.packed.PackedWeight` and multiplied by the same kernel as a GGUF file's
 blocks; ``inference_model(model, "q8")`` and ``"q4"`` give any dikkat model these layers."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dikkat.layers.packed import GROUP, PackedWeight
-from dikkat.layers.packed_bits import pack
-from dikkat.layers.packed_layers import PackedLinear
+from dikkat.weights.packed import GROUP, PackedWeight
+from dikkat.weights.bits import pack
+from dikkat.weights.packed_layers import PackedLinear
 
 __all__ = ["Q4Linear", "Q8Linear", "quantize_q4", "quantize_q8"]
 

@@ -1,4 +1,4 @@
-"""Layers holding :class:`~dikkat.layers.packed.PackedWeight`: a linear layer (its parts stacked
+"""Layers holding :class:`~dikkat.weights.packed.PackedWeight`: a linear layer (its parts stacked
 by rows, as a GGUF file may quantise a fused projection's parts differently) and a token
 embedding, which a tied output layer shares."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dikkat.layers.held import HeldWeight, InferenceLinear
-from dikkat.layers.packed import PackedWeight, dequantize, packed_linear
+from dikkat.weights.held import HeldWeight, InferenceLinear
+from dikkat.weights.packed import PackedWeight, dequantize, packed_linear
 
 __all__ = ["PackedEmbedding", "PackedLinear"]
 
@@ -22,7 +22,7 @@ class PackedLinear(InferenceLinear):
     fused q/k/v projection whose parts a GGUF file quantised differently); consecutive parts
     of one layout are joined into one at construction, so a product calls the kernel once per
     layout. Its ``weights_format`` is "q8" or "q4" (dikkat's own quantisation,
-    :mod:`dikkat.layers.packed_quantize`) or "gguf" (as a GGUF file held it)."""
+    :mod:`dikkat.weights.block_quantize`) or "gguf" (as a GGUF file held it)."""
 
     weights_format = "gguf"
 

@@ -1,4 +1,4 @@
-"""Decoding's fp32 product in the native kernel (dikkat.core.native, ``linear_rows``) against the
+"""Decoding's fp32 product in the native kernel (dikkat.kernels, ``linear_rows``) against the
 fp64 product: rows of any length (the 32-value steps, the masked tail), weights of any number of
 rows (the four-row blocks, the rows left over), strided inputs, no bias, empty shapes; and the
 build for a CPU without AVX-512, which runs the plain loops."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dikkat.core import native
+from dikkat import kernels as native
 from native_builds import portable_build, run_with
 
 

@@ -1,4 +1,4 @@
-"""Packed 4-, 6- and 8-bit block weights (dikkat.layers.packed): dikkat's own Q8_0/Q4_0
+"""Packed 4-, 6- and 8-bit block weights (dikkat.weights.packed): dikkat's own Q8_0/Q4_0
 quantisation, and the product — the dequantised weight times the activations rounded to int16
 per block of 32 — against an fp64 reference, in the native kernel and in PyTorch operations."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dikkat.core.native import qmm_op
-from dikkat.layers import Linear, inference_model
-from dikkat.layers.packed import (
+from dikkat.kernels import qmm_op
+from dikkat.layers import Linear
+from dikkat.weights import inference_model
+from dikkat.weights.packed import (
     DENSE_ROWS,
     PackedWeight,
     _product,
@@ -18,9 +19,9 @@ from dikkat.layers.packed import (
     round_activations,
     unpack,
 )
-from dikkat.layers.packed_bits import pack
-from dikkat.layers.packed_layers import PackedLinear
-from dikkat.layers.packed_quantize import quantize_q4, quantize_q8
+from dikkat.weights.bits import pack
+from dikkat.weights.packed_layers import PackedLinear
+from dikkat.weights.block_quantize import quantize_q4, quantize_q8
 
 F32 = torch.float32
 
@@ -262,7 +263,7 @@ def test_a_prefill_multiplies_the_dequantised_weight_by_the_rows_themselves(
 
 
 def test_the_native_dequantisation_is_pytorch_s_bit_for_bit():
-    from dikkat.layers.packed import _dequantize
+    from dikkat.weights.packed import _dequantize
 
     for bits, block, offsets, dtype in LAYOUTS:
         p = random_packed(9, 128, bits, block, offsets, seed=bits + block, dtype=dtype)

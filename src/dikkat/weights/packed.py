@@ -13,17 +13,17 @@ unsigned integers q and one ``scale`` (and, in formats with a per-block minimum,
 This is llama.cpp's family of block formats (https://github.com/ggml-org/ggml/blob/master/
 docs/gguf.md) in one layout that one kernel reads: 8-bit q one byte a value, 4-bit q two a
 byte, 6-bit q (which holds 5-bit formats too) four in three bytes
-(:mod:`dikkat.layers.packed_bits`). Scales and offsets are fp16 where the file holds them so
+(:mod:`dikkat.weights.bits`). Scales and offsets are fp16 where the file holds them so
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: kept as they are), fp32 for dikkat's own formats, and in two
 levels as the K-quants hold them: an int8 a block (``scale``, ``offset``) times an fp16 a
 super-block of 256 values (``super_scale``, ``super_offset``), their product exact in fp32 —
 every GGUF format repacks exactly, and a Q6_K block of 16 values carries one byte of scale
 where an fp32 one would take four. A weight is held row by row, or (``grouped``)
-in the kernel's groups of 16 rows (:mod:`dikkat.layers.packed_groups`): byte pair j of the
+in the kernel's groups of 16 rows (:mod:`dikkat.weights.groups`): byte pair j of the
 group's row r at pair 16 j + r, its scales and offsets 16 a block, so that one vector of the
 kernel holds the same two values of 16 rows.
-:mod:`dikkat.pretrained.gguf_packed` repacks the file's blocks;
-:mod:`dikkat.layers.packed_quantize` packs any weight as Q8_0 and Q4_0 do.
+:mod:`dikkat.weights.gguf_blocks` repacks the file's blocks;
+:mod:`dikkat.weights.block_quantize` packs any weight as Q8_0 and Q4_0 do.
 
 The product ``x @ Wᵀ`` rounds each row of x to int16 per block of 32 (a = round(x / d),
 d = max |x| / 32767), sums qⱼ · aⱼ in integers, and scales:
@@ -34,7 +34,7 @@ which is exactly the dequantised weight times the rounded activations, summed in
 llama.cpp rounds activations to 8 bits (its Q8_0/Q8_1 blocks); on SmolLM2 that moved the logits
 of a chat prompt by up to 0.5 from the dequantised model's and changed its first answer token,
 where 16 bits keep them within 0.01 (tests/pretrained/test_real_models.py checks the losses).
-:func:`packed_linear` runs it in dikkat's native kernel (:mod:`dikkat.core.native`), or, where
+:func:`packed_linear` runs it in dikkat's native kernel (:mod:`dikkat.kernels`), or, where
 that cannot be built, with PyTorch operations that compute the same product. From
 :data:`DENSE_ROWS` rows on (a prompt's prefill) it multiplies x itself by the dequantised weight
 in fp32 instead — exact, and faster there; a decode step of fewer sequences never does, so a
@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dikkat.core.native import qmm_op
-from dikkat.layers.packed_bits import BITS, unpack_values
-from dikkat.layers.packed_groups import ROWS, gather_rows, to_groups, to_rows
+from dikkat.kernels import qmm_op
+from dikkat.weights.bits import BITS, unpack_values
+from dikkat.weights.groups import ROWS, gather_rows, to_groups, to_rows
 
 __all__ = [
     "PackedWeight",
@@ -286,7 +286,7 @@ _NATIVE: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up
 
 
 def _native() -> Callable[..., Tensor] | None:
-    """:func:`dikkat.core.native.qmm_op`, kept in a list that torch.compile reads as a constant
+    """:func:`dikkat.kernels.qmm_op`, kept in a list that torch.compile reads as a constant
     (it warns at every traced call of a functools.cache'd function)."""
     if not _NATIVE:
         _NATIVE.append(qmm_op())

@@ -1,11 +1,11 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
 Five kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
-of 4-, 6- or 8-bit integers (:mod:`dikkat.layers.packed` holds the formats and says what the
+of 4-, 6- or 8-bit integers (:mod:`dikkat.weights.packed` holds the formats and says what the
 product is), and in ``dequantize.cpp``, ``dequantize``, the fp32 weight such blocks stand for
 (``qmm_layout.h``: how both read the blocks); in ``linear.cpp``,
 ``linear_rows``, an fp32 row times an fp32 weight (decoding's products,
-:class:`dikkat.layers.inference.Fp32Linear`); in ``paged_attention.cpp``, ``paged_attention``,
+:class:`dikkat.weights.dense.Fp32Linear`); in ``paged_attention.cpp``, ``paged_attention``,
 a decode step's attention over keys and values in a pool of slots
 (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``, ``argmax_rows``, greedy
 decoding's pick of each row's largest logit. The files are compiled into

@@ -12,21 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from dikkat import masks
-from dikkat.core import native
+from dikkat import kernels as native
 from dikkat.core.tuning import for_device
 from dikkat.generation import generate, iter_generate
-from dikkat.layers import (
-    Block,
-    BlockConfig,
+from dikkat.layers import Block, BlockConfig, Linear, LinearRows
+from dikkat.weights import (
     InferenceLinear,
-    Linear,
-    LinearRows,
     inference_model,
     int8_linear,
     onednn_linear_available,
     quantize_int8,
 )
-from dikkat.layers.held import BATCH_ROWS as _BATCH_ROWS
+from dikkat.weights.held import BATCH_ROWS as _BATCH_ROWS
 from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 

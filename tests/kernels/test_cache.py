@@ -1,4 +1,4 @@
-"""The native library's cache (dikkat.core.native.build): a library is kept with a record of its
+"""The native library's cache (dikkat.kernels.build): a library is kept with a record of its
 size and SHA-256, and one that no longer matches it — cut short, its bytes changed, its record
 lost — is said to be so on stderr and rebuilt, never loaded (a cut one kills the process that
 loads it with SIGBUS, so that case runs in a process of its own).
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from dikkat.core import native
+from dikkat import kernels as native
 
 CHILD = textwrap.dedent(
     """
     import torch
-    from dikkat.core import native
-    from dikkat.layers.packed import dequantize, packed_linear
-    from dikkat.layers.packed_quantize import quantize_q8
+    from dikkat import kernels as native
+    from dikkat.weights.packed import dequantize, packed_linear
+    from dikkat.weights.block_quantize import quantize_q8
     assert native.qmm_op() is not None
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 64, generator=g), torch.randn(20, 64, generator=g)

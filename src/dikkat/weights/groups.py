@@ -4,7 +4,7 @@ A matrix (N, X) — a packed weight's bytes, or its scales — is held as groups
 units of ``unit`` elements are interleaved: unit j of the group's row r sits at unit 16 j + r
 of the group; a last N % 16 rows stay as they are. With two-byte units, one 32-byte load of
 the kernel holds the same two bytes of 16 rows, which it unpacks into 16 lanes (one a row) of
-two 16-bit weights each (:mod:`dikkat.core.native`'s ``qmm.cpp``): the rows of a group are
+two 16-bit weights each (:mod:`dikkat.kernels`'s ``qmm.cpp``): the rows of a group are
 its lanes, and a product needs no sum across lanes. llama.cpp's CPU backend interleaves
 blocks of several rows for the same reason (its "repack" layouts, ``block_q4_0x8`` and
 others: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src/ggml-cpu/repack.cpp).

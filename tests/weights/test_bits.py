@@ -1,4 +1,4 @@
-"""The byte layouts of packed integers (dikkat.layers.packed_bits), against the rule its notes
+"""The byte layouts of packed integers (dikkat.weights.bits), against the rule its notes
 state, computed value by value."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dikkat.layers.packed_bits import pack, unpack_values
+from dikkat.weights.bits import pack, unpack_values
 
 
 def by_the_rule(q: torch.Tensor, bits: int) -> torch.Tensor:
