@@ -46,11 +46,11 @@ import torch
 import torch.nn.functional as F
 
 from common import machine, save_json
-from dikkat.kernels import linear_rows_op, paged_attention_op, qmm_op
 from dikkat.generation.sampling import largest
-from dikkat.weights.inference import inference_model
+from dikkat.kernels import linear_rows_op, paged_attention_op, qmm_op
 from dikkat.models import static_step
 from dikkat.models.static_step import _attend
+from dikkat.weights.inference import inference_model
 
 VOCABULARIES = {"SmolLM2": 49_152, "GPT-2": 50_257, "Gemma 3": 262_144}
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64

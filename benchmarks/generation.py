@@ -33,6 +33,7 @@ from torch import nn
 from common import save_json
 from dikkat.interop import gpt_from_hf
 from dikkat.layers import Linear
+from dikkat.models import GPT, GPTConfig
 from dikkat.weights import (
     dequantize_int8,
     inference_model,
@@ -41,7 +42,6 @@ from dikkat.weights import (
     quantize_w8a8,
     w8a8_linear,
 )
-from dikkat.models import GPT, GPTConfig
 
 FORMATS = ("fp32", "bf16", "int8", "w8a8")
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "w8a8": 1}

@@ -36,10 +36,10 @@ from torch import nn
 from common import save_json
 from dikkat.bench.bandwidth import weight_bytes
 from dikkat.generation import generate
-from dikkat.weights import inference_model, w8a8_available
 from dikkat.models import Decoder
 from dikkat.pretrained import Pretrained, load
 from dikkat.pretrained.sources import resolve
+from dikkat.weights import inference_model, w8a8_available
 from generation import read_bandwidth
 
 FORMATS = ("fp32", "bf16", "int8", "w8a8", "q8", "q4", "gguf", "gguf+compile")

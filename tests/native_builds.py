@@ -1,5 +1,5 @@
 """dikkat's native kernels built for a CPU without some of this one's features, and run in a
-process of their own: the tests of the plain loops that such CPUs run (tests/core/).
+process of their own: the tests of the plain loops that such CPUs run (tests/kernels/).
 
 Such a build registers the same ops as the library dikkat loads, so it runs where dikkat's own
 is off (``DIKKAT_NATIVE=0``)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dikkat import kernels as native
+from dikkat import kernels
 
 
 def portable_build(folder: Path, sources: list[Path], without: str) -> Path:
@@ -24,7 +24,7 @@ def portable_build(folder: Path, sources: list[Path], without: str) -> Path:
     if compiler is None:
         pytest.skip("no C++ compiler")
     out = folder / "portable.so"
-    command = native._command(compiler, sources, out)
+    command = kernels._command(compiler, sources, out)
     command.insert(command.index("-march=native") + 1, without)
     built = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]

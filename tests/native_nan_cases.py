@@ -1,11 +1,11 @@
 """A NaN or ±Inf in what dikkat's packed product multiplies, and the checks that its outputs are
 what IEEE arithmetic gives for the dequantised weight times x (in fp64): used in the tests'
-process (tests/core/test_native_nan.py) and, for builds without AVX-512, in a process of their
-own (tests/core/test_native_portable.py).
+process (tests/kernels/test_nan.py) and, for builds without AVX-512, in a process of their
+own (tests/kernels/test_portable.py).
 
-Every format dikkat reads from GGUF files (pretrained/gguf_packed.py's table) and its own q8/q4,
-as random weights of 37 rows (two of the kernel's groups of 16 rows and 5 more, kept row by row)
-and 256 input features (one super-block of two-level scales)."""
+Every format dikkat reads from GGUF files (the GGUF kinds of dikkat.weights.formats.FORMATS) and
+its own q8/q4, as random weights of 37 rows (two of the kernel's groups of 16 rows and 5 more,
+kept row by row) and 256 input features (one super-block of two-level scales)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dikkat.weights.packed import PackedWeight, _dequantize
 from dikkat.weights.bits import pack
+from dikkat.weights.packed import PackedWeight, _dequantize
 
 N, K = 37, 256
 COLUMN = 37  # the input feature that gets the NaN or Inf: in the second block of 32 (or 16)

@@ -17,10 +17,10 @@ import dikkat
 from dikkat.bench.bandwidth import kv_bytes, mean_kv_bytes, read_bandwidth, weight_bytes
 from dikkat.bench.decode import DecodeBenchConfig, _load, random_ids
 from dikkat.generation import SamplingParams, generate
-from dikkat.weights.inference import Int8Linear, inference_model
-from dikkat.weights.formats import w8a8_available
 from dikkat.models import Decoder, DecoderConfig
 from dikkat.pretrained import families
+from dikkat.weights.formats import w8a8_available
+from dikkat.weights.inference import Int8Linear, inference_model
 from helpers import run_cli
 
 EOS = 0  # the tokenizer's </s>; a model whose final norm is zero gives every token logit 0,

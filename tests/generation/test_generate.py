@@ -22,8 +22,8 @@ from dikkat.generation import (
     prefill,
     sample,
 )
-from dikkat.weights import InferenceLinear, w8a8_available
 from dikkat.models import GPT, GPTConfig
+from dikkat.weights import InferenceLinear, w8a8_available
 from helpers import scramble
 
 V = 61  # a vocabulary that is not a power of two

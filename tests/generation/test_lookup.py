@@ -21,8 +21,8 @@ from dikkat.generation import (
     lookup_generate,
 )
 from dikkat.layers import KVCache
-from dikkat.weights import InferenceLinear
 from dikkat.models import GPT, GPTConfig
+from dikkat.weights import InferenceLinear
 from helpers import scramble
 
 V = 61  # a vocabulary that is not a power of two

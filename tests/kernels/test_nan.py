@@ -2,7 +2,7 @@
 arithmetic gives in its formula — the packed product in every format, for one row, a few, a
 tile's worth and more (tests/native_nan_cases.py), and with NaN or Inf scales; the dequantised
 weight; the fp32 row product; the attention over a pool of slots, against the PyTorch step it
-replaces. (The greedy pick's NaN rule: tests/core/test_native_argmax.py.)"""
+replaces. (The greedy pick's NaN rule: tests/kernels/test_argmax.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from dikkat import kernels as native
-from dikkat.weights.packed import _dequantize, dequantize, packed_linear
 from dikkat.models.static_step import _attend
+from dikkat.weights.packed import _dequantize, dequantize, packed_linear
 from native_nan_cases import (
     BAD,
     FORMATS,

@@ -29,7 +29,7 @@ def reference(q, k, v, slots, positions, window, scale):
 @pytest.fixture
 def op():
     found = paged_attention_op()
-    if found is None:  # the machines the suite runs on build it: tests/layers/test_packed.py
+    if found is None:  # the machines the suite runs on build it: tests/weights/test_packed.py
         pytest.skip("no native kernels here")
     return found
 

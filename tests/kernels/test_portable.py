@@ -5,7 +5,7 @@ NaN or ±Inf as IEEE arithmetic does (tests/native_nan_cases.py).
 The two builds register the same ops, so the portable one runs in a process of its own, with
 dikkat's native kernels turned off there (``DIKKAT_NATIVE=0``): its products are compared with
 the fp64 reference computed in that process from the same PyTorch operations the tests of
-tests/layers/test_packed.py use."""
+tests/weights/test_packed.py use."""
 
 from __future__ import annotations
 
@@ -88,6 +88,6 @@ def test_the_portable_loops_give_the_vnni_products(library: Path):
 
 
 def test_the_portable_loops_keep_nan_and_inf(library: Path):
-    """The checks of tests/core/test_native_nan.py, every format, in the portable build."""
+    """The checks of tests/kernels/test_nan.py, every format, in the portable build."""
     tests = str(Path(__file__).parents[1])
     assert run_with(library, NAN_SCRIPT.format(tests=tests)).strip().splitlines()[-1] == "ok"

@@ -16,9 +16,8 @@ import torch
 from torch import Tensor
 
 from dikkat.layers import Linear
-from dikkat.weights import InferenceLinear, inference_model, w8a8_available
-from dikkat.weights import formats
 from dikkat.models import Seq2Seq, Seq2SeqConfig
+from dikkat.weights import InferenceLinear, formats, inference_model, w8a8_available
 from helpers import scramble
 
 SRC_V, TGT_V, C = 41, 37, 32

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import dikkat
-from dikkat.weights import PackedEmbedding, PackedLinear
 from dikkat.models import GPT
+from dikkat.weights import PackedEmbedding, PackedLinear
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

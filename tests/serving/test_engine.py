@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dikkat.generation import generate
-from dikkat.weights import InferenceLinear, w8a8_available
 from dikkat.models import GPT, GPTConfig
 from dikkat.serving import Engine, EngineFull, SamplingParams, TokenEvent
+from dikkat.weights import InferenceLinear, w8a8_available
 from helpers import scramble
 
 V = 61

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from dikkat.weights import inference_model, onednn_linear_available
 from dikkat.runs import checkpoint_dir
 from dikkat.tasks import TaskSpec, build_task
 from dikkat.training.trainer import (
@@ -19,6 +18,7 @@ from dikkat.training.trainer import (
     make_optimizer,
     resume_trainer,
 )
+from dikkat.weights import inference_model, onednn_linear_available
 
 SPEC = TaskSpec(
     task="lm",

@@ -9,8 +9,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from dikkat.weights.packed import dequantize
 from dikkat.weights.formats import PACKED_KINDS, repack
+from dikkat.weights.packed import dequantize
 
 # where each format keeps its fp16 scales (byte offsets in a block): random bytes there could be
 # NaN or infinite, so the test writes finite ones

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dikkat import masks
 from dikkat import kernels as native
+from dikkat import masks
 from dikkat.core.tuning import for_device
 from dikkat.generation import generate, iter_generate
 from dikkat.layers import Block, BlockConfig, Linear, LinearRows
+from dikkat.models import GPT, GPTConfig
 from dikkat.weights import (
     InferenceLinear,
     inference_model,
@@ -24,7 +25,6 @@ from dikkat.weights import (
     quantize_int8,
 )
 from dikkat.weights.held import BATCH_ROWS as _BATCH_ROWS
-from dikkat.models import GPT, GPTConfig
 from helpers import scramble
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN not available")

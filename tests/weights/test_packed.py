@@ -10,6 +10,8 @@ import torch
 from dikkat.kernels import qmm_op
 from dikkat.layers import Linear
 from dikkat.weights import inference_model
+from dikkat.weights.bits import pack
+from dikkat.weights.block_quantize import quantize_q4, quantize_q8
 from dikkat.weights.packed import (
     DENSE_ROWS,
     PackedWeight,
@@ -19,9 +21,7 @@ from dikkat.weights.packed import (
     round_activations,
     unpack,
 )
-from dikkat.weights.bits import pack
 from dikkat.weights.packed_layers import PackedLinear
-from dikkat.weights.block_quantize import quantize_q4, quantize_q8
 
 F32 = torch.float32
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dikkat.weights.inference import Bf16Linear, Fp32Linear, InferenceLinear, Int8Linear
 from dikkat.validate import check_int
+from dikkat.weights.inference import Bf16Linear, Fp32Linear, InferenceLinear, Int8Linear
 
 __all__ = [
     "available_bytes",

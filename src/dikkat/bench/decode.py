@@ -27,8 +27,8 @@ from dikkat.bench.bandwidth import (
 )
 from dikkat.bench.record import machine
 from dikkat.generation import SamplingParams, iter_generate, prefill
-from dikkat.weights import InferenceLinear, inference_model
 from dikkat.validate import check_int
+from dikkat.weights import InferenceLinear, inference_model
 
 __all__ = [
     "DecodeBenchConfig",

@@ -19,9 +19,9 @@ from dikkat.cli.common import add_command, add_device, device_of, require_extra
 from dikkat.cli.folders import load_model
 from dikkat.cli.generate import _tokenizer_of
 from dikkat.interop import load_hf_gpt2_dir
-from dikkat.weights import WEIGHT_FORMATS
 from dikkat.models import GPT
 from dikkat.text import load_tokenizer
+from dikkat.weights import WEIGHT_FORMATS
 
 
 def build_app(args: argparse.Namespace, executor: Executor | None = None) -> Any:

@@ -32,9 +32,9 @@ from dikkat.generation.sampling import (
     check_finite,
     token_logprobs,
 )
-from dikkat.weights.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
 from dikkat.weights.formats import WEIGHT_FORMATS, WeightFormat
+from dikkat.weights.inference import inference_model
 
 __all__ = [
     "WEIGHT_FORMATS",

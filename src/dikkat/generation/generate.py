@@ -32,9 +32,9 @@ from dikkat.generation.sampling import (
     draw,
     largest,
 )
-from dikkat.weights.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
 from dikkat.weights.formats import WeightFormat
+from dikkat.weights.inference import inference_model
 
 
 def check_room(

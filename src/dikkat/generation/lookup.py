@@ -37,10 +37,10 @@ from dikkat.generation.generate import TOKEN_LEVEL, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params, check_finite
-from dikkat.weights.inference import inference_model
 from dikkat.layers.kv_cache import KVCache
-from dikkat.weights.formats import WeightFormat
 from dikkat.validate import check_int
+from dikkat.weights.formats import WeightFormat
+from dikkat.weights.inference import inference_model
 
 
 @dataclass

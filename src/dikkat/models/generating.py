@@ -15,14 +15,14 @@ from dikkat.core.masks import Mask, as_mask, causal, padding
 from dikkat.generation.generate import Prompts, generate
 from dikkat.generation.protocol import CacheLayout
 from dikkat.generation.sampling import Sampling, SamplingParams
-from dikkat.weights.held import HeldWeight
 from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import valid_positions
-from dikkat.weights.formats import WeightFormat
 from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
+from dikkat.weights.formats import WeightFormat
+from dikkat.weights.held import HeldWeight
 
 
 class Generates:

@@ -25,17 +25,17 @@ from dikkat.generation.generate import TOKEN_LEVEL, Step, check_room, sample_loo
 from dikkat.generation.prompts import Prompts, check_prompts, left_pad
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.block import Block, BlockConfig
-from dikkat.weights.inference import inference_model
 from dikkat.layers.inputs import check_token_id, check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import Activation
 from dikkat.layers.norm import LayerNorm
 from dikkat.layers.positional import SinusoidalPositionalEncoding
-from dikkat.weights.formats import WeightFormat
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_sizes
+from dikkat.weights.formats import WeightFormat
+from dikkat.weights.inference import inference_model
 
 
 def right_pad(src: Prompts, pad_id: int) -> tuple[Tensor, Tensor]:

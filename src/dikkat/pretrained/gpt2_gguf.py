@@ -18,8 +18,6 @@ import numpy as np
 import torch
 
 from dikkat.interop.gguf_gpt2 import _BLOCK, ARCHITECTURE, gguf_names, gguf_shapes, gpt_state
-from dikkat.weights.packed import PackedWeight
-from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.models.io import load_checked
 from dikkat.pretrained.gguf_checks import (
@@ -31,8 +29,10 @@ from dikkat.pretrained.gguf_checks import (
     vocab_rows,
 )
 from dikkat.pretrained.gguf_file import GGUFFile
-from dikkat.weights.formats import PACKED_KINDS, repack
 from dikkat.pretrained.tokenizer import Tokenizer
+from dikkat.weights.formats import PACKED_KINDS, repack
+from dikkat.weights.packed import PackedWeight
+from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
 
 __all__ = ["config_from_gguf", "gpt_from_gguf"]
 

@@ -25,23 +25,22 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dikkat.weights.inference import inference_model
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.mlp import GatedMLP
-from dikkat.weights.packed import PackedWeight
-from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
-from dikkat.weights.formats import WeightFormat, check_weights
 from dikkat.models.decoder import Decoder, DecoderConfig
 from dikkat.models.gpt import GPT
 from dikkat.models.io import load_checked
 from dikkat.pretrained import families
 from dikkat.pretrained.gguf_checks import check_shape, gguf_tokenizer
 from dikkat.pretrained.gguf_file import GGUFFile
-from dikkat.weights.formats import PACKED_KINDS, repack
 from dikkat.pretrained.gpt2_gguf import gpt_from_gguf
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
+from dikkat.weights.formats import PACKED_KINDS, WeightFormat, check_weights, repack
+from dikkat.weights.inference import inference_model
+from dikkat.weights.packed import PackedWeight
+from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
 
 __all__ = ["load"]
 

@@ -17,7 +17,6 @@ from typing_extensions import Unpack
 
 from dikkat.generation.generate import iter_generate
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
-from dikkat.weights.formats import WeightFormat
 from dikkat.models.decoder import Decoder
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.pretrained.chat_template import check_unicode, render_chat
@@ -25,6 +24,7 @@ from dikkat.pretrained.chat_tokens import ChatTokens
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.text.stream import TextStream
 from dikkat.validate import check_bool
+from dikkat.weights.formats import WeightFormat
 
 __all__ = ["Pretrained"]
 

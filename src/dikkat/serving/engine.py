@@ -35,8 +35,6 @@ from collections.abc import Sequence
 
 from dikkat.generation.protocol import CacheLayout, DecoderLM
 from dikkat.generation.sampling import Sampler, SamplingParams
-from dikkat.weights import InferenceLinear, inference_model
-from dikkat.weights.formats import WeightFormat, check_weights
 from dikkat.serving.failures import StepWork, decode_each, prefill_each
 from dikkat.serving.forward import decode_rows
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
@@ -49,6 +47,8 @@ from dikkat.serving.requests import (
     vocab_rows,
 )
 from dikkat.validate import check_bool, check_int
+from dikkat.weights import InferenceLinear, inference_model
+from dikkat.weights.formats import WeightFormat, check_weights
 
 DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dikkat.weights.packed import GROUP, PackedWeight
 from dikkat.weights.bits import pack
+from dikkat.weights.packed import GROUP, PackedWeight
 from dikkat.weights.packed_layers import PackedLinear
 
 __all__ = ["Q4Linear", "Q8Linear", "quantize_q4", "quantize_q8"]

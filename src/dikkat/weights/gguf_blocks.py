@@ -37,13 +37,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dikkat.weights.packed import PackedWeight
 from dikkat.weights.bits import pack
+from dikkat.weights.packed import PackedWeight
 
-__all__ = ["QK_K", "GGUFBlocks", "read_q4_0", "read_q4_1", "read_q4_k", "read_q5_0", "read_q5_1",
-           "read_q5_k", "read_q6_k", "read_q8_0"]
+__all__ = [
+    "QK_K",
+    "GGUFBlocks",
+    "read_q4_0",
+    "read_q4_1",
+    "read_q4_k",
+    "read_q5_0",
+    "read_q5_1",
+    "read_q5_k",
+    "read_q6_k",
+    "read_q8_0",
+]
 
 QK_K = 256  # values a K-quant super-block
+
 
 def _f16(column: np.ndarray) -> np.ndarray:
     """A (n, 2) uint8 column of fp16 → (n,) fp32."""
