@@ -19,8 +19,8 @@ from dikkat.bench.decode import DecodeBenchConfig, _load, random_ids
 from dikkat.generation import SamplingParams, generate
 from dikkat.models import Decoder, DecoderConfig
 from dikkat.pretrained import families
-from dikkat.weights.formats import w8a8_available
-from dikkat.weights.inference import Int8Linear, inference_model
+from dikkat.weights import inference_model, w8a8_available
+from dikkat.weights.dense import Int8Linear
 from helpers import run_cli
 
 EOS = 0  # the tokenizer's </s>; a model whose final norm is zero gives every token logit 0,

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.validate import check_int
-from dikkat.weights.inference import Bf16Linear, Fp32Linear, InferenceLinear, Int8Linear
+from dikkat.weights.dense import Bf16Linear, Fp32Linear, Int8Linear
+from dikkat.weights.held import InferenceLinear
 
 __all__ = [
     "available_bytes",
@@ -35,7 +36,7 @@ __all__ = [
 
 def _read_by(m: InferenceLinear) -> list[Tensor]:
     """The tensors a product of ``m`` reads: those of its format's layer in
-    :mod:`dikkat.weights.inference`, or, for another layer, every tensor it holds."""
+    :mod:`dikkat.weights.dense`, or, for another layer, every tensor it holds."""
     bias = [] if m.bias is None else [m.bias]
     if isinstance(m, Int8Linear):  # W8A8Linear too: FBGEMM packs the same values and scales
         return [m._q.values, m._q.scale, *bias]
