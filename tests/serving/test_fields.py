@@ -18,7 +18,12 @@ from live_server import WAIT, request, serving, settled  # noqa: E402
 
 from conftest import chatml_ids  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
-from dikkat.serving.protocol import ChatRequest, CompletionRequest, StreamOptions  # noqa: E402
+from dikkat.serving.protocol import (  # noqa: E402
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    StreamOptions,
+)
 from dikkat.text import ByteTokenizer  # noqa: E402
 
 NAME = "tiny"
@@ -194,3 +199,24 @@ def test_no_malformed_body_gets_a_500_or_stops_the_server(url):
     r = client(url).chat.completions.create(**CHAT, temperature=0)  # it still serves
     assert r.choices[0].finish_reason == "length"
     settled(url)
+
+
+def test_a_request_converts_itself_into_sampling_params():
+    """Each field is the client's, else the server's default, else OpenAI's; a value
+    ``SamplingParams`` refuses is a refusal naming the field."""
+    body = CompletionRequest(**TEXT, n=2, best_of=3, logprobs=1, echo=True, top_p=1.0, top_k=-1,
+                             seed=-1, logit_bias={"7": -2, "3": 1})  # fmt: skip
+    p = body.to_sampling_params((5,), vocab_size=10)
+    assert (p.max_new_tokens, p.n, p.stop_ids, p.top_p, p.top_k, p.seed) == (
+        3, 3, (5,), None, None, 2**64 - 1,
+    )  # fmt: skip
+    assert (p.logprobs, p.top_logprobs, p.prompt_logprobs) == (True, 1, True)
+    assert p.logit_bias == ((3, 1.0), (7, -2.0))
+    chat = ChatRequest(**{**CHAT, "max_tokens": None}).to_sampling_params(9, (), vocab_size=10)
+    assert (chat.max_new_tokens, chat.temperature, chat.logprobs) == (9, 1.0, False)
+    with pytest.raises(RequestError, match=r"logit_bias\[3\] = 101.0: a bias") as e:
+        CompletionRequest(**TEXT, logit_bias={"3": 101}).to_sampling_params((), vocab_size=10)
+    assert e.value.param == "logit_bias"
+    with pytest.raises(RequestError, match="logit_bias names '10', not a token id") as e:
+        CompletionRequest(**TEXT, logit_bias={"10": 1}).to_sampling_params((), vocab_size=10)
+    assert e.value.param == "logit_bias"

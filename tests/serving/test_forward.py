@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dikkat.core.masks import DenseMask
+from dikkat.generation.sampling import largest, largest_finite
 from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig
 from dikkat.models.decoder import gemma3_layer_kinds
 from dikkat.serving.forward import decode, prefill
@@ -85,3 +86,17 @@ def test_the_mask_is_the_padding_alone_and_none_for_rows_of_equal_length():
     assert isinstance(mask, DenseMask) and mask.q_offset == 4  # the new tokens' column, S − 1
     want = torch.tensor([[True] * 5, [False] * 3 + [True] * 2, [False] + [True] * 4])
     assert torch.equal(mask.tensor.view(3, 5), want)  # right-aligned rows, pads on the left
+
+
+def test_the_engine_picks_greedy_tokens_as_a_sampler_does():
+    """The batch's greedy picks are :func:`largest`'s (the first of equal values, a NaN as the
+    largest, the native kernel where it is loaded), read back with each row's finiteness."""
+    logits = torch.randn(5, V)
+    logits[1, 3] = logits[1, 7] = 50.0  # a tie: the first
+    logits[2, 4] = float("nan")
+    logits[3, 9] = float("inf")
+    logits[4] = float("-inf")
+    picks, finite = largest_finite(logits)
+    assert picks == largest(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert picks[1] == 3 and picks[2] == 4
+    assert finite == [True, True, False, False, False]

@@ -71,6 +71,14 @@ def largest(logits: Tensor) -> Tensor:
     return logits.argmax(dim=-1)
 
 
+def largest_finite(logits: Tensor) -> tuple[list[int], list[bool]]:
+    """:func:`largest` of each row of (B, V) logits, and whether the row is finite (no NaN or
+    infinity anywhere in it), read back in one host sync: what a batch of rows, each of its
+    own request, needs before it picks or fails each row alone."""
+    picks, finite = torch.stack((largest(logits), torch.isfinite(logits).all(dim=-1).long()))
+    return picks.tolist(), [bool(f) for f in finite.tolist()]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to decode one prompt (or each prompt of a batch).
@@ -212,7 +220,13 @@ def _biases(bias: object) -> tuple[tuple[int, float], ...]:
         token, value = pair
         if not is_int(token) or token < 0:
             raise ValueError(f"logit_bias names {token!r}, not a token id (an int ≥ 0)")
-        check_float(f"logit_bias[{token}]", value, low=-100.0, high=100.0)
+        # a number (a TypeError otherwise) in OpenAI's range, refused in the words the server
+        # passes on to its clients (a NaN or an infinity is outside the range too)
+        try:
+            check_float(f"logit_bias[{token}]", value, low=-100.0, high=100.0)
+        except ValueError:
+            why = f"logit_bias[{token}] = {value}: a bias must be in [-100, 100]"
+            raise ValueError(why) from None
         pairs[int(token)] = float(value)
     return tuple(sorted(pairs.items()))
 

@@ -15,16 +15,8 @@ from typing import Any
 
 from dikkat.serving.choices import Choices, EngineFailedError, Piece, Result, Served, sse, usage
 from dikkat.serving.logprobs import chat_logprobs
-from dikkat.serving.params import (
-    RequestError,
-    chat_max_tokens,
-    check_ids,
-    conversation_ids,
-    room,
-    sampling_params,
-    stops_of,
-)
-from dikkat.serving.protocol import ChatRequest, error_body, refusal
+from dikkat.serving.params import chat_max_tokens, check_ids, conversation_ids, room, stops_of
+from dikkat.serving.protocol import ChatRequest, RequestError, error_body, refusal
 
 
 class ChatCompletion:
@@ -45,9 +37,7 @@ class ChatCompletion:
         limit, param = chat_max_tokens(body)
         new = room(len(prompt), limit, served.max_len, param, "the conversation")
         self.top = body.top_logprobs or 0
-        params = sampling_params(
-            body, served.vocab, new, logprobs=body.logprobs, top_logprobs=self.top
-        )
+        params = body.to_sampling_params(new, served.vocab.eos_ids, served.vocab.vocab_size)
         self.job, self.stops = (prompt, params), stops_of(body)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dikkat.generation import SamplingParams, TokenLogprob
-from dikkat.serving.params import ChatIds, RequestError
+from dikkat.serving.params import ChatIds
+from dikkat.serving.protocol import RequestError
 from dikkat.serving.requests import EngineFull
 from dikkat.serving.runner import EngineRunner, Failure
 from dikkat.serving.tokens import Vocabulary

@@ -17,14 +17,8 @@ from typing import Any
 
 from dikkat.serving.choices import Choices, EngineFailedError, Result, Served, sse, usage
 from dikkat.serving.logprobs import CompletionLogprobs
-from dikkat.serving.params import (
-    RequestError,
-    completion_prompts,
-    room,
-    sampling_params,
-    stops_of,
-)
-from dikkat.serving.protocol import CompletionRequest, error_body, refusal
+from dikkat.serving.params import completion_prompts, room, stops_of
+from dikkat.serving.protocol import CompletionRequest, RequestError, error_body, refusal
 
 
 class Completion:
@@ -45,21 +39,11 @@ class Completion:
         what = f"{len(self.prompts)} prompts × {self.best_of}" if many else f"n={self.best_of}"
         served.check_count(count, "prompt" if many else "n", what)
         stops = stops_of(body)
-        ranked = self.best_of > self.n  # choosing the best needs every token's log-probability
-        jobs = []
         for i, prompt in enumerate(self.prompts):
             where = "the prompt" if len(self.prompts) == 1 else f"prompt[{i}]"
-            new = room(len(prompt), body.max_tokens, served.max_len, "max_tokens", where)
-            params = sampling_params(
-                body.model_copy(update={"n": self.best_of}),
-                vocab,
-                new,
-                logprobs=self.top is not None or ranked,
-                top_logprobs=self.top or 0,
-                prompt_logprobs=body.echo and self.top is not None,
-            )
-            jobs.append((prompt, params))
-        self.jobs, self.stops = jobs, stops
+            room(len(prompt), body.max_tokens, served.max_len, "max_tokens", where)
+        params = body.to_sampling_params(vocab.eos_ids, vocab.vocab_size)  # every prompt's
+        self.jobs, self.stops = [(prompt, params) for prompt in self.prompts], stops
         self.prompt_texts = [vocab.decode(p) for p in self.prompts]
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())

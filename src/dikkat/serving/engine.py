@@ -43,7 +43,7 @@ from dikkat.serving.requests import (
     EngineSequence,
     EngineStats,
     TokenEvent,
-    check_prompt,
+    check_request,
     vocab_rows,
 )
 from dikkat.validate import check_bool, check_int
@@ -185,24 +185,10 @@ class Engine:
         ``params.n`` must be 1 (submit each of ``params.choices()``) and ``params.stop`` empty
         (the engine works in token ids: whoever decodes the text matches stop strings).
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.refuse("the engine", "n", "stop")
-        tokens = check_prompt(prompt, self.vocab_size)
-        params.check_vocab(self.vocab_size)
-        n, m = len(tokens), params.max_new_tokens
-        if n + m > self.max_len:
-            raise ValueError(
-                f"the prompt has {n} tokens and max_new_tokens={m}: {n + m} positions, past "
-                f"the model's context of {self.max_len}"
-            )
-        need = self._blocks_for(n + max(m, 1) - 1)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"the prompt ({n} tokens) and max_new_tokens={m} need {need} blocks of "
-                f"{self.block_size} slots, more than the engine's num_blocks={self.num_blocks}"
-            )
-        sampler = Sampler(params)
+        tokens = check_request(
+            prompt, params, self.vocab_size, self.max_len, self.block_size, self.num_blocks
+        )
+        n, sampler = len(tokens), Sampler(params)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineFull(

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dikkat.core.masks import dense
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import TokenLogprob, token_logprobs
+from dikkat.generation.sampling import TokenLogprob, largest_finite, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
 from dikkat.serving.requests import EngineSequence, TokenEvent, describe
 
@@ -152,10 +152,7 @@ def emit(
     not finite, or whose draw raises, ends its sequence alone with an error event: a NaN row
     would otherwise become a token (argmax picks a NaN's index) and a sampler would raise for
     the whole batch."""
-    # the greedy picks and the finite rows in one host sync
-    greedy, finite = torch.stack(
-        (logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long())
-    ).tolist()
+    greedy, finite = largest_finite(logits)
     events = []
     for b, seq in enumerate(seqs):
         if not finite[b]:
@@ -175,8 +172,9 @@ def _next(
     prompt: tuple[TokenLogprob | None, ...] | None,
 ) -> TokenEvent:
     """The sequence's next token from its ``row`` (1, V) of logits: ``greedy`` (the row's
-    argmax) for a plain greedy request, else its own sampler's draw, the one
-    :func:`dikkat.generation.generate` makes for one prompt."""
+    :func:`~dikkat.generation.sampling.largest`, the sampler's own greedy pick) for a plain
+    greedy request, else its own sampler's draw, the one :func:`dikkat.generation.generate`
+    makes for one prompt."""
     p = seq.params
     token = greedy if p.greedy and not p.adjusts_logits else int(seq.sampler.pick(row))
     logprob = None

@@ -1,5 +1,6 @@
-"""From a checked request to what the engine takes: prompts as token ids, and one
-:class:`~dikkat.generation.SamplingParams` per prompt that fits the model's context."""
+"""From a checked request to what the engine takes: prompts as token ids that fit the model's
+context, and the new tokens each gets (the request's own ``to_sampling_params`` makes its
+:class:`~dikkat.generation.SamplingParams`, :mod:`dikkat.serving.protocol`)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,19 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dikkat.generation import SamplingParams
-from dikkat.serving.protocol import ChatRequest, CompletionRequest, Message, Sampling, stop_list
+from dikkat.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    RequestError,
+    Sampling,
+    stop_list,
+)
 from dikkat.serving.tokens import Vocabulary
 
 # messages → the prompt's token ids in the model's chat template, ready for the assistant's turn
 # (``Pretrained.chat_ids``: the contents tokenised as text, the template's markup as special ids)
 ChatIds = Callable[[list[dict[str, Any]]], list[int]]
-
-
-class RequestError(ValueError):
-    """A request the server refuses: the HTTP status, and the OpenAI ``param`` and ``code``."""
-
-    def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
 
 
 def completion_prompts(body: CompletionRequest, vocab: Vocabulary, max_len: int) -> list[list[int]]:
@@ -144,57 +141,6 @@ def room(prompt_len: int, max_tokens: int | None, max_len: int, param: str, wher
             code="context_length_exceeded",
         )
     return max_tokens
-
-
-def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
-    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ``{id: bias}``."""
-    out = {}
-    for key, value in (bias or {}).items():
-        token = int(key) if key.isascii() and key.isdecimal() else None
-        if token is None or token >= vocab_size:
-            raise RequestError(
-                f"logit_bias names {key!r}, not a token id of the vocabulary of {vocab_size}",
-                param="logit_bias",
-            )
-        if not -100 <= value <= 100:
-            raise RequestError(
-                f"logit_bias[{key}] = {value}: a bias must be in [-100, 100]", param="logit_bias"
-            )
-        out[token] = float(value)
-    return out
-
-
-def sampling_params(
-    body: Sampling,
-    vocab: Vocabulary,
-    max_new_tokens: int,
-    *,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    prompt_logprobs: bool = False,
-) -> SamplingParams:
-    """The engine's parameters of one prompt of ``body`` (``n`` is the request's: the caller
-    submits each of ``params.choices()``). Stop strings are matched by the server."""
-    try:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=float(body.temperature),
-            top_p=None if body.top_p == 1.0 else float(body.top_p),
-            top_k=body.top_k if body.top_k not in (None, -1, 0) else None,
-            seed=None if body.seed is None else body.seed % 2**64,
-            stop_ids=vocab.eos_ids,
-            n=body.n,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            frequency_penalty=float(body.frequency_penalty),
-            presence_penalty=float(body.presence_penalty),
-            logit_bias=logit_bias(body.logit_bias, vocab.vocab_size),
-        )
-    except (TypeError, ValueError) as e:
-        if isinstance(e, RequestError):
-            raise
-        raise RequestError(str(e)) from None
 
 
 def stops_of(body: Sampling) -> list[str]:

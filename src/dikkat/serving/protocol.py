@@ -8,13 +8,23 @@ ignored where it cannot change the answer (``user``, ``store``, ``metadata``, ``
 ``response_format``: :func:`refusal`). A field OpenAI does not have is refused as unknown, and
 types are strict (``"5"`` is not a number, ``true`` is not an integer). docs/server.md has the
 table. ``top_k`` is accepted too, as vLLM accepts it.
+
+A request converts itself into the engine's :class:`~dikkat.generation.SamplingParams`
+(``to_sampling_params``, after vLLM's ``vllm/entrypoints/openai/protocol.py``): each field is the
+client's value, else the server's default (the tokenizer's end-of-generation ids, the context
+left), else OpenAI's (the field's default here). The values are checked once, by
+``SamplingParams`` itself, whose refusal becomes a :class:`RequestError` naming the field.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dikkat.generation import SamplingParams
 
 MAX_STOPS = 16  # OpenAI allows 4; lm-evaluation-harness sends its task's stops and the EOS
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (5 for completions; vLLM allows 20 for both)
@@ -23,6 +33,16 @@ MAX_CHOICES = 128  # OpenAI's limit on n
 Strict = ConfigDict(extra="forbid", strict=True)
 Ignored = Any  # a field taken and ignored: any JSON value
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # a negative seed is taken mod 2**64
+
+
+class RequestError(ValueError):
+    """A request the server refuses: the HTTP status, and the OpenAI ``param`` and ``code``."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
 
 
 class Request(BaseModel):
@@ -66,6 +86,47 @@ class Sampling(Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def _sampling_params(
+        self,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        vocab_size: int,
+        *,
+        n: int,
+        logprobs: bool,
+        top_logprobs: int,
+        prompt_logprobs: bool = False,
+    ) -> SamplingParams:
+        """The fields both endpoints share, in the engine's terms (OpenAI's ``top_p = 1`` and
+        vLLM's ``top_k`` of -1 or 0 mean no cut; a negative seed is taken mod 2**64); stop
+        strings are matched by the server, not the engine."""
+        bias = token_biases(self.logit_bias, vocab_size)
+        try:
+            return SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=float(self.temperature),
+                top_p=None if self.top_p == 1.0 else float(self.top_p),
+                top_k=self.top_k if self.top_k not in (None, -1, 0) else None,
+                seed=None if self.seed is None else self.seed % 2**64,
+                stop_ids=tuple(stop_ids),
+                n=n,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                frequency_penalty=float(self.frequency_penalty),
+                presence_penalty=float(self.presence_penalty),
+                logit_bias=bias,
+            )
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e), param=self._field_named(str(e))) from None
+
+    def _field_named(self, message: str) -> str | None:
+        """The request's field a refusal of ``SamplingParams`` is about: its messages begin
+        with the field's name (:mod:`dikkat.validate`), which most fields share with OpenAI's."""
+        first = re.match(r"\w+", message)
+        name = first.group() if first else None
+        return name if name in type(self).model_fields else None
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -79,6 +140,21 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None  # refused unless empty: no dikkat model fills in a middle
+
+    def to_sampling_params(self, stop_ids: Sequence[int], vocab_size: int) -> SamplingParams:
+        """The parameters of every prompt of the request: ``best_of`` choices each (the server
+        keeps the ``n`` best), every token's log-probability when the best are to be chosen,
+        the prompt's with ``echo``."""
+        best_of = self.best_of or self.n
+        return self._sampling_params(
+            self.max_tokens,
+            stop_ids,
+            vocab_size,
+            n=best_of,
+            logprobs=self.logprobs is not None or best_of > self.n,
+            top_logprobs=self.logprobs or 0,
+            prompt_logprobs=self.echo and self.logprobs is not None,
+        )
 
 
 class TextPart(BaseModel):
@@ -136,6 +212,20 @@ class ChatRequest(Sampling):
     prompt_cache_retention: Ignored = None
     moderation: Ignored = None
 
+    def to_sampling_params(
+        self, max_new_tokens: int, stop_ids: Sequence[int], vocab_size: int
+    ) -> SamplingParams:
+        """The parameters of the answer: ``max_new_tokens`` is the client's ``max_tokens`` (or
+        ``max_completion_tokens``), else the context the conversation leaves."""
+        return self._sampling_params(
+            max_new_tokens,
+            stop_ids,
+            vocab_size,
+            n=self.n,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+        )
+
 
 class TokenizeRequest(Request):
     """``POST /tokenize`` (vLLM's): a prompt, or messages in the chat template."""
@@ -158,6 +248,21 @@ def error_body(
 ) -> dict[str, dict[str, Any]]:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def token_biases(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ``{id: bias}``: a key must be
+    the decimal id of a token of the vocabulary (the bias's range is ``SamplingParams``')."""
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdecimal() else None
+        if token is None or token >= vocab_size:
+            raise RequestError(
+                f"logit_bias names {key!r}, not a token id of the vocabulary of {vocab_size}",
+                param="logit_bias",
+            )
+        out[token] = value
+    return out
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -1,5 +1,6 @@
 """What goes into the engine and what comes out: sampling parameters (the one
-:class:`~dikkat.generation.SamplingParams` of every entry point), token events, statistics."""
+:class:`~dikkat.generation.SamplingParams` of every entry point) and what a request must be to
+enter an engine, token events, statistics."""
 
 from __future__ import annotations
 
@@ -125,3 +126,37 @@ def check_prompt(prompt: object, vocab_size: int) -> list[int]:
         if not 0 <= token < vocab_size:
             raise ValueError(f"prompt[{i}] is {token}, outside the vocabulary of {vocab_size}")
     return [int(t) for t in prompt]
+
+
+def check_request(
+    prompt: object,
+    params: object,
+    vocab_size: int,
+    max_len: int,
+    block_size: int,
+    num_blocks: int,
+) -> list[int]:
+    """What :meth:`~dikkat.serving.Engine.submit` takes: ``prompt`` (:func:`check_prompt`) and
+    ``params``, a :class:`SamplingParams` (its own values checked when it was made) that one
+    request of token ids can honour, whose ids are in the vocabulary of ``vocab_size``, and
+    whose whole length fits the model's context ``max_len`` and the engine's pool of
+    ``num_blocks`` blocks of ``block_size`` slots. Returns the prompt as a list of ids; a
+    TypeError or ValueError names what is wrong."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.refuse("the engine", "n", "stop")
+    tokens = check_prompt(prompt, vocab_size)
+    params.check_vocab(vocab_size)
+    n, m = len(tokens), params.max_new_tokens
+    if n + m > max_len:
+        raise ValueError(
+            f"the prompt has {n} tokens and max_new_tokens={m}: {n + m} positions, past the "
+            f"model's context of {max_len}"
+        )
+    need = -(-(n + max(m, 1) - 1) // block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"the prompt ({n} tokens) and max_new_tokens={m} need {need} blocks of {block_size} "
+            f"slots, more than the engine's num_blocks={num_blocks}"
+        )
+    return tokens

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -32,11 +33,12 @@ from dikkat.serving.completions import Completion
 from dikkat.serving.guard import Guard, error_response
 from dikkat.serving.limits import Access, Limits, check_api_key
 from dikkat.serving.metrics import RequestCounter, render
-from dikkat.serving.params import ChatIds, RequestError
+from dikkat.serving.params import ChatIds
 from dikkat.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    RequestError,
     TokenizeRequest,
     error_body,
     validation_message,
@@ -121,13 +123,6 @@ def create_app(
     app = FastAPI(title="dikkat", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runner = runner
     app.state.limits = limits = limits or Limits()  # (uvicorn_settings needs the same)
-    routes = frozenset(
-        ("/health", "/metrics", "/v1/models", COMPLETIONS, CHAT, "/tokenize", "/detokenize")
-    )
-    app.add_middleware(
-        Guard, access=access, limits=limits, api_key=api_key, counter=counter,
-        routes=routes,
-    )  # fmt: skip
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -171,6 +166,11 @@ def create_app(
     async def detokenize_route(request: Request) -> Response:
         return await _answer(request, DetokenizeRequest, lambda body: detokenize(body, served))
 
+    # the routes above, counted by path in /metrics (FastAPI's own /openapi.json is no APIRoute)
+    routes = frozenset(r.path for r in app.routes if isinstance(r, APIRoute))
+    app.add_middleware(
+        Guard, access=access, limits=limits, api_key=api_key, counter=counter, routes=routes
+    )
     return app
 
 

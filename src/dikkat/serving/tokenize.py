@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from dikkat.serving.choices import Served
-from dikkat.serving.params import RequestError, check_ids, check_text, conversation_ids
-from dikkat.serving.protocol import DetokenizeRequest, TokenizeRequest
+from dikkat.serving.params import check_ids, check_text, conversation_ids
+from dikkat.serving.protocol import DetokenizeRequest, RequestError, TokenizeRequest
 
 
 def _check_model(model: str | None, served: Served) -> None:
