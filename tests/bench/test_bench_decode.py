@@ -20,7 +20,7 @@ from dikkat.generation import SamplingParams, generate
 from dikkat.layers.inference import Int8Linear, inference_model
 from dikkat.layers.quantized import w8a8_available
 from dikkat.models import Decoder, DecoderConfig
-from dikkat.pretrained import families
+from dikkat.pretrained.families.llama import FAMILY as LLAMA
 from helpers import run_cli
 
 EOS = 0  # the tokenizer's </s>; a model whose final norm is zero gives every token logit 0,
@@ -49,7 +49,7 @@ def save_hf_folder(model: Decoder, folder: Path) -> Path:
 
     c = model.config
     folder.mkdir(parents=True, exist_ok=True)
-    theirs = {ours: hf for hf, ours in families.hf_names(c).items()}
+    theirs = {ours: hf for hf, ours in LLAMA.tensors.hf(c).items()}
     state = model.state_dict()
     save_file({theirs[k]: state[k].contiguous() for k in theirs}, str(folder / "model.safetensors"))
     config = {

@@ -21,14 +21,16 @@ from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import valid_positions
 from dikkat.layers.quantized import WeightFormat
+from dikkat.models.holding import HoldsWeights
 from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
 
 
-class Generates:
+class Generates(HoldsWeights):
     """Mixin for an ``nn.Module`` decoder (``GPT``, ``Decoder``) that meets
     :class:`dikkat.generation.DecoderLM`: it has ``config`` (with ``tie_embeddings``),
-    ``tok_emb`` and :meth:`cache_layout`."""
+    ``tok_emb`` and :meth:`cache_layout`; it takes a file's weights by
+    :meth:`~dikkat.models.holding.HoldsWeights.hold`."""
 
     config: Any
     tok_emb: torch.nn.Embedding

@@ -16,14 +16,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from dikkat.pretrained.gguf_file import GGUFFile, shown
-from dikkat.pretrained.tokenizer import Tokenizer
+from dikkat.pretrained.gguf_file import shown
 
 __all__ = [
     "MAX_SIZE",
     "block_count",
     "check_shape",
-    "gguf_tokenizer",
     "header_float",
     "header_int",
     "vocab_rows",
@@ -113,12 +111,3 @@ def check_shape(
         raise ValueError(
             f"{source}: tensor {shown(name)} is {tuple(found)}, but {why} make it {tuple(want)}"
         )
-
-
-def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
-    """The tokenizer of an open GGUF file; a vocabulary it cannot be built from is refused
-    naming the file (and, from :meth:`Tokenizer.from_gguf_metadata`, the key)."""
-    try:
-        return Tokenizer.from_gguf_metadata(file.metadata)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{file.path}: {e}") from None
