@@ -77,17 +77,24 @@ def block_count(meta: Mapping[str, Any], key: str, names: Any, source: str) -> i
     return n
 
 
-def vocab_rows(meta: Mapping[str, Any], arch: str, shapes: Mapping[str, Any], source: str) -> int:
+def vocab_rows(
+    meta: Mapping[str, Any],
+    arch: str,
+    shapes: Mapping[str, Any],
+    source: str,
+    embedding_name: str = "token_embd.weight",
+) -> int:
     """The vocabulary size, which the header's ``{arch}.vocab_size`` (where given), the token
-    list and the token embedding's rows must all agree on: a token id is a row."""
-    embedding = shapes.get("token_embd.weight")
+    list and the token embedding's rows (tensor ``embedding_name``) must all agree on: a token
+    id is a row."""
+    embedding = shapes.get(embedding_name)
     if embedding is None or len(embedding) != 2:
-        raise ValueError(f"{source} holds no token_embd.weight matrix")
+        raise ValueError(f"{source} holds no {embedding_name} matrix")
     rows = embedding[0]
     key = f"{arch}.vocab_size"
     if key in meta and header_int(meta, key, source) != rows:
         raise ValueError(
-            f"{source}: {key} = {meta[key]}, but token_embd.weight has {rows} rows, one a token "
+            f"{source}: {key} = {meta[key]}, but {embedding_name} has {rows} rows, one a token "
             "id: the header and the embedding disagree"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -95,7 +102,7 @@ def vocab_rows(meta: Mapping[str, Any], arch: str, shapes: Mapping[str, Any], so
         raise ValueError(f"{source}: the GGUF header holds no tokenizer.ggml.tokens list")
     if len(tokens) != rows:
         raise ValueError(
-            f"{source}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
+            f"{source}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but {embedding_name} "
             f"has {rows} rows, one a token id: the vocabulary and the embedding disagree"
         )
     return rows

@@ -2,6 +2,12 @@
 :class:`~dikkat.models.Decoder` (or, from a GPT-2 GGUF file, a :class:`~dikkat.models.GPT`) with
 its tokenizer and chat template.
 
+One path for every architecture: the family a file is (:mod:`dikkat.pretrained.families`, found
+by its ``general.architecture`` or ``model_type``) gives the config, the tensors' names, their
+fix-ups and the model class; this module checks the names and shapes, reads each tensor once,
+and hands them to the model, which fuses and holds them
+(:meth:`~dikkat.models.holding.HoldsWeights.hold`).
+
 A GGUF file's quantised matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay packed by
 default: each is repacked once, exactly, into :class:`~dikkat.layers.packed.PackedWeight`
 (:mod:`dikkat.pretrained.gguf_packed`) and multiplied as such (:class:`~dikkat.layers.

@@ -85,6 +85,17 @@ class Tensors:
         """HF state-dict name → dikkat name, for every tensor a checkpoint of ``config`` holds."""
         return self._names(config, "hf", self.hf_block)
 
+    def gguf_name(self, ours: str, block: int | None = None, kind: str = "weight") -> str:
+        """The GGUF name of weight (or ``kind="bias"``) ``ours``, in block ``block`` where
+        given: what a config mapping holds the header's sizes to (``("tok_emb")`` →
+        ``"token_embd.weight"``; ``("attn.q_proj", 0)`` → ``"blk.0.attn_q.weight"``)."""
+        rows = self.model if block is None else self.layer
+        row = next((r for r in rows if r.ours == ours), None)
+        if row is None or row.gguf is None:
+            raise KeyError(f"the table stores no GGUF tensor for {ours!r}")
+        at = "" if block is None else self.gguf_block.format(i=block)
+        return f"{at}{row.gguf}.{kind}"
+
     def _names(self, config: Config, fmt: str, block: str) -> dict[str, str]:
         names: dict[str, str] = {}
 

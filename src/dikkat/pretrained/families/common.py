@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dikkat.models.decoder import DecoderConfig, LayerKind
-from dikkat.pretrained.families.base import Config, Weight
+from dikkat.pretrained.families.base import Config, FromGGUF, FromHF, Tensors, Weight
 from dikkat.pretrained.gguf_checks import (
     block_count,
     check_shape,
@@ -30,9 +30,12 @@ __all__ = [
     "MLP",
     "MODEL",
     "all_full",
+    "biases",
     "decoder_config",
     "gguf_fields",
     "hf_fields",
+    "llama_gguf_config",
+    "llama_hf_config",
     "rope_bases",
 ]
 
@@ -80,11 +83,16 @@ LLAMA_NORMS = (
 
 
 def gguf_fields(
-    label: str, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+    label: str,
+    tensors: Tensors,
+    meta: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    source: str,
 ) -> dict[str, Any]:
     """The :class:`DecoderConfig` fields every Llama-derived GGUF header gives (its keys under
-    ``general.architecture``), ``family`` = ``label``. ``shapes`` (the file's tensors, name →
-    torch shape) tell tying, and hold the header's sizes to the tensors they describe
+    ``general.architecture``), ``family`` = ``label``; ``tensors`` is the family's table.
+    ``shapes`` (the file's tensors, name → torch shape) tell tying, and hold the header's sizes
+    to the tensors they describe
     (:mod:`dikkat.pretrained.gguf_checks`): the block count, the vocabulary, the widths and
     head counts of the embedding and of block 0 — which bounds every size the model is built
     with by a tensor the file really holds."""
@@ -103,18 +111,20 @@ def gguf_fields(
     kv = header_int(meta, key("attention.head_count_kv"), source, default=n_heads)
     d_model = header_int(meta, key("embedding_length"), source)
     d_ff = header_int(meta, key("feed_forward_length"), source)
-    vocab = vocab_rows(meta, arch, shapes, source)
+    embedding = tensors.gguf_name("tok_emb")
+    vocab = vocab_rows(meta, arch, shapes, source, embedding)
     head_key = next((k for k in map(key, _HEAD_DIM_KEYS) if meta.get(k)), None)
     head_dim = None if head_key is None else header_int(meta, head_key, source)
     D = head_dim or d_model // n_heads
     width = f"{key('embedding_length')} = {d_model}"
     heads = f"heads of {D} ({head_key or f'{width} / heads'}) and {width}"
     for name, rows, why in (
-        ("token_embd.weight", vocab, f"the vocabulary of {vocab} tokens and {width}"),
-        ("blk.0.attn_q.weight", n_heads * D, f"{key('attention.head_count')} = {n_heads} {heads}"),
-        ("blk.0.attn_k.weight", kv * D, f"{key('attention.head_count_kv')} = {kv} {heads}"),
-        ("blk.0.ffn_up.weight", d_ff, f"{key('feed_forward_length')} = {d_ff} and {width}"),
+        (embedding, vocab, f"the vocabulary of {vocab} tokens and {width}"),
+        ("attn.q_proj", n_heads * D, f"{key('attention.head_count')} = {n_heads} {heads}"),
+        ("attn.k_proj", kv * D, f"{key('attention.head_count_kv')} = {kv} {heads}"),
+        ("mlp.up", d_ff, f"{key('feed_forward_length')} = {d_ff} and {width}"),
     ):
+        name = name if name == embedding else tensors.gguf_name(name, 0)
         check_shape(shapes, name, (rows, d_model), why, source)
     fields: dict[str, Any] = dict(
         family=label,
@@ -127,11 +137,45 @@ def gguf_fields(
         d_ff=d_ff,
         norm_eps=header_float(meta, key("attention.layer_norm_rms_epsilon"), source),
         rope_base=header_float(meta, key("rope.freq_base"), source, default=10000.0),
-        tie_embeddings="output.weight" not in shapes,
+        tie_embeddings=tensors.gguf_name("lm_head") not in shapes,
     )
     if head_dim is not None and head_dim != d_model // n_heads:
         fields["head_dim"] = head_dim
     return fields
+
+
+def biases(tensors: Tensors, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, bool]:
+    """``qkv_bias`` and ``out_bias``: whether block 0 of a GGUF file stores those biases."""
+
+    def stored(ours: str) -> bool:
+        return tensors.gguf_name(ours, 0, "bias") in shapes
+
+    return {"qkv_bias": stored("attn.q_proj"), "out_bias": stored("attn.out_proj")}
+
+
+def llama_gguf_config(label: str, tensors: Tensors) -> FromGGUF:
+    """The GGUF mapping of a Llama-shaped family (``tensors``: its table): :func:`gguf_fields`,
+    with the attention biases that block 0 stores."""
+
+    def config_from_gguf(
+        meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+    ) -> DecoderConfig:
+        fields = gguf_fields(label, tensors, meta, shapes, source)
+        return decoder_config(fields | biases(tensors, shapes), source)
+
+    return config_from_gguf
+
+
+def llama_hf_config(label: str, kinds: KindsRule) -> FromHF:
+    """The ``config.json`` mapping of a Llama-shaped family: :func:`hf_fields`, with biases on
+    the four attention projections where ``attention_bias`` says."""
+
+    def config_from_hf(hf: dict[str, Any], source: str) -> DecoderConfig:
+        bias = bool(hf.get("attention_bias", False))
+        fields = hf_fields(hf, source, label, kinds=kinds)
+        return DecoderConfig(**fields, qkv_bias=bias, out_bias=bias)
+
+    return config_from_hf
 
 
 def decoder_config(fields: dict[str, Any], source: str) -> DecoderConfig:

@@ -39,10 +39,22 @@ PATTERN = 6
 _GEMMA = dict(activation="gelu_tanh", qk_norm=True, sandwich_norm=True, embed_scale=True)
 
 
+# Gemma's "post_attention" norm is after attention, before the residual
+_NORMS = (
+    Weight("attn.q_norm", "attn_q_norm", "self_attn.q_norm"),
+    Weight("attn.k_norm", "attn_k_norm", "self_attn.k_norm"),
+    Weight("attn_norm", "attn_norm", "input_layernorm"),
+    Weight("post_attn_norm", "post_attention_norm", "post_attention_layernorm"),
+    Weight("mlp_norm", "ffn_norm", "pre_feedforward_layernorm"),
+    Weight("post_mlp_norm", "post_ffw_norm", "post_feedforward_layernorm"),
+)
+TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *_NORMS))
+
+
 def config_from_gguf(
     meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
 ) -> DecoderConfig:
-    f = gguf_fields("gemma3", meta, shapes, source)
+    f = gguf_fields("gemma3", TENSORS, meta, shapes, source)
     n_layers, n_heads, d_model = f["n_layers"], f["n_heads"], f["d_model"]
     D = f.get("head_dim") or d_model // n_heads
     # llama.cpp: 1/√(C/H) for the 27B model (query_pre_attn_scalar = C/H), 1/√D else
@@ -86,20 +98,10 @@ def from_hf(name: str, tensor: Tensor, config: DecoderConfig) -> Tensor:
     return tensor
 
 
-# Gemma's "post_attention" norm is after attention, before the residual
-_NORMS = (
-    Weight("attn.q_norm", "attn_q_norm", "self_attn.q_norm"),
-    Weight("attn.k_norm", "attn_k_norm", "self_attn.k_norm"),
-    Weight("attn_norm", "attn_norm", "input_layernorm"),
-    Weight("post_attn_norm", "post_attention_norm", "post_attention_layernorm"),
-    Weight("mlp_norm", "ffn_norm", "pre_feedforward_layernorm"),
-    Weight("post_mlp_norm", "post_ffw_norm", "post_feedforward_layernorm"),
-)
-
 FAMILY = Family(
     name="gemma3",
     model=Decoder,
-    tensors=Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *_NORMS)),
+    tensors=TENSORS,
     gguf_architecture="gemma3",
     hf_model_types=("gemma3_text",),
     hf_refused={"gemma3": "a multimodal Gemma 3: dikkat runs its text model, gemma3_text"},

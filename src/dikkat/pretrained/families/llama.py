@@ -9,9 +9,6 @@ are permuted back (:func:`unpermute_rope_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from torch import Tensor
 
 from dikkat.models.decoder import Decoder, DecoderConfig
@@ -22,28 +19,13 @@ from dikkat.pretrained.families.common import (
     MLP,
     MODEL,
     all_full,
-    decoder_config,
-    gguf_fields,
-    hf_fields,
+    llama_gguf_config,
+    llama_hf_config,
 )
 
 __all__ = ["FAMILY", "LLAMA3_SPLIT", "unpermute_rope_rows"]
 
-
-def config_from_gguf(
-    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
-) -> DecoderConfig:
-    fields = gguf_fields("llama", meta, shapes, source)
-    bias = "blk.0.attn_q.bias" in shapes
-    return decoder_config(
-        fields | {"qkv_bias": bias, "out_bias": "blk.0.attn_output.bias" in shapes}, source
-    )
-
-
-def config_from_hf(hf: dict[str, Any], source: str) -> DecoderConfig:
-    bias = bool(hf.get("attention_bias", False))
-    fields = hf_fields(hf, source, "llama", kinds=all_full)
-    return DecoderConfig(**fields, qkv_bias=bias, out_bias=bias)
+TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS))
 
 
 def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
@@ -86,11 +68,11 @@ _PRE_SPLITS = {
 FAMILY = Family(
     name="llama",
     model=Decoder,
-    tensors=Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS)),
+    tensors=TENSORS,
     gguf_architecture="llama",
     hf_model_types=("llama",),
-    config_from_gguf=config_from_gguf,
-    config_from_hf=config_from_hf,
+    config_from_gguf=llama_gguf_config("llama", TENSORS),
+    config_from_hf=llama_hf_config("llama", all_full),
     gguf_fix=from_gguf,
     pre_splits=_PRE_SPLITS,
 )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dikkat.models.decoder import Decoder, DecoderConfig, LayerKind
+from dikkat.models.decoder import Decoder, LayerKind
 from dikkat.pretrained.families.base import Family, PreSplit, Tensors
-from dikkat.pretrained.families.common import ATTENTION, LLAMA_NORMS, MLP, MODEL, hf_fields
+from dikkat.pretrained.families.common import ATTENTION, LLAMA_NORMS, MLP, MODEL, llama_hf_config
 
 __all__ = ["FAMILY"]
 
@@ -18,12 +18,6 @@ __all__ = ["FAMILY"]
 def _kinds(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
     """Every layer sliding where the config gives a window."""
     return ("full" if hf.get("sliding_window") is None else "sliding",) * n_layers
-
-
-def config_from_hf(hf: dict[str, Any], source: str) -> DecoderConfig:
-    bias = bool(hf.get("attention_bias", False))
-    fields = hf_fields(hf, source, "mistral", kinds=_kinds)
-    return DecoderConfig(**fields, qkv_bias=bias, out_bias=bias)
 
 
 # Tekken's expression (llama.cpp's "tekken", src/llama-vocab.cpp)
@@ -38,6 +32,6 @@ FAMILY = Family(
     model=Decoder,
     tensors=Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS)),
     hf_model_types=("mistral",),
-    config_from_hf=config_from_hf,
+    config_from_hf=llama_hf_config("mistral", _kinds),
     pre_splits={"tekken": PreSplit(TEKKEN_SPLIT)},
 )

@@ -6,7 +6,6 @@ where ``use_sliding_window`` says. Its GGUF files store q and k in RoPE's halves
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from dikkat.models.decoder import Decoder, DecoderConfig, LayerKind
@@ -16,22 +15,14 @@ from dikkat.pretrained.families.common import (
     LLAMA_NORMS,
     MLP,
     MODEL,
-    decoder_config,
-    gguf_fields,
     hf_fields,
+    llama_gguf_config,
 )
 
 __all__ = ["FAMILY"]
 
 
-def config_from_gguf(
-    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
-) -> DecoderConfig:
-    fields = gguf_fields("qwen2", meta, shapes, source)
-    bias = "blk.0.attn_q.bias" in shapes
-    return decoder_config(
-        fields | {"qkv_bias": bias, "out_bias": "blk.0.attn_output.bias" in shapes}, source
-    )
+TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS))
 
 
 def _kinds(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
@@ -57,10 +48,10 @@ QWEN2_SPLIT = (
 FAMILY = Family(
     name="qwen2",
     model=Decoder,
-    tensors=Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS)),
+    tensors=TENSORS,
     gguf_architecture="qwen2",
     hf_model_types=("qwen2",),
-    config_from_gguf=config_from_gguf,
+    config_from_gguf=llama_gguf_config("qwen2", TENSORS),
     config_from_hf=config_from_hf,
     pre_splits=dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), PreSplit(QWEN2_SPLIT)),
 )
