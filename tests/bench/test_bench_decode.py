@@ -18,7 +18,7 @@ from dikkat.bench.bandwidth import kv_bytes, mean_kv_bytes, read_bandwidth, weig
 from dikkat.bench.decode import DecodeBenchConfig, _load, random_ids
 from dikkat.generation import SamplingParams, generate
 from dikkat.models import Decoder, DecoderConfig
-from dikkat.pretrained import families
+from dikkat.pretrained.families.llama import FAMILY as LLAMA
 from dikkat.weights import inference_model, w8a8_available
 from dikkat.weights.dense import Int8Linear
 from helpers import run_cli
@@ -49,7 +49,7 @@ def save_hf_folder(model: Decoder, folder: Path) -> Path:
 
     c = model.config
     folder.mkdir(parents=True, exist_ok=True)
-    theirs = {ours: hf for hf, ours in families.hf_names(c).items()}
+    theirs = {ours: hf for hf, ours in LLAMA.tensors.hf(c).items()}
     state = model.state_dict()
     save_file({theirs[k]: state[k].contiguous() for k in theirs}, str(folder / "model.safetensors"))
     config = {

@@ -10,7 +10,7 @@ import torch
 from tiny_hf import WINDOW, save_tiny
 
 import dikkat
-from dikkat.pretrained import families
+from dikkat.pretrained.families.llama import unpermute_rope_rows
 
 pytest.importorskip("transformers")
 
@@ -103,4 +103,4 @@ def test_gguf_rope_rows_are_put_back():
     heads, D = 3, 8
     w = torch.arange(heads * D * 2, dtype=torch.float32).view(heads * D, 2)
     permuted = w.view(heads, 2, D // 2, 2).transpose(1, 2).reshape(heads * D, 2)
-    assert torch.equal(families.unpermute_rope_rows(permuted, heads), w)
+    assert torch.equal(unpermute_rope_rows(permuted, heads), w)

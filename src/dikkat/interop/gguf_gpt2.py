@@ -1,7 +1,8 @@
 """A dikkat :class:`~dikkat.models.GPT` as a GPT-2-architecture GGUF file, laid out as
 llama.cpp's converter writes GPT-2 (``convert_hf_to_gguf.py``, class ``GPT2Model``) and as
-llama.cpp's ``gpt2`` model reads it (``src/models/gpt2.cpp``); and the way back, GGUF tensors →
-GPT's state dict, which :mod:`dikkat.pretrained` uses to read such files.
+llama.cpp's ``gpt2`` model reads it (``src/models/gpt2.cpp``). The name table
+(:data:`GPT2_TENSORS`, :data:`GPT2_BLOCK_TENSORS`) is the one :mod:`dikkat.pretrained` reads
+such files with (``dikkat/pretrained/families/gpt2.py``).
 
 Header: ``general.architecture = "gpt2"``, ``gpt2.context_length``, ``.embedding_length``,
 ``.feed_forward_length``, ``.block_count``, ``.attention.head_count`` (and
@@ -9,9 +10,9 @@ Header: ``general.architecture = "gpt2"``, ``gpt2.context_length``, ``.embedding
 and a ``gpt2`` tokenizer (:mod:`dikkat.interop.gguf_vocab`).
 
 Tensors (gguf-py's table for ``MODEL_ARCH.GPT2``), each ``.weight`` and ``.bias``:
-``token_embd`` and ``position_embd`` (weights only), per block ``blk.N.attn_norm``,
-``blk.N.attn_qkv`` (q, k, v rows stacked: the fused projection llama.cpp splits), ``attn_output``,
-``ffn_norm``, ``ffn_up``, ``ffn_down``, then ``output_norm``; ``output.weight`` only when the
+``token_embd`` and ``position_embd`` (weights only), ``output_norm``, then per block
+``blk.N.attn_norm``, ``blk.N.attn_qkv`` (q, k, v rows stacked: the fused projection llama.cpp
+splits), ``attn_output``, ``ffn_norm``, ``ffn_up``, ``ffn_down``; ``output.weight`` only when the
 output embedding is not tied, since llama.cpp reuses ``token_embd`` when there is none, as in
 the converter's files of Hugging Face's GPT-2. A weight of ``nn.Linear``'s shape (out, in) is
 stored as is: GGUF lists dimensions fastest first, {in, out}, which is what llama.cpp expects.
@@ -24,7 +25,6 @@ difference); a GPT without biases is written with zero biases, which compute the
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,26 +39,37 @@ from dikkat.validate import check_choice
 
 __all__ = [
     "ARCHITECTURE",
+    "GPT2_BLOCK_TENSORS",
+    "GPT2_TENSORS",
+    "NO_BIAS",
     "check_writable",
-    "gguf_names",
-    "gguf_shapes",
     "gguf_tensors",
-    "gpt_state",
     "write_gguf",
 ]
 
 ARCHITECTURE = "gpt2"
 GGUFType = Literal["f32", "f16"]
 
-# GGUF name of a block's tensor → GPT's (attn_qkv is three of GPT's: q_proj, k_proj, v_proj)
-_BLOCK = {
+# A gpt2 file's tensors (gguf-py's table for MODEL_ARCH.GPT2): GGUF name → the GPT module that
+# holds it, outside the blocks and in block N (``blk.N.``); each is a ``.weight``, with a
+# ``.bias`` beside it unless it is in NO_BIAS. ``attn_qkv`` is the fused q/k/v projection's rows
+# [q | k | v], which llama.cpp splits; ``output`` is stored only when the output embedding is
+# not tied.
+GPT2_TENSORS = {
+    "token_embd": "tok_emb",
+    "position_embd": "pos_emb",
+    "output_norm": "norm_f",
+    "output": "lm_head",
+}
+GPT2_BLOCK_TENSORS = {
     "attn_norm": "norm1",
     "attn_output": "attn.out_proj",
     "ffn_norm": "norm2",
     "ffn_up": "mlp.up",
     "ffn_down": "mlp.down",
+    "attn_qkv": "attn.qkv_proj",
 }
-_QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+NO_BIAS = frozenset({"token_embd", "position_embd", "output"})
 
 
 def check_writable(config: GPTConfig) -> None:
@@ -75,88 +86,30 @@ def check_writable(config: GPTConfig) -> None:
         )
 
 
-def gguf_names(config: GPTConfig) -> set[str]:
-    """Every tensor name a ``gpt2`` GGUF file of ``config`` holds."""
-    names = {"token_embd.weight", "position_embd.weight"}
-    names |= {f"output_norm.{p}" for p in ("weight", "bias")}
-    if not config.tie_embeddings:
-        names.add("output.weight")
-    for i in range(config.n_layers):
-        names |= {f"blk.{i}.{t}.{p}" for t in (*_BLOCK, "attn_qkv") for p in ("weight", "bias")}
-    return names
-
-
-def gguf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The torch-order shape of each tensor of :func:`gguf_names` (what a file of ``config``
-    holds; a reader checks a file's tensors against it before reading them)."""
-    C, V, block = config.d_model, config.vocab_size, config.block()
-    qkv = C + 2 * block.kv_heads * (C // config.n_heads)  # q rows, then k's and v's
-    F = block.d_ff or 4 * C
-    rows = {"attn_norm": C, "attn_qkv": qkv, "attn_output": C, "ffn_norm": C, "ffn_up": F,
-            "ffn_down": C}  # fmt: skip
-    columns = {"attn_qkv": C, "attn_output": C, "ffn_up": C, "ffn_down": F}
-    shapes = {"token_embd.weight": (V, C), "position_embd.weight": (config.max_len, C)}
-    shapes |= {"output_norm.weight": (C,), "output_norm.bias": (C,)}
-    if not config.tie_embeddings:
-        shapes["output.weight"] = (V, C)
-    for i in range(config.n_layers):
-        for kind, n in rows.items():
-            weight = (n, columns[kind]) if kind in columns else (n,)
-            shapes |= {f"blk.{i}.{kind}.weight": weight, f"blk.{i}.{kind}.bias": (n,)}
-    return shapes
-
-
 def gguf_tensors(model: GPT) -> dict[str, Tensor]:
     """``model``'s weights under their GGUF names, in torch order, fp32 (zeros for the biases of
     a GPT without them)."""
     check_writable(model.config)
-    state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    # the state dict, and the fused q/k/v projections it lists as q_proj, k_proj and v_proj
+    state = {**model.state_dict(), **dict(model.named_parameters())}
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
 
-    def with_bias(ours: str) -> tuple[Tensor, Tensor]:
+    def add(theirs: str, ours: str) -> None:
+        if theirs.rpartition(".")[2] in NO_BIAS:
+            out[f"{theirs}.weight"] = state[f"{ours}.weight"]
+            return
         w = state[f"{ours}.weight"]
-        return w, state.get(f"{ours}.bias", torch.zeros(w.shape[0]))
+        out[f"{theirs}.weight"] = w
+        out[f"{theirs}.bias"] = state.get(f"{ours}.bias", torch.zeros(w.shape[0]))
 
-    out = {"token_embd.weight": state["tok_emb.weight"]}
-    out["position_embd.weight"] = state["pos_emb.weight"]
-    out["output_norm.weight"], out["output_norm.bias"] = with_bias("norm_f")
-    if not model.config.tie_embeddings:
-        out["output.weight"] = state["lm_head.weight"]
+    out: dict[str, Tensor] = {}
+    for theirs, ours in GPT2_TENSORS.items():
+        if theirs != "output" or not model.config.tie_embeddings:
+            add(theirs, ours)
     for i in range(model.config.n_layers):
-        for theirs, ours in _BLOCK.items():
-            out[f"blk.{i}.{theirs}.weight"], out[f"blk.{i}.{theirs}.bias"] = with_bias(
-                f"blocks.{i}.{ours}"
-            )
-        parts = [with_bias(f"blocks.{i}.{ours}") for ours in _QKV]  # rows [q | k | v]
-        out[f"blk.{i}.attn_qkv.weight"] = torch.cat([w for w, _ in parts])
-        out[f"blk.{i}.attn_qkv.bias"] = torch.cat([b for _, b in parts])
+        for theirs, ours in GPT2_BLOCK_TENSORS.items():
+            add(f"blk.{i}.{theirs}", f"blocks.{i}.{ours}")
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def gpt_state(tensors: Mapping[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
-    """GGUF-named tensors (all of :func:`gguf_names`) → GPT's state dict (the inverse of
-    :func:`gguf_tensors`); the fused ``attn_qkv`` is cut into q, k and v rows."""
-    block = config.block()
-    head_dim = config.d_model // config.n_heads
-    sizes = [config.n_heads * head_dim, block.kv_heads * head_dim, block.kv_heads * head_dim]
-    state = {"tok_emb.weight": tensors["token_embd.weight"]}
-    state["pos_emb.weight"] = tensors["position_embd.weight"]
-    state |= {f"norm_f.{p}": tensors[f"output_norm.{p}"] for p in ("weight", "bias")}
-    if not config.tie_embeddings:
-        state["lm_head.weight"] = tensors["output.weight"]
-    for i in range(config.n_layers):
-        for theirs, ours in _BLOCK.items():
-            for p in ("weight", "bias"):
-                state[f"blocks.{i}.{ours}.{p}"] = tensors[f"blk.{i}.{theirs}.{p}"]
-        for p in ("weight", "bias"):
-            fused = tensors[f"blk.{i}.attn_qkv.{p}"]
-            if fused.shape[0] != sum(sizes):
-                raise ValueError(
-                    f"blk.{i}.attn_qkv.{p} has {fused.shape[0]} rows; {config.n_heads} query and "
-                    f"{block.kv_heads} key/value heads of {head_dim} need {sum(sizes)}"
-                )
-            for ours, part in zip(_QKV, fused.split(sizes), strict=True):
-                state[f"blocks.{i}.{ours}.{p}"] = part.contiguous()
-    return state
 
 
 def write_gguf(

@@ -262,6 +262,25 @@ class MultiHeadAttention(nn.Module):
             weight = (self.q_proj if name == "x" else self.k_proj).weight
         check_meets(name, t, weight, "MultiHeadAttention")
 
+    def hold_qkv(self, layer: nn.Module) -> None:
+        """Make ``layer`` the fused q/k/v projection, rows [q | k | v] (e.g. a packed layer a
+        loader built from a file's blocks), with ``q_proj``, ``k_proj`` and ``v_proj`` views of
+        its rows, as :meth:`__init__` builds them around a ``Linear``."""
+        if self.qkv_proj is None:
+            raise ValueError("a cross-attention layer (context_dim != d_model) has no fused q/k/v")
+        shape = (getattr(layer, "out_features", None), getattr(layer, "in_features", None))
+        if shape != (sum(self.qkv_sizes), self.d_model):
+            raise ValueError(
+                f"the q/k/v layer must be ({sum(self.qkv_sizes)}, {self.d_model}), got {shape}"
+            )
+        self.qkv_proj = layer  # type: ignore[assignment]
+        q, kv = self.qkv_sizes[0], self.qkv_sizes[1]
+        starts = (0, q, q + kv, q + 2 * kv)
+        self.q_proj, self.k_proj, self.v_proj = (
+            LinearRows(layer, a, b)
+            for a, b in pairwise(starts)  # type: ignore[arg-type]
+        )
+
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
         """A layer with the weights of ``torch.nn.MultiheadAttention`` ``m`` (same outputs).

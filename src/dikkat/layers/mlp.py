@@ -8,7 +8,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from dikkat.layers.inputs import check_meets
-from dikkat.layers.linear import Linear
+from dikkat.layers.linear import Linear, LinearRows
 from dikkat.validate import check_bool, check_choice, check_int
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
@@ -88,3 +88,17 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(self.act(gate) * up)
         return self.down(self.act(self.gate(x)) * self.up(x))
+
+    def hold_gate_up(self, layer: nn.Module) -> None:
+        """Make ``layer`` (gate's rows, then up's: e.g. a packed layer a loader built from a
+        file's blocks) ``gate_up``, which multiplies x once for both, with ``gate`` and ``up``
+        views of its rows."""
+        hidden = self.up.out_features
+        shape = (getattr(layer, "out_features", None), getattr(layer, "in_features", None))
+        if shape != (2 * hidden, self.up.in_features):
+            raise ValueError(
+                f"the gate/up layer must be ({2 * hidden}, {self.up.in_features}), got {shape}"
+            )
+        self.gate_up = layer
+        self.gate = LinearRows(layer, 0, hidden)  # type: ignore[assignment,arg-type]
+        self.up = LinearRows(layer, hidden, 2 * hidden)  # type: ignore[assignment,arg-type]

@@ -19,16 +19,18 @@ from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import KVCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import valid_positions
+from dikkat.models.holding import HoldsWeights
 from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
 from dikkat.weights.formats import WeightFormat
 from dikkat.weights.held import HeldWeight
 
 
-class Generates:
+class Generates(HoldsWeights):
     """Mixin for an ``nn.Module`` decoder (``GPT``, ``Decoder``) that meets
     :class:`dikkat.generation.DecoderLM`: it has ``config`` (with ``tie_embeddings``),
-    ``tok_emb`` and :meth:`cache_layout`."""
+    ``tok_emb`` and :meth:`cache_layout`; it takes a file's weights by
+    :meth:`~dikkat.models.holding.HoldsWeights.hold`."""
 
     config: Any
     tok_emb: torch.nn.Embedding

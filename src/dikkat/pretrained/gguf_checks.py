@@ -16,14 +16,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from dikkat.pretrained.gguf_file import GGUFFile, shown
-from dikkat.pretrained.tokenizer import Tokenizer
+from dikkat.pretrained.gguf_file import shown
 
 __all__ = [
     "MAX_SIZE",
     "block_count",
     "check_shape",
-    "gguf_tokenizer",
     "header_float",
     "header_int",
     "vocab_rows",
@@ -79,17 +77,24 @@ def block_count(meta: Mapping[str, Any], key: str, names: Any, source: str) -> i
     return n
 
 
-def vocab_rows(meta: Mapping[str, Any], arch: str, shapes: Mapping[str, Any], source: str) -> int:
+def vocab_rows(
+    meta: Mapping[str, Any],
+    arch: str,
+    shapes: Mapping[str, Any],
+    source: str,
+    embedding_name: str = "token_embd.weight",
+) -> int:
     """The vocabulary size, which the header's ``{arch}.vocab_size`` (where given), the token
-    list and the token embedding's rows must all agree on: a token id is a row."""
-    embedding = shapes.get("token_embd.weight")
+    list and the token embedding's rows (tensor ``embedding_name``) must all agree on: a token
+    id is a row."""
+    embedding = shapes.get(embedding_name)
     if embedding is None or len(embedding) != 2:
-        raise ValueError(f"{source} holds no token_embd.weight matrix")
+        raise ValueError(f"{source} holds no {embedding_name} matrix")
     rows = embedding[0]
     key = f"{arch}.vocab_size"
     if key in meta and header_int(meta, key, source) != rows:
         raise ValueError(
-            f"{source}: {key} = {meta[key]}, but token_embd.weight has {rows} rows, one a token "
+            f"{source}: {key} = {meta[key]}, but {embedding_name} has {rows} rows, one a token "
             "id: the header and the embedding disagree"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -97,7 +102,7 @@ def vocab_rows(meta: Mapping[str, Any], arch: str, shapes: Mapping[str, Any], so
         raise ValueError(f"{source}: the GGUF header holds no tokenizer.ggml.tokens list")
     if len(tokens) != rows:
         raise ValueError(
-            f"{source}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
+            f"{source}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but {embedding_name} "
             f"has {rows} rows, one a token id: the vocabulary and the embedding disagree"
         )
     return rows
@@ -113,12 +118,3 @@ def check_shape(
         raise ValueError(
             f"{source}: tensor {shown(name)} is {tuple(found)}, but {why} make it {tuple(want)}"
         )
-
-
-def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
-    """The tokenizer of an open GGUF file; a vocabulary it cannot be built from is refused
-    naming the file (and, from :meth:`Tokenizer.from_gguf_metadata`, the key)."""
-    try:
-        return Tokenizer.from_gguf_metadata(file.metadata)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{file.path}: {e}") from None

@@ -4,7 +4,8 @@ wraps it. Two kinds of vocabulary are read:
 
 * ``gpt2`` — byte-level BPE: the tokens and merges as stored, the text first cut into words by
   the pre-tokenizer that ``tokenizer.ggml.pre`` names (the regular expressions llama.cpp uses
-  for each name, ``src/llama-vocab.cpp``; e.g. ``smollm`` splits every digit off before GPT-2's
+  for each name, ``src/llama-vocab.cpp``, which each family declares with its tokenizers:
+  :mod:`dikkat.pretrained.families`; e.g. ``smollm`` splits every digit off before GPT-2's
   expression, as SmolLM2's own ``tokenizer.json`` does).
 * ``llama`` — SentencePiece BPE (Llama 2, Mistral, Gemma): merges are not stored, so they are
   rebuilt from the scores — a pair is merged when both halves and their concatenation are
@@ -31,6 +32,8 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
+from dikkat.pretrained.families import pre_splits
+from dikkat.pretrained.families.base import DIGITS_GPT2_SPLIT, GPT2_SPLIT
 from dikkat.pretrained.gguf_file import shown
 from dikkat.validate import is_int
 
@@ -38,36 +41,6 @@ __all__ = ["gguf_backend"]
 
 # GGUF token types (llama.cpp's llama_token_type)
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
-
-# Pre-tokenizer expressions by tokenizer.ggml.pre (llama.cpp's names and expressions).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2, _DIGITS_GPT2 = "gpt2", "digits+gpt2"  # GPT-2's expression; every digit split off first
-# name → (the expression, or one of the two above; whether a word that is a token is taken whole)
-_PRE: dict[str, tuple[str, bool]] = {
-    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo"), (_GPT2, False)),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-        (_DIGITS_GPT2, False),
-    ),
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), (_LLAMA3_SPLIT, True)
-    ),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), (_LLAMA3_SPLIT, False)),
-    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2_SPLIT, False)),
-    "tekken": (_TEKKEN_SPLIT, False),
-}
 
 
 def gguf_backend(metadata: Mapping[str, Any]) -> tuple[Backend, dict[str, int | None], int]:
@@ -101,10 +74,11 @@ def _gguf_backend(
     kind = metadata.get("tokenizer.ggml.model")
     if kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre", "default")
-        if not isinstance(pre, str) or pre not in _PRE:
+        known = pre_splits()  # each family's (dikkat/pretrained/families/)
+        if not isinstance(pre, str) or pre not in known:
             raise ValueError(
                 f"tokenizer.ggml.pre {shown(pre)} is not a pre-tokenizer dikkat knows; known: "
-                f"{sorted(_PRE)}"
+                f"{sorted(known)}"
             )
         merges = metadata.get("tokenizer.ggml.merges")
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
@@ -112,7 +86,7 @@ def _gguf_backend(
                 "a 'gpt2' (byte-level BPE) vocabulary needs tokenizer.ggml.merges, a list of "
                 "strings"
             )
-        split, whole_words = _PRE[pre]
+        split, whole_words = known[pre].split, known[pre].whole_words
         return _byte_level_bpe(tokens, merges, split, whole_words), whole_words  # Llama 3: BOS
     if kind == "llama":
         scores = metadata.get("tokenizer.ggml.scores")
@@ -149,9 +123,11 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], split: str, whole_word
                     "lacks"
                 ) from None
         raise ValueError(f"tokenizer.ggml.tokens and merges make no BPE: {e}") from None
-    if split in (_GPT2, _DIGITS_GPT2):
+    if split in (GPT2_SPLIT, DIGITS_GPT2_SPLIT):
         words = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        digits = [pre_tokenizers.Digits(individual_digits=True)] if split == _DIGITS_GPT2 else []
+        digits = (
+            [pre_tokenizers.Digits(individual_digits=True)] if split == DIGITS_GPT2_SPLIT else []
+        )
         backend.pre_tokenizer = pre_tokenizers.Sequence([*digits, words])
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence(

@@ -2,14 +2,20 @@
 :class:`~dikkat.models.Decoder` (or, from a GPT-2 GGUF file, a :class:`~dikkat.models.GPT`) with
 its tokenizer and chat template.
 
+One path for every architecture: the family a file is (:mod:`dikkat.pretrained.families`, found
+by its ``general.architecture`` or ``model_type``) gives the config, the tensors' names, their
+fix-ups and the model class; this module checks the names and shapes, reads each tensor once,
+and hands them to the model, which fuses and holds them
+(:meth:`~dikkat.models.holding.HoldsWeights.hold`).
+
 A GGUF file's quantised matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay packed by
-default: each is repacked once, exactly, into :class:`~dikkat.layers.packed.PackedWeight`
-(:mod:`dikkat.pretrained.gguf_packed`) and multiplied as such (:class:`~dikkat.layers.
-packed_layers.PackedLinear`; the token embedding a :class:`~dikkat.layers.packed_layers.
+default: each is repacked once, exactly, into :class:`~dikkat.weights.packed.PackedWeight`
+(:mod:`dikkat.weights.gguf_blocks`) and multiplied as such (:class:`~dikkat.layers.
+packed_layers.PackedLinear`; the token embedding a :class:`~dikkat.weights.packed_layers.
 PackedEmbedding`, shared with a tied output layer), never expanded to fp32. ``weights="fp32"``
 instead dequantises them with the ``gguf`` package, exactly as transformers reads the same file
 (``dtype`` then casts the model: bf16 halves it), and the other formats of
-:func:`dikkat.layers.inference_model` convert that. The model is built on the ``meta`` device and
+:func:`dikkat.weights.inference_model` convert that. The model is built on the ``meta`` device and
 takes the loaded tensors as its parameters (``assign=True``), so its weights are allocated once.
 """
 
@@ -19,28 +25,23 @@ import contextlib
 import ctypes
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from dikkat.layers.linear import LinearRows
-from dikkat.layers.mlp import GatedMLP
-from dikkat.models.decoder import Decoder, DecoderConfig
-from dikkat.models.gpt import GPT
-from dikkat.models.io import load_checked
-from dikkat.pretrained import families
-from dikkat.pretrained.gguf_checks import check_shape, gguf_tokenizer
+from dikkat.models.holding import Stored
+from dikkat.pretrained.families import Family, by_gguf_architecture, by_hf_model_type
+from dikkat.pretrained.gguf_checks import check_shape
 from dikkat.pretrained.gguf_file import GGUFFile
-from dikkat.pretrained.gpt2_gguf import gpt_from_gguf
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.weights.formats import PACKED_KINDS, WeightFormat, check_weights, repack
 from dikkat.weights.inference import inference_model
 from dikkat.weights.packed import PackedWeight
-from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
+from dikkat.weights.packed_layers import PackedLinear
 
 __all__ = ["load"]
 
@@ -64,7 +65,7 @@ def load(
     ``weights`` is the format the linear layers hold: None keeps a GGUF file's quantised
     matrices packed as the file holds them (on the CPU, in fp32 arithmetic; an HF folder's
     weights stay as they are); "fp32" dequantises them; "bf16", "int8", "w8a8", "q8", "q4"
-    convert the fp32 weights (:func:`dikkat.layers.inference_model`).
+    convert the fp32 weights (:func:`dikkat.weights.inference_model`).
 
     Returns a :class:`Pretrained` (``.model``, ``.tokenizer``, ``.generate``, ``.chat``), the
     model in evaluation mode on ``device``, in ``dtype`` (None: fp32).
@@ -83,7 +84,7 @@ def load(
             raise ValueError(
                 f"{found.name} keeps its quantised weights packed, which run on the CPU in "
                 f"fp32: device={str(device)!r}, dtype={dtype} need weights='fp32' (or another "
-                "format of dikkat.layers.inference_model)"
+                "format of dikkat.weights.inference_model)"
             )
         model.eval()
     else:
@@ -102,55 +103,66 @@ def _give_back_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _from_gguf(path: Path, *, packed: bool) -> tuple[Decoder | GPT, Tokenizer, str | None]:
-    file = GGUFFile(path)  # the header's own rules (gguf_file.py)
-    if file.architecture == "gpt2":  # GPT-2's layout, a dikkat GPT (gpt2_gguf.py)
-        model, tokenizer = gpt_from_gguf(file, packed=packed)
-        return model, tokenizer, file.metadata.get("tokenizer.chat_template")
+def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str | None]:
+    """The model, tokenizer and chat template of a GGUF file, of the family its
+    ``general.architecture`` names (:mod:`dikkat.pretrained.families`): the header's sizes are
+    held to the tensors before the model is built (on the meta device), and every tensor is
+    read once and handed to the model (:meth:`~dikkat.models.holding.HoldsWeights.hold`)."""
+    file, source = GGUFFile(path), str(path)  # the header's own rules (gguf_file.py)
+    family = by_gguf_architecture(file.metadata.get("general.architecture"), source)
+    assert family.config_from_gguf is not None  # by_gguf_architecture: only such families
     shapes = {name: info.shape for name, info in file.tensors.items()}
-    config = families.config_from_gguf(file.metadata, shapes, str(path))
-    names = families.gguf_names(config)
-    _check_names(set(file.tensors), set(names), (), str(path))
+    config = family.config_from_gguf(file.metadata, shapes, source)
+    names = family.tensors.gguf(config)
+    _check_names(set(file.tensors), set(names), (), source)
     with torch.device("meta"):  # built once, its weights allocated only as they are loaded
-        model = Decoder(config)
-    own = model.state_dict()  # every tensor's shape, before any is read or repacked
+        model = family.model(config)
+    own = model.weight_shapes()  # every tensor's shape, before any is read or repacked
     for theirs, ours in names.items():
-        check_shape(shapes, theirs, tuple(own[ours].shape), "the header's sizes", str(path))
-    tokenizer = gguf_tokenizer(file)
+        check_shape(shapes, theirs, own[ours], "the header's sizes", source)
+    tokenizer = _tokenizer(file)
 
-    def read(name: str) -> Tensor:
-        return families.from_gguf(name, file.read(name), config)
+    def read(theirs: str, ours: str) -> Stored:
+        info = file.tensors[theirs]
+        if packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
+            return _packed(file, theirs, ours, family, config)
+        return family.gguf_fix(ours, file.read(theirs), config)
 
-    held: dict[str, PackedWeight] = {}
-    if packed:
-        for theirs, ours in names.items():
-            info = file.tensors[theirs]
-            if len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
-                held[ours] = _packed(file, theirs, config)
-    model = _assemble(model, names, read, str(path), held)
+    model.hold({ours: read(theirs, ours) for theirs, ours in names.items()}, source)
     return model, tokenizer, file.metadata.get("tokenizer.chat_template")
 
 
-def _packed(file: GGUFFile, name: str, config: DecoderConfig) -> PackedWeight:
-    """Tensor ``name`` repacked, its rows in dikkat's order (what :func:`families.from_gguf`
-    does to the dequantised tensor, done to the row indices)."""
+def _tokenizer(file: GGUFFile) -> Tokenizer:
+    """The tokenizer of an open GGUF file; a vocabulary it cannot be built from is refused
+    naming the file (and, from :meth:`Tokenizer.from_gguf_metadata`, the key)."""
+    try:
+        return Tokenizer.from_gguf_metadata(file.metadata)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file.path}: {e}") from None
+
+
+def _packed(file: GGUFFile, name: str, ours: str, family: Family, config: Any) -> PackedWeight:
+    """Tensor ``name`` repacked, its rows in dikkat's order (what the family's fix-up does to
+    the dequantised tensor, done to the row indices)."""
     info = file.tensors[name]
     where = f"{file.path}: tensor {name!r}"
     p = repack(file.raw(name), info.kind_name, info.shape, name=where)  # type: ignore[arg-type]
     rows = torch.arange(info.shape[0])
-    order = families.from_gguf(name, rows[:, None], config)[:, 0]
+    order = family.gguf_fix(ours, rows[:, None], config)[:, 0]
     return p if torch.equal(order, rows) else p.take(order)
 
 
-def _from_hf(folder: Path) -> tuple[Decoder, Tokenizer, str | None]:
+def _from_hf(folder: Path) -> tuple[nn.Module, Tokenizer, str | None]:
     from safetensors import safe_open
 
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{folder / 'config.json'} is not readable JSON: {e}") from None
-    config = families.config_from_hf(hf, str(folder))
-    names = families.hf_names(config)
+    family = by_hf_model_type(hf.get("model_type"), str(folder))
+    assert family.config_from_hf is not None  # by_hf_model_type: only such families
+    config = family.config_from_hf(hf, str(folder))
+    names = family.tensors.hf(config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} holds no *.safetensors weights")
@@ -162,13 +174,13 @@ def _from_hf(folder: Path) -> tuple[Decoder, Tokenizer, str | None]:
         where.pop("lm_head.weight", None)  # a tied copy some checkpoints store anyway
     _check_names(set(where), set(names), _HF_IGNORED, str(folder))
 
-    def read(name: str) -> Tensor:
-        with safe_open(str(where[name]), framework="pt") as f:
-            return families.from_hf(name, f.get_tensor(name).float(), config)
+    def read(theirs: str, ours: str) -> Tensor:
+        with safe_open(str(where[theirs]), framework="pt") as f:
+            return family.hf_fix(ours, f.get_tensor(theirs).float(), config)
 
     with torch.device("meta"):
-        model = Decoder(config)
-    model = _assemble(model, names, read, str(folder))
+        model = family.model(config)
+    model.hold({ours: read(theirs, ours) for theirs, ours in names.items()}, str(folder))
     tokenizer, template = Tokenizer.from_hf_folder(folder)
     return model, tokenizer, template
 
@@ -183,65 +195,3 @@ def _check_names(stored: set[str], wanted: set[str], ignored: tuple[str, ...], s
             f"{source} does not hold the tensors its config describes: missing {missing[:4]}"
             f"{' …' * (len(missing) > 4)}, not used by dikkat {extra[:4]}{' …' * (len(extra) > 4)}"
         )
-
-
-def _assemble(
-    model: Decoder,
-    names: dict[str, str],
-    read: Callable[[str], Tensor],
-    source: str,
-    held: dict[str, PackedWeight] | None = None,
-) -> Decoder:
-    """``model`` (built on the meta device) holding the stored tensors (each read once, its
-    memory kept as the parameter); the weights in ``held`` (dikkat name → packed weight) in
-    packed layers instead."""
-    held, config = dict(held or {}), model.config
-    read_here = {ours: theirs for theirs, ours in names.items()}
-    done: set[str] = set()  # dikkat names taken by packed layers
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        parts = [f"blocks.{i}.attn.{n}_proj.weight" for n in "qkv"]
-        if hasattr(attn, "qkv_proj") and all(n in held for n in parts):
-            biases = [n.replace(".weight", ".bias") for n in parts]
-            bias = None
-            if attn.qkv_proj.bias is not None:
-                bias = torch.nn.Parameter(torch.cat([read(read_here[b]) for b in biases]))
-            layer = PackedLinear([held.pop(n) for n in parts], bias, False)
-            attn.qkv_proj = layer
-            for n in "qkv":  # the q/k/v views read their rows of the fused layer
-                object.__setattr__(getattr(attn, f"{n}_proj"), "source", layer)
-            done |= {*parts, *(biases if bias is not None else ())}
-        else:
-            held = {k: v for k, v in held.items() if k not in parts}  # all three or none
-        pair = [f"blocks.{i}.mlp.{n}.weight" for n in ("gate", "up")]
-        if isinstance(block.mlp, GatedMLP) and all(n in held for n in pair):
-            # one product for both (gate's rows, then up's); gate and up become its views
-            layer = PackedLinear([held.pop(n) for n in pair], None, False)
-            hidden = layer.out_features // 2
-            block.mlp.gate_up = layer
-            block.mlp.gate = LinearRows(layer, 0, hidden)  # type: ignore[arg-type]
-            block.mlp.up = LinearRows(layer, hidden, 2 * hidden)  # type: ignore[arg-type]
-            done |= set(pair)
-    for name, p in held.items():
-        _hold(model, name.removesuffix(".weight"), p)
-        done.add(name)
-    if config.tie_embeddings and "tok_emb.weight" in held:
-        model.lm_head = PackedLinear(held["tok_emb.weight"], None, False)  # the same table
-    state = {ours: read(theirs) for theirs, ours in names.items() if ours not in done}
-    load_checked(model, state, source, assign=True)
-    if config.tie_embeddings and "tok_emb.weight" not in held:
-        model.lm_head.weight = model.tok_emb.weight  # assign=True replaced the shared parameter
-    return model
-
-
-def _hold(model: Decoder, path: str, p: PackedWeight) -> None:
-    """Replace the module at ``path`` (a Linear, or the token embedding) by its packed form."""
-    parent_path, _, leaf = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    old = getattr(parent, leaf)
-    packed: torch.nn.Module
-    if isinstance(old, torch.nn.Embedding):
-        packed = PackedEmbedding(p)
-    else:
-        packed = PackedLinear(p, old.bias, False)  # the bias (meta) is loaded with the rest
-    setattr(parent, leaf, packed)

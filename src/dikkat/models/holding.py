@@ -1,0 +1,129 @@
+"""How a decoder takes the weights a file stores: :class:`HoldsWeights`, whose :meth:`~HoldsWeights.
+hold` a loader hands every tensor it read, named as the model names them, and which decides
+what becomes of each — as gpt-fast's ``Attention.load_hook`` joins ``wq``/``wk``/``wv`` into
+``wqkv`` (pytorch-labs/gpt-fast, ``model.py``), not the loader.
+
+What the model knows and the loader does not: q/k/v rows fuse into ``attn.qkv_proj`` (all three
+or none: ``q_proj``/``k_proj``/``v_proj`` are views of its rows) and a gated MLP's gate and up
+into ``mlp.gate_up``; a packed weight (:class:`~dikkat.weights.packed.PackedWeight`, a file's
+quantised blocks) is held by a :class:`~dikkat.weights.packed_layers.PackedLinear` in place of a
+linear layer, or by a :class:`~dikkat.weights.packed_layers.PackedEmbedding` in place of the
+token table (a table that is added, as learned positions, is expanded); a tied output layer is
+the token table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.layers.attention import MultiHeadAttention
+from dikkat.layers.mlp import GatedMLP
+from dikkat.weights.packed import PackedWeight, dequantize
+from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
+from dikkat.models.io import load_checked
+
+__all__ = ["HoldsWeights", "Stored"]
+
+Stored = Tensor | PackedWeight  # a tensor as read, or a matrix's packed blocks
+
+
+class HoldsWeights:
+    """Mixin for a decoder (``nn.Module`` with ``config.tie_embeddings``, ``tok_emb`` and
+    ``lm_head``) built on the meta device, which then takes its weights by :meth:`hold`."""
+
+    config: Any
+    tok_emb: Any
+    lm_head: Any
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every name :meth:`hold` takes → its shape: the state dict's names, and each fused
+        layer's own (``attn.qkv_proj``, which a GPT-2 GGUF file stores whole)."""
+        module: nn.Module = self  # type: ignore[assignment]
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        return shapes | {k: tuple(p.shape) for k, p in module.named_parameters()}
+
+    def hold(self, weights: Mapping[str, Stored], source: str) -> None:
+        """Take ``weights`` (every name of the state dict, untied output layer included, or a
+        fused layer's own name for its parts) as the model's: a tensor becomes the parameter
+        itself (``assign=True``: its memory is kept, not copied), a packed weight the layer
+        that multiplies it. Raises ``ValueError`` naming ``source`` where a name or shape does
+        not fit."""
+        module: nn.Module = self  # type: ignore[assignment]
+        left = dict(weights)
+        for prefix, m in module.named_modules():
+            at = f"{prefix}." if prefix else ""
+            if isinstance(m, MultiHeadAttention) and m.qkv_proj is not None:
+                _hold_qkv(m, at, left)
+            elif isinstance(m, GatedMLP):
+                _hold_gate_up(m, at, left)
+        for name in [n for n, w in left.items() if isinstance(w, PackedWeight)]:
+            layer = self._packed_layer(name, left[name])  # type: ignore[arg-type]
+            if layer is None:  # not multiplied: expanded, as the file's reader would
+                left[name] = dequantize(left[name])  # type: ignore[arg-type]
+                continue
+            parent, _, leaf = name.removesuffix(".weight").rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, leaf, layer)
+            del left[name]
+        packed_table = isinstance(self.tok_emb, PackedEmbedding)
+        if self.config.tie_embeddings and packed_table:
+            self.lm_head = PackedLinear(self.tok_emb.packed, None, False)  # the same table
+        load_checked(module, left, source, assign=True)
+        if self.config.tie_embeddings and not packed_table:
+            self.lm_head.weight = self.tok_emb.weight  # assign=True replaced the shared one
+
+    def _packed_layer(self, name: str, p: PackedWeight) -> nn.Module | None:
+        """The layer that holds ``p`` in place of the module ``name`` is the weight of: a
+        packed linear layer for a linear one (its bias, still to load, kept), the packed table
+        for the token table; None for any other."""
+        module: nn.Module = self  # type: ignore[assignment]
+        path = name.removesuffix(".weight")
+        old = module.get_submodule(path)
+        if path == "tok_emb" and isinstance(old, nn.Embedding):
+            return PackedEmbedding(p)
+        if isinstance(old, nn.Linear):
+            return PackedLinear(p, old.bias, False)  # type: ignore[arg-type]
+        return None
+
+
+def _hold_qkv(attn: MultiHeadAttention, at: str, left: dict[str, Stored]) -> None:
+    """The fused q/k/v projection from its stored rows: given whole (``qkv_proj``), or as q, k
+    and v, packed together when all three are packed (else the packed ones are expanded)."""
+    whole = left.get(f"{at}qkv_proj.weight")
+    if isinstance(whole, PackedWeight):
+        del left[f"{at}qkv_proj.weight"]
+        attn.hold_qkv(PackedLinear(whole, attn.qkv_proj.bias, False))  # type: ignore[union-attr]
+        return
+    if whole is not None:  # a tensor: under the state dict's three names
+        for kind in ("weight", "bias"):
+            fused = left.pop(f"{at}qkv_proj.{kind}", None)
+            if fused is not None:
+                for n, part in zip("qkv", fused.split(attn.qkv_sizes), strict=True):  # type: ignore[union-attr]
+                    left[f"{at}{n}_proj.{kind}"] = part
+        return
+    names = [f"{at}{n}_proj.weight" for n in "qkv"]
+    parts = [left.get(n) for n in names]
+    if not all(isinstance(p, PackedWeight) for p in parts):
+        for n, p in zip(names, parts, strict=True):
+            if isinstance(p, PackedWeight):
+                left[n] = dequantize(p)
+        return
+    for n in names:
+        del left[n]
+    biases = [n.replace(".weight", ".bias") for n in names]
+    if all(b in left for b in biases):  # one bias for the fused rows, loaded with the rest
+        left[f"{at}qkv_proj.bias"] = torch.cat([left.pop(b) for b in biases])  # type: ignore[misc]
+    attn.hold_qkv(PackedLinear(parts, attn.qkv_proj.bias, False))  # type: ignore[arg-type,union-attr]
+
+
+def _hold_gate_up(mlp: GatedMLP, at: str, left: dict[str, Stored]) -> None:
+    """gate and up in one packed layer when both are packed (else each is held alone)."""
+    names = [f"{at}gate.weight", f"{at}up.weight"]
+    parts = [left.get(n) for n in names]
+    if all(isinstance(p, PackedWeight) for p in parts):
+        for n in names:
+            del left[n]
+        mlp.hold_gate_up(PackedLinear(parts, None, False))  # type: ignore[arg-type]
