@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dikkat.core.masks import Mask
-from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
+from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,12 @@ class CacheLayout:
     context: int  # the longest sequence the model's positions allow
     dtype: torch.dtype
     device: torch.device
+    # the keys each layer sees, its own included (a sliding window), None where all; None: all
+    windows: tuple[int | None, ...] | None = None
+
+    def window(self, layer: int) -> int | None:
+        """The keys layer ``layer`` sees (its own included), or None for every one."""
+        return None if self.windows is None else self.windows[layer]
 
 
 class LMConfig(Protocol):
@@ -40,6 +46,21 @@ class LMConfig(Protocol):
 
     @property
     def max_len(self) -> int: ...
+
+
+class StaticDecodeStep(Protocol):
+    """A decode step over a static cache: ``step(tokens, slot)`` feeds ``tokens`` (B,) at cache
+    slot (and position) ``slot`` and returns their logits (B, V)."""
+
+    def __call__(self, tokens: Tensor, slot: int) -> Tensor: ...
+
+
+class PoolDecodeStep(Protocol):
+    """A decode step over pools of slots: ``step(tokens, positions, slots)`` feeds ``tokens``
+    (B,), row b at ``positions[b]``, its keys at pool slots ``slots[b, :]`` (B, S); returns the
+    logits (B, V)."""
+
+    def __call__(self, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor: ...
 
 
 @runtime_checkable
@@ -54,7 +75,12 @@ class DecoderLM(Protocol):
       holds, each layer's keys and values written through ``cache[i].update(offset, k, v)``
       (:class:`~dikkat.layers.kv_cache.SelfAttentionCache`, which the paged cache implements);
       ``valid`` (B, T) marks left padding; ``last_only`` returns the last position's logits
-      alone. Returns logits (B, T or 1, V).
+      alone. Returns logits (B, T or 1, V);
+    - :meth:`static_step`: one-token decode steps over ``cache`` (one :class:`KVCache` per
+      layer, filled by a prefill), every row at one slot, ``compile=True`` through
+      ``torch.compile`` (:func:`~dikkat.generation.generate` with ``compile=True``);
+    - :meth:`pool_step`: one-token decode steps of rows at positions of their own, their keys
+      and values in per-layer pools (N, G, D) of slots (the serving engine's paged cache).
     """
 
     @property
@@ -74,4 +100,29 @@ class DecoderLM(Protocol):
         positions: Tensor | None = None,
         cache: Sequence[KVCache | SelfAttentionCache] | None = None,
         last_only: bool = False,
+    ) -> Tensor: ...
+
+    def static_step(
+        self, cache: Sequence[KVCache], *, compile: bool = False
+    ) -> StaticDecodeStep: ...
+
+    def pool_step(
+        self, keys: Sequence[Tensor], values: Sequence[Tensor], *, compile: bool = False
+    ) -> PoolDecodeStep: ...
+
+
+class LayeredLM(DecoderLM, Protocol):
+    """A :class:`DecoderLM` whose forward past its input checks can be run alone: what a decode
+    step runs, its checks done outside (a compiled region reads no values on the host)."""
+
+    def run(
+        self,
+        ids: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        cache: Sequence[KVCache | SelfAttentionCache | AttendingCache] | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
     ) -> Tensor: ...
