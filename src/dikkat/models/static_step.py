@@ -207,8 +207,8 @@ class StaticStep:
     """Decode steps of ``model`` (a :class:`~dikkat.generation.protocol.LayeredLM`: a Decoder,
     a GPT) over ``cache`` (its :class:`KVCache` list, filled by a prefill up to some slot):
     ``step(tokens, slot)`` feeds ``tokens`` (B,) at ``slot`` (the next free one, or an earlier
-    one to overwrite, as :meth:`KVCache.update` allows) and returns their logits (B, V). Every row sits at the same slot and position (no
-    padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the first step
+    one to overwrite, as :meth:`KVCache.update` allows) and returns their logits (B, V). Every
+    row sits at the same slot and position (no padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the first step
     compiles, in a minute or so, then every later step reuses the graph, and inductor keeps its
     compiled code on disk for the next process). One fp32 row on the CPU attends in dikkat's
     native kernel, which the construction of the first such step on a machine builds (about a
