@@ -204,18 +204,18 @@ def _outside_the_model(guards: Sequence[Any]) -> list[bool]:
 
 
 class StaticStep:
-    """Decode steps of ``model`` (a :class:`~dikkat.generation.protocol.LayeredLM`: a Decoder,
-    a GPT) over ``cache`` (its :class:`KVCache` list, filled by a prefill up to some slot):
+    """Decode steps of ``model`` (a :class:`~dikkat.generation.protocol.LayeredLM`: a Decoder, a
+    GPT) over ``cache`` (its :class:`KVCache` list, filled by a prefill up to some slot):
     ``step(tokens, slot)`` feeds ``tokens`` (B,) at ``slot`` (the next free one, or an earlier
     one to overwrite, as :meth:`KVCache.update` allows) and returns their logits (B, V). Every
-    row sits at the same slot and position (no padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the first step
-    compiles, in a minute or so, then every later step reuses the graph, and inductor keeps its
-    compiled code on disk for the next process). One fp32 row on the CPU attends in dikkat's
-    native kernel, which the construction of the first such step on a machine builds (about a
-    minute, then cached on disk; without a compiler, the masked products serve). The compiled
-    graph is the model's own, and assumes its layers and settings stay as they were (the
-    weights' values may change): a model changed after its first compiled step gets wrong
-    results, not a new graph.
+    row sits at the same slot and position (no padding). ``compile=True`` runs it through
+    ``torch.compile`` (inductor; the first step compiles, in a minute or so, then every later
+    step reuses the graph, and inductor keeps its compiled code on disk for the next process).
+    One fp32 row on the CPU attends in dikkat's native kernel, which the construction of the
+    first such step on a machine builds (about a minute, then cached on disk; without a
+    compiler, the masked products serve). The compiled graph is the model's own, and assumes its
+    layers and settings stay as they were (the weights' values may change): a model changed
+    after its first compiled step gets wrong results, not a new graph.
 
     >>> from dikkat.models import Decoder, DecoderConfig
     >>> model = Decoder(DecoderConfig()).eval()
