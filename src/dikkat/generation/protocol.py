@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from dikkat.core.masks import Mask
 from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
@@ -46,6 +47,27 @@ class LMConfig(Protocol):
 
     @property
     def max_len(self) -> int: ...
+
+
+class ForwardOptions(TypedDict, total=False):
+    """The keywords of a :class:`DecoderLM`'s forward (what each means: its docstring)."""
+
+    valid: Tensor | None  # (B, T), False at padding
+    offset: int  # the cache slot (and default position) of ids[:, 0]
+    positions: Tensor | None  # (T,) or (B, T)
+    cache: Sequence[KVCache | SelfAttentionCache] | None  # one per layer
+    last_only: bool  # the last position's logits alone
+
+
+class RunOptions(TypedDict, total=False):
+    """The keywords of :meth:`LayeredLM.run`: the forward's, checked, without ``valid``; a
+    cache may attend itself, and ``return_hidden`` gives the final hidden states."""
+
+    offset: int
+    positions: Tensor | None
+    cache: Sequence[KVCache | SelfAttentionCache | AttendingCache] | None
+    last_only: bool
+    return_hidden: bool
 
 
 class StaticDecodeStep(Protocol):
@@ -91,15 +113,7 @@ class DecoderLM(Protocol):
     def new_cache(self, batch: int, max_len: int | None = None) -> list[KVCache]: ...
 
     def __call__(
-        self,
-        ids: Tensor,
-        mask: Mask | Tensor | None = None,
-        *,
-        valid: Tensor | None = None,
-        offset: int = 0,
-        positions: Tensor | None = None,
-        cache: Sequence[KVCache | SelfAttentionCache] | None = None,
-        last_only: bool = False,
+        self, ids: Tensor, mask: Mask | Tensor | None = None, **options: Unpack[ForwardOptions]
     ) -> Tensor: ...
 
     def static_step(
@@ -116,13 +130,5 @@ class LayeredLM(DecoderLM, Protocol):
     step runs, its checks done outside (a compiled region reads no values on the host)."""
 
     def run(
-        self,
-        ids: Tensor,
-        mask: Mask | Tensor | None,
-        *,
-        offset: int = 0,
-        positions: Tensor | None = None,
-        cache: Sequence[KVCache | SelfAttentionCache | AttendingCache] | None = None,
-        last_only: bool = False,
-        return_hidden: bool = False,
+        self, ids: Tensor, mask: Mask | Tensor | None, **options: Unpack[RunOptions]
     ) -> Tensor: ...
