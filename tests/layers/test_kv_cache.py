@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dikkat.generation import KVCache
+from dikkat.layers.kv_cache import AttendingCache
 from dikkat.models import GPT, GPTConfig
 
 B, G, S_MAX, D = 2, 3, 10, 4
@@ -219,3 +220,44 @@ def test_cross_attention_keeps_its_keys_in_a_kv_cache_only():
     x, context = torch.randn(1, 3, 8), torch.randn(1, 4, 8)
     with pytest.raises(TypeError, match="cross-attention keeps its keys in a KVCache"):
         mha(x, context, cache=_Recording(KVCache(1, 2, 4, 4)))
+
+
+class _SDPASlots(AttendingCache):
+    """An attending cache as a decode step writes one: a KVCache's buffers, attended by SDPA
+    (grouped heads repeated), the queries at the last filled slots."""
+
+    def __init__(self, cache: KVCache, start: int) -> None:
+        self.cache, self.start, self.calls = cache, start, 0
+
+    def attend(self, q, k, v, scale):
+        self.calls += 1
+        k, v = self.cache.update(self.start, k, v)
+        H, G = q.shape[1], k.shape[1]
+        k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, causal, scale=scale)
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_a_cache_that_attends_itself_gets_the_layers_own_forward(position):
+    """The projections, q/k norms, RoPE and output projection stay the layer's: only the store
+    and the kernel are the cache's (what the compiled decode steps hand in)."""
+    torch.manual_seed(0)
+    V = 50
+    config = GPTConfig(vocab_size=V, max_len=16, d_model=32, n_layers=2, n_heads=4,
+                       n_kv_heads=2, position=position)  # fmt: skip
+    model = GPT(config).eval()
+    ids = torch.randint(0, V, (1, 7))
+    eager, own = model.new_cache(1, 8), model.new_cache(1, 8)
+    with torch.no_grad():
+        want = model(ids[:, :6], cache=eager)
+        want = torch.cat([want, model(ids[:, 6:], offset=6, cache=eager)], 1)
+        slots = [_SDPASlots(c, 0) for c in own]
+        got = model.run(ids[:, :6], None, cache=slots)
+        for s in slots:
+            s.start = 6
+        got = torch.cat([got, model.run(ids[:, 6:], None, offset=6, cache=slots)], 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [s.calls for s in slots] == [2, 2]
+    with pytest.raises(ValueError, match="returns no weights"):
+        model.blocks[0].attn(torch.randn(1, 1, 32), cache=slots[0], return_weights=True)

@@ -263,3 +263,17 @@ def test_loss_with_valid_equals_the_loss_of_each_row_alone(side):
     torch.testing.assert_close(loss, total / int(valid.sum()), rtol=1e-12, atol=1e-12)
     if side == "left":
         assert abs(float(unmasked) - float(loss)) > 1e-3
+
+
+def test_rope_angles_are_computed_once_per_pass(monkeypatch):
+    """Every layer is given the one positions tensor of the pass (:meth:`Generates.forward`),
+    so the shared RoPE computes its table once, not once per layer."""
+    model = GPT(GPTConfig(vocab_size=V, max_len=16, d_model=32, n_layers=3, n_heads=4,
+                          position="rope")).eval()  # fmt: skip
+    rope = model._ropes[0]
+    calls = []
+    computed = rope._angles
+    monkeypatch.setattr(rope, "_angles", lambda *a: calls.append(1) or computed(*a))
+    model(torch.randint(0, V, (1, 5)))
+    model(torch.randint(0, V, (1, 5)))
+    assert len(calls) == 2

@@ -209,8 +209,8 @@ def iter_generate(
     runs on an inference copy of the model made here (:func:`dikkat.weights.inference_model`; a
     copy given is used as it is): the model's own parameters are never changed, and changes to
     them after this call do not reach its tokens. ``compile=True`` decodes with the model's
-    static, ``torch.compile``'d step (``model.static_step``: a :class:`~dikkat.models.Decoder`
-    or GPT, prompts of one length): the first step compiles, the later ones cost what they read.
+    static, ``torch.compile``'d step (``model.static_step``, :class:`DecoderLM`'s; prompts of
+    one length): the first step compiles, the later ones cost what they read.
     The compiled step belongs to the model object it decodes, so a plain model (copied here at
     each call) compiles at each call; pass ``inference_model(model)`` to compile once. The
     arguments are checked here, when it is called, not at the first ``next``.
@@ -236,11 +236,9 @@ def iter_generate(
     cache = model.new_cache(B, T + max_new) if max_new else []
     step: Step = lambda token, i: decode_step(model, token, cache, T + i, full_valid)  # noqa: E731
     if compile:
-        static = getattr(model, "static_step", None)
-        if static is None or full_valid is not None:
-            why = "a model with static_step (a Decoder or GPT)" if static is None else "no padding"
-            raise ValueError(f"compile=True needs {why}: prompts of one length")
-        compiled = static(cache, compile=True) if max_new else None
+        if full_valid is not None:
+            raise ValueError("compile=True needs no padding: prompts of one length")
+        compiled = model.static_step(cache, compile=True) if max_new else None
         step = lambda token, i: compiled(token, T + i)  # noqa: E731
     return sample_loop(lambda: prefill(model, ids, cache, full_valid), step, params)
 

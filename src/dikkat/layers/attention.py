@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from dikkat.core.attention import attention, check_backend_name
 from dikkat.core.masks import Mask
 from dikkat.layers.inputs import check_meets
-from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
+from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear, LinearRows
-from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions
+from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions, rotate_half
 from dikkat.layers.qkv_state import fuse_qkv_state, fused_linear, split_qkv_state
 from dikkat.validate import check_bool, check_float, check_int, check_probability
 
@@ -158,10 +158,15 @@ class MultiHeadAttention(nn.Module):
         *,
         offset: int = 0,
         positions: Tensor | None = None,
-        cache: KVCache | SelfAttentionCache | None = None,
+        cache: KVCache | SelfAttentionCache | AttendingCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x (B, T, C) to itself, or to ``context`` (B, S, Cc) for cross-attention.
+
+        The one forward of a layer's attention: training, the eager decode, the static and the
+        pooled decode steps of :mod:`dikkat.models.static_step` all run it (:meth:`project`,
+        then the cache's attention, then :meth:`merge`); what differs between them is the
+        ``cache``.
 
         Args:
             mask: True = may attend, over the (B, H, T, S) scores. With a cache, key j is cache
@@ -169,7 +174,9 @@ class MultiHeadAttention(nn.Module):
             offset: cache slot (and, unless ``positions`` is given, position) of x's first token.
             positions: explicit positions (T,) or (B, T) of x's tokens, for RoPE.
             cache: self-attention: x's keys/values are written at ``offset`` and all filled slots
-                are attended (any :class:`~dikkat.layers.kv_cache.SelfAttentionCache`).
+                are attended (any :class:`~dikkat.layers.kv_cache.SelfAttentionCache`); or an
+                :class:`~dikkat.layers.kv_cache.AttendingCache`, which stores them and attends
+                itself (``mask`` and ``offset`` unused).
                 Cross-attention: a :class:`KVCache`, filled from ``context`` on first use and
                 reused after, so the source is projected once per generation.
             return_weights: also return the weights (B, H, T, S).
@@ -180,12 +187,17 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
             k, v = self._cross_kv(x, context, cache)  # (B, G, S, D) each
         else:
-            q, k, v = self._project_self(x)  # (B, H, T, D), (B, G, T, D) × 2
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+            pos = None
             if self.rope is not None:
                 pos = resolve_positions(x.shape[1], offset, positions, x.device)
-                q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+            q, k, v = self.project(x, pos)  # (B, H, T, D), (B, G, T, D) × 2
+            if isinstance(cache, AttendingCache):
+                if self.alibi is not None or return_weights:
+                    raise ValueError(
+                        "an AttendingCache attends without ALiBi's bias and returns no weights"
+                    )
+                scale = self.head_dim**-0.5 if self.scale is None else self.scale
+                return self.merge(cache.attend(q, k, v, scale))
             if cache is not None:
                 k, v = cache.update(offset, k, v)  # (B, G, offset + T, D): every filled slot
                 q_offset = offset
@@ -209,12 +221,14 @@ class MultiHeadAttention(nn.Module):
             return_weights=return_weights,
         )
         out, aux = result if isinstance(result, tuple) else (result, None)
-        B, H, T, D = out.shape
-        y = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))  # concat heads, then W_O
+        y = self.merge(out)
         return y if aux is None else (y, aux.weights)
 
-    def _project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values of x: one product with the fused weight, then a split."""
+    def project(self, x: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (B, H, T, D), keys and values (B, G, T, D) of x (B, T, C): one product with
+        the fused weight, split into heads, the q/k norms, then RoPE at ``positions`` (T,) or
+        (B, T) (:meth:`RotaryEmbedding.angles`; needed with RoPE). The one place a layer's
+        self-attention inputs are made."""
         if self.qkv_proj is None:
             raise ValueError(
                 f"this layer projects keys and values from a context of width "
@@ -222,11 +236,21 @@ class MultiHeadAttention(nn.Module):
                 "pass a context (it is cross-attention only)"
             )
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # (B, T, H·D), (B, T, G·D) × 2
-        return (
-            self._heads(q, self.n_heads),
-            self._heads(k, self.n_kv_heads),
-            self._heads(v, self.n_kv_heads),
-        )
+        q, k = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads)
+        v = self._heads(v, self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            if positions is None:
+                raise ValueError("a layer with RoPE needs the positions of x's tokens")
+            cos, sin = self.rope.angles(positions, q.dtype)
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        return q, k, v
+
+    def merge(self, out: Tensor) -> Tensor:
+        """The heads' outputs (B, H, T, D) → (B, T, C): concatenated, then W_O."""
+        B, H, T, D = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))
 
     def _cross_kv(
         self, x: Tensor, context: Tensor, cache: KVCache | SelfAttentionCache | None

@@ -12,6 +12,7 @@ grouped-query attention only G of the H heads are stored, so the cache is H/G ti
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
@@ -31,6 +32,24 @@ class SelfAttentionCache(Protocol):
     """
 
     def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class AttendingCache(ABC):
+    """A layer's keys and values kept where a decode step keeps them, and the kernel that
+    attends to them: handed to a self-attention layer as its ``cache``, it takes the place of
+    the layer's ``cache.update`` and :func:`dikkat.attention` — the projections, q/k norms,
+    RoPE and output projection around it stay the layer's own
+    (:meth:`~dikkat.layers.MultiHeadAttention.forward`). The layer's mask and ``offset`` are
+    not read: which slots a query sees is the cache's to say.
+
+    :mod:`dikkat.models.static_step` keeps two: a static cache written at a position tensor,
+    and pools of slots addressed by a block table.
+    """
+
+    @abstractmethod
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Store the new keys and values k, v (B, G, T, D), then return softmax(q kᵀ · scale) v
+        (B, H, T, D) for the queries q (B, H, T, D) over the slots each row sees."""
 
 
 class KVCache(nn.Module):

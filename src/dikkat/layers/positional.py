@@ -149,37 +149,46 @@ class RotaryEmbedding(nn.Module):
         # tensor (a model that passes it to every layer computes the table once, not per layer)
         self._table: tuple[Tensor, int | None, torch.dtype, Tensor, Tensor] | None = None
 
-    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype."""
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}"
-            )
-        cos, sin = self._cos_sin(positions, x.dtype)
-        return rotate_half(x, cos, sin)
+    def angles(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles at integer ``positions`` (T,) or (B, T), in ``dtype``:
+        (T, D/2), or (B, 1, T, D/2) (the same for every head) — what :func:`rotate_half` turns
+        q and k by. RoPE's one entry: :class:`~dikkat.layers.MultiHeadAttention` asks it once
+        for q and k of every step, eager or compiled.
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin of the angles at ``positions`` (T,) or (B, T), in ``dtype``: (T, D/2) or
-        (B, 1, T, D/2) — computed, not kept, and not checked against ``max_len`` (a compiled
-        decode step calls it; :meth:`rotate` checks and keeps its table)."""
-        inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
-        if positions.dim() == 2:
-            angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin of the angles at ``positions``, in ``dtype``: (T, D/2) or (B, 1, T, D/2).
-        Kept for the same positions tensor, unchanged since (its version counter; an inference
-        tensor has none, so a model calls :meth:`forget` before each pass), and dtype."""
+        The positions are checked against ``max_len`` (read on the host; inside a traced graph
+        a device-side assert, see :func:`dikkat.core.tracing.check_traced`). Eagerly the table
+        is kept for the same positions tensor, unchanged since (its version counter; an
+        inference tensor has none, so a model calls :meth:`forget` before each pass), and
+        dtype: the layers of one pass, given one positions tensor, compute it once. Traced,
+        nothing is kept (a graph holds no state between calls)."""
+        if tracing():
+            _check_max_len(positions, self.max_len, "RotaryEmbedding")
+            return self._angles(positions, dtype)
         version = None if positions.is_inference() else positions._version
         table = self._table
         if table is not None and table[0] is positions and table[1:3] == (version, dtype):
             return table[3], table[4]
         _check_max_len(positions, self.max_len, "RotaryEmbedding")
-        cos, sin = self.cos_sin(positions, dtype)
+        cos, sin = self._angles(positions, dtype)
         self._table = (positions, version, dtype, cos, sin)
         return cos, sin
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (B, H, T, D) at integer positions (T,) or (B, T) → rotated x, same shape and dtype:
+        :func:`rotate_half` by :meth:`angles`."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"RoPE built for head_dim {self.head_dim}, got x of shape {tuple(x.shape)}"
+            )
+        cos, sin = self.angles(positions, x.dtype)
+        return rotate_half(x, cos, sin)
+
+    def _angles(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
+        if positions.dim() == 2:
+            angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forget(self) -> None:
         """Drop the kept table (a new forward pass begins)."""

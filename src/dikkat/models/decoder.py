@@ -32,7 +32,6 @@ order of operations, which the tests compare against.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,11 +41,11 @@ from torch import Tensor, nn
 from dikkat.core.masks import Mask, as_mask, sliding_window
 from dikkat.generation.protocol import CacheLayout
 from dikkat.layers.attention import MultiHeadAttention
-from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
+from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
 from dikkat.layers.norm import RMSNorm
-from dikkat.layers.positional import RotaryEmbedding, resolve_positions
+from dikkat.layers.positional import RotaryEmbedding
 from dikkat.models.generating import Generates
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
@@ -217,7 +216,7 @@ class DecoderBlock(nn.Module):
         *,
         offset: int = 0,
         positions: Tensor | None = None,
-        cache: KVCache | SelfAttentionCache | None = None,
+        cache: KVCache | SelfAttentionCache | AttendingCache | None = None,
     ) -> Tensor:
         """x (B, T, C) → (B, T, C); ``mask`` is this layer's (its window already applied)."""
         a = self.attn(
@@ -225,13 +224,9 @@ class DecoderBlock(nn.Module):
         )
         return self.after_attention(x, a)
 
-    def attention_input(self, x: Tensor) -> Tensor:
-        """What the attention reads of x: its norm."""
-        return self.attn_norm(x)
-
     def after_attention(self, x: Tensor, a: Tensor) -> Tensor:
-        """The rest of the block once its attention gave ``a`` for x: the residuals and the MLP
-        (a static decode step computes the attention its own way, then calls this)."""
+        """The rest of the block once its attention gave ``a`` for x: the residuals and the
+        MLP."""
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         x = x + a
@@ -300,44 +295,26 @@ class Decoder(Generates, SaveLoad, nn.Module):
     def cache_layout(self) -> CacheLayout:
         c = self.config
         w = self.tok_emb.weight
-        return CacheLayout(c.n_layers, c.kv_heads, c.dim, c.max_len, w.dtype, w.device)
+        windows = tuple(block.window for block in self.blocks)
+        return CacheLayout(c.n_layers, c.kv_heads, c.dim, c.max_len, w.dtype, w.device, windows)
 
-    def forward(
-        self,
-        ids: Tensor,
-        mask: Mask | Tensor | None = None,
-        *,
-        valid: Tensor | None = None,
-        offset: int = 0,
-        positions: Tensor | None = None,
-        cache: Sequence[KVCache | SelfAttentionCache] | None = None,
-        last_only: bool = False,
-        return_hidden: bool = False,
-    ) -> Tensor:
-        """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
+    def embed(self, ids: Tensor, offset: int, positions: Tensor) -> Tensor:
+        """ids (B, T) → (B, T, C): the token embeddings (positions enter through RoPE)."""
+        x = self.tok_emb(ids)
+        if self.config.embed_scale:  # Gemma: √C, rounded to the embeddings' dtype as its
+            # reference does
+            x = x * torch.tensor(math.sqrt(self.config.d_model), dtype=x.dtype)
+        return x
 
-        The arguments are :meth:`dikkat.models.GPT.forward`'s: ``mask`` replaces the causal
-        mask (a sliding layer adds its window to whatever mask it is given), ``valid`` (B, T)
-        is False at padding, ``offset``/``positions`` place the tokens, ``cache`` holds one
-        cache per layer, ``last_only`` keeps the last position's logits.
-        """
-        c = self.config
-        given, positions = self.forward_inputs(ids, mask, valid, offset, positions, cache)
-        full = as_mask(given)
-        # one positions tensor for every layer: RoPE computes its table once per pass
-        positions = resolve_positions(ids.shape[1], offset, positions, ids.device)
-        for rope in self._ropes:
-            rope.forget()
-        masks = {None: full}  # window → mask, built once per forward, not once per layer
-        x = self.tok_emb(ids)  # (B, T, C)
-        if c.embed_scale:  # Gemma: √C, rounded to the embeddings' dtype as its reference does
-            x = x * torch.tensor(math.sqrt(c.d_model), dtype=x.dtype)
-        for i, block in enumerate(self.blocks):
+    def layer_masks(self, mask: Mask | Tensor | None) -> list[Mask | Tensor | None]:
+        """Each block's mask: ``mask``, and on a sliding layer ``mask & sliding_window(w)``,
+        each built once per forward, not once per layer (None: a cache that attends itself
+        says which keys a query sees)."""
+        if mask is None:
+            return [None] * len(self.blocks)
+        full = as_mask(mask)
+        masks: dict[int | None, Mask] = {None: full}
+        for block in self.blocks:
             if block.window not in masks:
                 masks[block.window] = full & sliding_window(block.window)
-            layer_cache = None if cache is None else cache[i]
-            x = block(x, masks[block.window], offset=offset, positions=positions, cache=layer_cache)
-        if last_only:
-            x = x[:, -1:]
-        x = self.norm_f(x)
-        return x if return_hidden else self.lm_head(x)  # (B, T, V)
+        return [masks[block.window] for block in self.blocks]

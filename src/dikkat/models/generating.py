@@ -1,5 +1,7 @@
-"""What the decoder-only language models share: their KV caches, a tied output embedding, and
-``model.generate``, their one way into :func:`dikkat.generate`."""
+"""What the decoder-only language models share: their forward (input checks, then embedding,
+blocks, final norm and head, the one loop that the eager pass and the decode steps run), their KV
+caches and decode steps, a tied output embedding, and ``model.generate``, their one way into
+:func:`dikkat.generate`."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from dikkat.core.masks import Mask, as_mask, causal, padding
@@ -16,9 +18,9 @@ from dikkat.generation.generate import Prompts, generate
 from dikkat.generation.protocol import CacheLayout
 from dikkat.generation.sampling import Sampling, SamplingParams
 from dikkat.layers.inputs import check_token_ids, check_valid
-from dikkat.layers.kv_cache import KVCache
+from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import LinearRows
-from dikkat.layers.positional import valid_positions
+from dikkat.layers.positional import RotaryEmbedding, resolve_positions, valid_positions
 from dikkat.models.holding import HoldsWeights
 from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
@@ -28,19 +30,110 @@ from dikkat.weights.held import HeldWeight
 
 class Generates(HoldsWeights):
     """Mixin for an ``nn.Module`` decoder (``GPT``, ``Decoder``) that meets
-    :class:`dikkat.generation.DecoderLM`: it has ``config`` (with ``tie_embeddings``),
-    ``tok_emb`` and :meth:`cache_layout`; it takes a file's weights by
+    :class:`dikkat.generation.DecoderLM`: it has ``config`` (with ``tie_embeddings``,
+    ``vocab_size``), ``tok_emb``, ``blocks`` (each called as ``block(x, mask, offset=…,
+    positions=…, cache=…)``), ``norm_f``, ``lm_head``, its RoPE modules in ``_ropes``, and
+    :meth:`cache_layout` and :meth:`embed`; it takes a file's weights by
     :meth:`~dikkat.models.holding.HoldsWeights.hold`."""
 
     config: Any
-    tok_emb: torch.nn.Embedding
+    tok_emb: nn.Embedding
+    blocks: nn.ModuleList
+    norm_f: nn.Module
+    lm_head: nn.Module
+    _ropes: tuple[RotaryEmbedding, ...]
 
     def cache_layout(self) -> CacheLayout:
         raise NotImplementedError
 
+    def embed(self, ids: Tensor, offset: int, positions: Tensor) -> Tensor:
+        """ids (B, T) at ``positions`` (T,) or (B, T) → the first block's input (B, T, C)."""
+        raise NotImplementedError
+
+    def layer_masks(self, mask: Mask | Tensor | None) -> list[Mask | Tensor | None]:
+        """Each block's mask, from the model's ``mask``: the same for all here."""
+        return [mask] * len(self.blocks)
+
     def is_tied(self, name: str) -> bool:
         """True for a parameter stored under another name (the tied output embedding)."""
         return self.config.tie_embeddings and name == "lm_head.weight"
+
+    def forward(
+        self,
+        ids: Tensor,
+        mask: Mask | Tensor | None = None,
+        *,
+        valid: Tensor | None = None,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        cache: Sequence[KVCache | SelfAttentionCache] | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
+
+        Args:
+            mask: the attention mask, default ``causal()``. A general override, not the padding
+                argument: a given mask replaces the causal one (write ``causal() & …`` to keep
+                it), e.g. ``full()`` to train without it (docs/contract.md §5). A sliding layer
+                adds its window to whatever mask it is given.
+            valid: (B, T) bool, False at padding (HF's ``attention_mask`` as bool), on the left
+                or the right. The pads are hidden as keys: the mask becomes
+                ``mask & padding(valid=valid)`` (``causal() & padding(valid=valid)`` by default),
+                and unless ``positions`` is given each row's positions count from its first real
+                token, so every row computes what it would alone. ``valid`` describes ``ids``
+                only, so it needs ``offset=0``; a decode step after cached pads passes ``mask``
+                and ``positions`` itself (as :func:`dikkat.generation.decode_step` does).
+            offset: cache slot (and default position) of ids[:, 0].
+            positions: explicit positions (T,) or (B, T).
+            cache: per-layer KV caches from :meth:`new_cache`, filled at ``offset``; or any
+                per-layer :class:`~dikkat.layers.kv_cache.SelfAttentionCache` (the paged cache
+                of :class:`dikkat.serving.Engine`).
+            last_only: logits of the last position only, (B, 1, V) (what generation needs).
+            return_hidden: the final hidden states (B, T, C), after the final norm.
+        """
+        mask, positions = self.forward_inputs(ids, mask, valid, offset, positions, cache)
+        # one positions tensor for every layer: RoPE computes its table once per pass
+        positions = resolve_positions(ids.shape[1], offset, positions, ids.device)
+        for rope in self._ropes:
+            rope.forget()
+        return self.run(
+            ids,
+            mask,
+            offset=offset,
+            positions=positions,
+            cache=cache,
+            last_only=last_only,
+            return_hidden=return_hidden,
+        )
+
+    def run(
+        self,
+        ids: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        offset: int = 0,
+        positions: Tensor | None = None,
+        cache: Sequence[KVCache | SelfAttentionCache | AttendingCache] | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """The forward past its input checks: embedding, blocks, final norm and head. The eager
+        pass runs it with :meth:`forward`'s checked arguments; a decode step
+        (:mod:`dikkat.models.static_step`) with a tensor of ``positions`` and a cache that
+        attends itself (:class:`~dikkat.layers.kv_cache.AttendingCache`), its checks done
+        outside its compiled region."""
+        if positions is None:
+            positions = resolve_positions(ids.shape[1], offset, None, ids.device)
+        x = self.embed(ids, offset, positions)  # (B, T, C)
+        masks = self.layer_masks(mask)
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[i]
+            x = block(x, masks[i], offset=offset, positions=positions, cache=layer_cache)
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm_f(x)
+        return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
     def static_step(self, cache: Sequence[KVCache], *, compile: bool = False) -> StaticStep:
         """Decode steps over ``cache`` with static shapes, compiled or not

@@ -10,7 +10,6 @@ which by default is the token embedding itself (tied).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +19,6 @@ from dikkat.core.masks import Mask
 from dikkat.generation.protocol import CacheLayout
 from dikkat.layers.block import Block, BlockConfig
 from dikkat.layers.inputs import check_token_ids
-from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import Activation
@@ -120,6 +118,7 @@ class GPT(Generates, SaveLoad, nn.Module):
         )
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c.block(), rope=rope) for _ in range(c.n_layers))
+        self._ropes = () if rope is None else (rope,)  # shared by the blocks
         self.norm_f = LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)
         self.apply(init_normal_)
@@ -136,56 +135,15 @@ class GPT(Generates, SaveLoad, nn.Module):
         kv_heads, head_dim = c.block().kv_heads, c.d_model // c.n_heads
         return CacheLayout(c.n_layers, kv_heads, head_dim, c.max_len, w.dtype, w.device)
 
-    def forward(
-        self,
-        ids: Tensor,
-        mask: Mask | Tensor | None = None,
-        *,
-        valid: Tensor | None = None,
-        offset: int = 0,
-        positions: Tensor | None = None,
-        cache: Sequence[KVCache | SelfAttentionCache] | None = None,
-        last_only: bool = False,
-        return_hidden: bool = False,
-    ) -> Tensor:
-        """ids (B, T) → logits (B, T, V) (or the final hidden states (B, T, C)).
-
-        Args:
-            mask: the attention mask, default ``causal()``. A general override, not the padding
-                argument: a given mask replaces the causal one (write ``causal() & …`` to keep
-                it), e.g. ``full()`` to train without it (docs/contract.md §5).
-            valid: (B, T) bool, False at padding (HF's ``attention_mask`` as bool), on the left
-                or the right. The pads are hidden as keys: the mask becomes
-                ``mask & padding(valid=valid)`` (``causal() & padding(valid=valid)`` by default),
-                and unless ``positions`` is given each row's positions count from its first real
-                token, so every row computes what it would alone. ``valid`` describes ``ids``
-                only, so it needs ``offset=0``; a decode step after cached pads passes ``mask``
-                and ``positions`` itself (as :func:`dikkat.generation.decode_step` does).
-            offset: cache slot (and default position) of ids[:, 0].
-            positions: explicit positions (T,) or (B, T).
-            cache: per-layer KV caches from :meth:`new_cache`, filled at ``offset``; or any
-                per-layer :class:`~dikkat.layers.kv_cache.SelfAttentionCache` (the paged cache
-                of :class:`dikkat.serving.Engine`).
-            last_only: logits of the last position only, (B, 1, V) (what generation needs).
-        """
-        mask, positions = self.forward_inputs(ids, mask, valid, offset, positions, cache)
-        x = self.tok_emb(ids)  # (B, T, C)
+    def embed(self, ids: Tensor, offset: int, positions: Tensor) -> Tensor:
+        """ids (B, T) → (B, T, C): token embeddings, plus learned positions' where the model
+        has them (dropped out in training)."""
+        x = self.tok_emb(ids)
         if self.pos_emb is not None:
             x = self.pos_emb(x, offset, positions)
         if self.training and self.drop.p > 0:  # the identity otherwise: one call less per token
             x = self.drop(x)
-        for i, block in enumerate(self.blocks):
-            x = block(
-                x,
-                mask,
-                offset=offset,
-                positions=positions,
-                cache=None if cache is None else cache[i],
-            )
-        if last_only:
-            x = x[:, -1:]
-        x = self.norm_f(x)
-        return x if return_hidden else self.lm_head(x)  # (B, T, V)
+        return x
 
     def loss(
         self,

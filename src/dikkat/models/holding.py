@@ -22,9 +22,9 @@ from torch import Tensor, nn
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.mlp import GatedMLP
+from dikkat.models.io import load_checked
 from dikkat.weights.packed import PackedWeight, dequantize
 from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
-from dikkat.models.io import load_checked
 
 __all__ = ["HoldsWeights", "Stored"]
 

@@ -1,6 +1,6 @@
-"""One decode step of a :class:`~dikkat.models.Decoder` or a :class:`~dikkat.models.GPT` over a
-static KV cache, so that every step has the same shapes and one ``torch.compile``'d graph serves
-them all.
+"""One decode step of a decoder (:class:`~dikkat.generation.protocol.LayeredLM`: a
+:class:`~dikkat.models.Decoder`, a :class:`~dikkat.models.GPT`) over a static KV cache, so that
+every step has the same shapes and one ``torch.compile``'d graph serves them all.
 
 The eager step (:func:`dikkat.generation.decode_step`) attends to the cache's filled slots: a key
 tensor one slot longer at every step, a position held in a Python int, and the checks of each
@@ -18,129 +18,135 @@ and values at any slots of per-layer pools (a paged cache, as the serving engine
 each row's position is its own in the RoPE angles and the masks, and the attention runs in a
 native kernel over the rows' slots where one is built.
 
-Both use the model's own modules (embeddings, norms, projections, MLPs — packed or not, and
-each block's ``attention_input`` and ``after_attention``) and the same RoPE angles
-(:meth:`~dikkat.layers.RotaryEmbedding.cos_sin`); what they leave out are the eager path's input
-checks, which :class:`StaticStep` and :class:`PoolStep` do outside the compiled region.
+Both run the model's own forward past its input checks (``model.run``: embedding, blocks, each
+layer's :meth:`~dikkat.layers.MultiHeadAttention.forward`, final norm and head), with a cache per
+layer that stores and attends its own way (:class:`~dikkat.layers.kv_cache.AttendingCache`):
+:class:`StaticSlots` and :class:`PooledSlots` here are all that differs from the eager forward.
+The input checks run in :class:`StaticStep` and :class:`PoolStep`, outside the compiled region.
 """
 
 from __future__ import annotations
 
-import math
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 
+from dikkat.generation.protocol import LayeredLM
 from dikkat.kernels import paged_attention_op
-from dikkat.layers.kv_cache import KVCache
-from dikkat.layers.positional import rotate_half
+from dikkat.layers.kv_cache import AttendingCache, KVCache
 
-if TYPE_CHECKING:
-    from dikkat.models.decoder import Decoder
-    from dikkat.models.gpt import GPT
+__all__ = ["PoolStep", "PooledSlots", "StaticSlots", "StaticStep"]
 
-__all__ = ["PoolStep", "StaticStep"]
+Masks = dict[int | None, Tensor]  # window → the slots kept, shared by a step's layers
 
 
-def _step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
-          pos: Tensor) -> Tensor:  # fmt: skip
+class StaticSlots(AttendingCache):
+    """One layer's static cache ``keys``/``values`` (B, G, S, D) in a decode step at slot and
+    position ``where`` (1,) (``slots``: 0 … S − 1): the new key and value are written there,
+    and the query attends to slots 0 … where (the last ``window`` of them in a sliding layer):
+    in the native kernel (``native``, for one fp32 row on the CPU), or by :func:`_attend` over
+    every slot, masked.
+    ``masks`` is shared by the layers of one step, so that each window's mask is built once."""
+
+    def __init__(self, keys: Tensor, values: Tensor, slots: Tensor, where: Tensor,
+                 window: int | None, native: Callable[..., Tensor] | None,
+                 masks: Masks) -> None:  # fmt: skip
+        self.keys, self.values, self.slots, self.where = keys, values, slots, where
+        self.window, self.native, self.masks = window, native, masks
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        keys, values, slots, where, window = (
+            self.keys, self.values, self.slots, self.where, self.window
+        )  # fmt: skip
+        keys.index_copy_(2, where, k)
+        values.index_copy_(2, where, v)
+        if self.native is not None:  # one row's cache (1, G, S, D) is a pool of S slots
+            pool_k, pool_v = keys[0].transpose(0, 1), values[0].transpose(0, 1)
+            out = self.native(q[:, :, 0], pool_k, pool_v, slots.view(1, -1), where, window or 0,
+                              scale)  # fmt: skip
+            return out[:, :, None]
+        if window not in self.masks:  # (1, 1, 1, S): over (B, H, 1, S) scores
+            kept = slots <= where
+            kept = kept if window is None else kept & (slots > where - window)
+            self.masks[window] = kept.view(1, 1, 1, -1)
+        return _attend(q, keys, values, self.masks[window], scale)
+
+
+class PooledSlots(AttendingCache):
+    """One layer's pools ``keys``/``values`` (N, G, D) in a decode step of rows at positions
+    ``where`` (B, 1) of their own, row b's token j at pool slot ``slots[b, j]`` (B, S): the new
+    keys and values go to ``write`` (B,) (``slots[b, where[b]]``), and row b attends to its
+    columns 0 … where[b] (the last ``window`` of them in a sliding layer) — in the native
+    kernel where built, else by :func:`_attend` over the gathered slots, masked."""
+
+    def __init__(self, keys: Tensor, values: Tensor, slots: Tensor, where: Tensor, write: Tensor,
+                 window: int | None, native: Callable[..., Tensor] | None,
+                 masks: Masks) -> None:  # fmt: skip
+        self.keys, self.values, self.slots, self.where = keys, values, slots, where
+        self.write, self.window, self.native, self.masks = write, window, native, masks
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        keys, values, slots, where, window = (
+            self.keys, self.values, self.slots, self.where, self.window
+        )  # fmt: skip
+        keys.index_copy_(0, self.write, k[:, :, 0])  # k, v (B, G, 1, D)
+        values.index_copy_(0, self.write, v[:, :, 0])
+        if self.native is not None:
+            out = self.native(q[:, :, 0], keys, values, slots, where.view(-1), window or 0, scale)
+            return out[:, :, None]
+        if window not in self.masks:  # (B, 1, 1, S)
+            B, S = slots.shape
+            columns = torch.arange(S, device=slots.device)
+            kept = columns <= where
+            kept = kept if window is None else kept & (columns > where - window)
+            self.masks[window] = kept.view(B, 1, 1, S)
+        k_all, v_all = keys[slots].transpose(1, 2), values[slots].transpose(1, 2)
+        return _attend(q, k_all, v_all, self.masks[window], scale)  # (B, G, S, D) gathered
+
+
+def _step(model: LayeredLM, windows: tuple[int | None, ...], keys: list[Tensor],
+          values: list[Tensor], tokens: Tensor, pos: Tensor) -> Tensor:  # fmt: skip
     """Logits (B, V) of ``tokens`` (B,) at slot and position ``pos`` (a 0-d long tensor); the
-    caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``."""
+    caches ``keys``/``values`` (B, G, S, D) get the new keys and values at ``pos``; layer i
+    sees the last ``windows[i]`` keys (None: all)."""
     where = pos.view(1)
     slots = torch.arange(keys[0].shape[2], device=tokens.device)
     native = paged_attention_op() if _one_cpu_row(keys[0]) else None
-    masks: dict[int | None, Tensor] = {}
-
-    def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
-        keys[i].index_copy_(2, where, k)
-        values[i].index_copy_(2, where, v)
-        if native is not None:  # one row's cache (1, G, S, D) is a pool of S slots, read to pos
-            pool_k, pool_v = keys[i][0].transpose(0, 1), values[i][0].transpose(0, 1)
-            out = native(q[:, :, 0], pool_k, pool_v, slots.view(1, -1), where, window or 0, scale)
-            return out[:, :, None]
-        if window not in masks:  # (1, 1, 1, S): over (B, H, 1, S) scores
-            kept = slots <= pos
-            kept = kept if window is None else kept & (slots > pos - window)
-            masks[window] = kept.view(1, 1, 1, -1)
-        return _attend(q, keys[i], values[i], masks[window], scale)
-
-    return _layers(model, tokens, where, attend)
+    masks: Masks = {}
+    cache = [
+        StaticSlots(k, v, slots, where, window, native, masks)
+        for k, v, window in zip(keys, values, windows, strict=True)
+    ]
+    return model.run(tokens[:, None], None, positions=where, cache=cache)[:, 0]  # (B, V)
 
 
-def _pool_step(model: Decoder | GPT, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
-               positions: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+def _pool_step(model: LayeredLM, windows: tuple[int | None, ...], keys: list[Tensor],
+               values: list[Tensor], tokens: Tensor, positions: Tensor,
+               slots: Tensor) -> Tensor:  # fmt: skip
     """Logits (B, V) of ``tokens`` (B,), row b at its own position ``positions[b]``; the pools
     ``keys``/``values`` (N, G, D) hold row b's token j at slot ``slots[b, j]`` (B, S), and get
-    the new keys and values at ``slots[b, positions[b]]``."""
-    B, S = slots.shape
+    the new keys and values at ``slots[b, positions[b]]``; layer i sees the last
+    ``windows[i]`` keys (None: all)."""
+    B = slots.shape[0]
     where = positions.view(B, 1)
     write = slots.gather(1, where).view(B)
     native = paged_attention_op() if keys[0].dtype == torch.float32 and keys[0].is_cpu else None
-    masks: dict[int | None, Tensor] = {}
-
-    def attend(i: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float) -> Tensor:
-        keys[i].index_copy_(0, write, k[:, :, 0])  # k, v (B, G, 1, D)
-        values[i].index_copy_(0, write, v[:, :, 0])
-        if native is not None:
-            out = native(q[:, :, 0], keys[i], values[i], slots, positions, window or 0, scale)
-            return out[:, :, None]
-        if window not in masks:  # (B, 1, 1, S)
-            columns = torch.arange(S, device=tokens.device)
-            kept = columns <= where
-            kept = kept if window is None else kept & (columns > where - window)
-            masks[window] = kept.view(B, 1, 1, S)
-        k_all, v_all = keys[i][slots].transpose(1, 2), values[i][slots].transpose(1, 2)
-        return _attend(q, k_all, v_all, masks[window], scale)  # (B, G, S, D) gathered
-
-    return _layers(model, tokens, where, attend)
+    masks: Masks = {}
+    cache = [
+        PooledSlots(k, v, slots, where, write, window, native, masks)
+        for k, v, window in zip(keys, values, windows, strict=True)
+    ]
+    return model.run(tokens[:, None], None, positions=where, cache=cache)[:, 0]  # (B, V)
 
 
 def _one_cpu_row(keys: Tensor) -> bool:
     """Whether a static cache (B, G, S, D) is one fp32 row on the CPU: the native kernel's case."""
     return keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.is_cpu
-
-
-Attend = Callable[[int, Tensor, Tensor, Tensor, int | None, float], Tensor]
-
-
-def _layers(model: Decoder | GPT, tokens: Tensor, where: Tensor, attend: Attend) -> Tensor:
-    """The decode step's forward: ``tokens`` (B,) at positions ``where`` ((1,) for every row,
-    or (B, 1)); ``attend(i, q, k, v, window, scale)`` stores layer i's new keys and values
-    (B, G, 1, D) and attends with the queries (B, H, 1, D), giving (B, H, 1, D). Returns the
-    logits (B, V)."""
-    c = model.config
-    B = tokens.shape[0]
-    x = model.tok_emb(tokens[:, None])  # (B, 1, C)
-    if getattr(c, "embed_scale", False):
-        x = x * torch.tensor(math.sqrt(c.d_model), dtype=x.dtype)
-    learned = getattr(model, "pos_emb", None)
-    if learned is not None:
-        x = x + learned.weight[where].to(x.dtype).view(-1, 1, x.shape[-1])
-    tables: dict[int, tuple[Tensor, Tensor]] = {}
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        H, G, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        q, k, v = attn.qkv_proj(block.attention_input(x)).split(attn.qkv_sizes, dim=-1)
-        q = q.view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
-        k = k.view(B, 1, G, D).transpose(1, 2)  # (B, G, 1, D)
-        v = v.view(B, 1, G, D).transpose(1, 2)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        rope = attn.rope
-        if rope is not None:
-            if id(rope) not in tables:  # (1, D/2), or (B, 1, 1, D/2) for positions (B, 1)
-                tables[id(rope)] = rope.cos_sin(where, x.dtype)
-            cos, sin = tables[id(rope)]
-            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        scale = attn.scale if attn.scale is not None else D**-0.5
-        out = attend(i, q, k, v, getattr(block, "window", None), scale)  # (B, H, 1, D)
-        x = block.after_attention(x, attn.out_proj(out.transpose(1, 2).reshape(B, 1, H * D)))
-    return model.lm_head(model.norm_f(x))[:, 0]  # (B, V)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -198,18 +204,18 @@ def _outside_the_model(guards: Sequence[Any]) -> list[bool]:
 
 
 class StaticStep:
-    """Decode steps of ``model`` (a Decoder, or a GPT) over ``cache`` (its :class:`KVCache`
-    list, filled by a prefill up to some slot): ``step(tokens, slot)`` feeds ``tokens`` (B,) at
-    ``slot`` (the next free one, or an earlier one to overwrite, as :meth:`KVCache.update`
-    allows) and returns their logits (B, V). Every row sits at the same slot and position (no
-    padding). ``compile=True`` runs it through ``torch.compile`` (inductor; the first step
-    compiles, in a minute or so, then every later step reuses the graph, and inductor keeps its
-    compiled code on disk for the next process). One fp32 row on the CPU attends in dikkat's
-    native kernel, which the construction of the first such step on a machine builds (about a
-    minute, then cached on disk; without a compiler, the masked products serve). The compiled
-    graph is the model's own, and assumes its layers and settings stay as they were (the
-    weights' values may change): a model changed after its first compiled step gets wrong
-    results, not a new graph.
+    """Decode steps of ``model`` (a :class:`~dikkat.generation.protocol.LayeredLM`: a Decoder, a
+    GPT) over ``cache`` (its :class:`KVCache` list, filled by a prefill up to some slot):
+    ``step(tokens, slot)`` feeds ``tokens`` (B,) at ``slot`` (the next free one, or an earlier
+    one to overwrite, as :meth:`KVCache.update` allows) and returns their logits (B, V). Every
+    row sits at the same slot and position (no padding). ``compile=True`` runs it through
+    ``torch.compile`` (inductor; the first step compiles, in a minute or so, then every later
+    step reuses the graph, and inductor keeps its compiled code on disk for the next process).
+    One fp32 row on the CPU attends in dikkat's native kernel, which the construction of the
+    first such step on a machine builds (about a minute, then cached on disk; without a
+    compiler, the masked products serve). The compiled graph is the model's own, and assumes its
+    layers and settings stay as they were (the weights' values may change): a model changed
+    after its first compiled step gets wrong results, not a new graph.
 
     >>> from dikkat.models import Decoder, DecoderConfig
     >>> model = Decoder(DecoderConfig()).eval()
@@ -220,10 +226,12 @@ class StaticStep:
     """
 
     def __init__(
-        self, model: Decoder | GPT, cache: Sequence[KVCache], *, compile: bool = False
+        self, model: LayeredLM, cache: Sequence[KVCache], *, compile: bool = False
     ) -> None:
-        if len(cache) != len(model.blocks) or not all(isinstance(c, KVCache) for c in cache):
-            raise TypeError(f"cache must hold one KVCache per layer ({len(model.blocks)})")
+        layout = model.cache_layout()
+        if len(cache) != layout.n_layers or not all(isinstance(c, KVCache) for c in cache):
+            raise TypeError(f"cache must hold one KVCache per layer ({layout.n_layers})")
+        self._windows = tuple(layout.window(i) for i in range(layout.n_layers))
         self.model, self.cache = model, list(cache)
         self._keys = [c.k for c in self.cache]
         self._values = [c.v for c in self.cache]
@@ -248,20 +256,21 @@ class StaticStep:
                 f"slot {slot} is past the model's context of {self.model.config.max_len}"
             )
         pos = torch.tensor(slot, device=tokens.device)
-        logits = self._fn(self.model, self._keys, self._values, tokens, pos)
+        logits = self._fn(self.model, self._windows, self._keys, self._values, tokens, pos)
         for c in self.cache:
             c.length = slot + 1
         return logits
 
 
 class PoolStep:
-    """Decode steps of ``model`` (a Decoder, or a GPT) for rows at positions of their own, their
-    keys and values in pools of slots (a paged cache): ``keys[i]``/``values[i]`` (N, G, D) hold
-    layer i's. ``step(tokens, positions, slots)`` feeds ``tokens`` (B,), row b at position
-    ``positions[b]``, whose earlier tokens j sit at pool slot ``slots[b, j]`` (B, S; S past
-    every row's position, the later columns ignored); its new keys and values go to slot
-    ``slots[b, positions[b]]``. Returns the logits (B, V). Every entry of ``slots`` must name a
-    slot of the pools, the ignored columns too (a padded block table's block 0 does).
+    """Decode steps of ``model`` (a :class:`~dikkat.generation.protocol.LayeredLM`) for rows at
+    positions of their own, their keys and values in pools of slots (a paged cache):
+    ``keys[i]``/``values[i]`` (N, G, D) hold layer i's. ``step(tokens, positions, slots)``
+    feeds ``tokens`` (B,), row b at position ``positions[b]``, whose earlier tokens j sit at
+    pool slot ``slots[b, j]`` (B, S; S past every row's position, the later columns ignored);
+    its new keys and values go to slot ``slots[b, positions[b]]``. Returns the logits (B, V).
+    Every entry of ``slots`` must name a slot of the pools, the ignored columns too (a padded
+    block table's block 0 does).
 
     ``compile=True`` runs it through ``torch.compile`` with the batch and S symbolic, so that one
     graph serves every step as rows come and go and grow (one more for a batch of one row, which
@@ -279,7 +288,7 @@ class PoolStep:
 
     def __init__(
         self,
-        model: Decoder | GPT,
+        model: LayeredLM,
         keys: Sequence[Tensor],
         values: Sequence[Tensor],
         *,
@@ -298,6 +307,7 @@ class PoolStep:
                     f"{[tuple(p.shape) for p in pools]}"
                 )
         self.model = model
+        self._windows = tuple(layout.window(i) for i in range(layout.n_layers))
         self._keys, self._values = list(keys), list(values)
         paged_attention_op()  # looked up (and built, the first time) outside a compiled region
         self._fn: Callable[..., Tensor] = _compiled(model, _pool_step) if compile else _pool_step
@@ -329,7 +339,9 @@ class PoolStep:
         if int(slots.min()) < 0 or int(slots.max()) >= N:
             raise ValueError(f"slots must lie in 0 … {N - 1}, the pools' slots")
         if not self._compiled:
-            return self._fn(self.model, self._keys, self._values, tokens, positions, slots)
+            return self._fn(
+                self.model, self._windows, self._keys, self._values, tokens, positions, slots
+            )
         # the sizes that vary from step to step are symbolic, not a new graph each; each its own
         # symbol, even where two are equal when traced (dynamo's "duck" sizing would make one of
         # B = S = 2, and the graph would hold for B = S alone)
@@ -339,4 +351,6 @@ class PoolStep:
             for t in (tokens, positions, slots):
                 torch._dynamo.mark_dynamic(t, 0)
         with fx_config.patch(use_duck_shape=False):
-            return self._fn(self.model, self._keys, self._values, tokens, positions, slots)
+            return self._fn(
+                self.model, self._windows, self._keys, self._values, tokens, positions, slots
+            )

@@ -205,7 +205,7 @@ class Pretrained:
         params = dataclasses.replace(
             params, stop=(), stop_ids=(*params.stop_ids, *sorted(self.tokenizer.eos_ids))
         )
-        compile = self.compile_steps and len(prompts) == 1 and hasattr(self.model, "static_step")
+        compile = self.compile_steps and len(prompts) == 1
         return iter_generate(
             self.model, prompts, params, pad_id=pad, weights=weights, compile=compile
         )

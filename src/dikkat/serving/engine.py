@@ -148,14 +148,10 @@ class Engine:
         )
         self._blocks = BlockAllocator(num_blocks)
         self._decode_step = None  # the compiled pool step, with compile=True
-        if compile:
-            make = getattr(snapshot, "pool_step", None)
-            if make is None:
-                raise ValueError(
-                    f"compile=True needs a model with pool_step (a Decoder or GPT), got "
-                    f"{type(model).__name__}"
-                )
-            self._decode_step = make(list(self._pool.k), list(self._pool.v), compile=True)
+        if compile:  # DecoderLM's pool step
+            self._decode_step = self._inference.pool_step(
+                list(self._pool.k), list(self._pool.v), compile=True
+            )
         self._lock = threading.Lock()  # queues, allocator, counters
         self._step_lock = threading.Lock()  # one step at a time
         self._waiting: deque[EngineSequence] = deque()
