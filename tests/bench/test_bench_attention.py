@@ -48,8 +48,10 @@ def test_peak_memory_sees_a_large_allocation_every_time():
         assert peak == pytest.approx(size, rel=0.03)
     # The trap the helper avoids: after a large block is freed, glibc's default would serve these
     # 1 MiB temporaries from heap the process already holds, and the peak would read ≈ 0.
+    # The floor is the point; above it, the process may touch a page or two of its own (a CI run
+    # once read 16 MiB + 1.4 MiB), so the ceiling is loose.
     peak = peak_memory(lambda: [torch.ones(2**18) for _ in range(16)])
-    assert peak == pytest.approx(16 * 2**20, rel=0.05)
+    assert 15 * 2**20 <= peak <= 20 * 2**20
 
 
 def test_quick_run_end_to_end(tmp_path, capsys):
