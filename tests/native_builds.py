@@ -1,5 +1,6 @@
 """dikkat's native kernels built for a CPU without some of this one's features, and run in a
-process of their own: the tests of the plain loops that such CPUs run (tests/kernels/).
+process of their own: the tests of the AVX2 paths and plain loops that such CPUs run
+(tests/kernels/).
 
 Such a build registers the same ops as the library dikkat loads, so it runs where dikkat's own
 is off (``DIKKAT_NATIVE=0``)."""
@@ -16,16 +17,22 @@ import pytest
 
 from dikkat import kernels
 
+# The CPUs with less than the one the suite runs on, as compiler flags: AVX2 with FMA and F16C
+# (x86's common ground since 2013: the kernels' second path), and no vector extension at all (the
+# plain loops, which other CPUs compile as they can).
+LESSER = {"avx2": ("-mno-avx512f",), "plain": ("-mno-avx512f", "-mno-avx2")}
 
-def portable_build(folder: Path, sources: list[Path], without: str) -> Path:
-    """``sources`` compiled as dikkat builds them, less the feature ``without`` names (a
-    compiler flag: ``-mno-avx512f``), into ``folder``; skips where there is no compiler."""
+
+def portable_build(folder: Path, sources: list[Path], without: tuple[str, ...]) -> Path:
+    """``sources`` compiled as dikkat builds them, less the features ``without`` names
+    (compiler flags: ``-mno-avx512f``), into ``folder``; skips where there is no compiler."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("no C++ compiler")
     out = folder / "portable.so"
     command = kernels._command(compiler, sources, out)
-    command.insert(command.index("-march=native") + 1, without)
+    at = command.index("-march=native") + 1
+    command[at:at] = without
     built = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
     return out

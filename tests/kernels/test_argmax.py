@@ -12,7 +12,7 @@ import torch
 
 from dikkat import kernels as native
 from dikkat.generation.sampling import largest
-from native_builds import portable_build, run_with
+from native_builds import LESSER, portable_build, run_with
 
 
 @pytest.fixture
@@ -81,8 +81,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_portable_loop_gives_the_same_picks(tmp_path: Path):
-    """The build for a CPU without AVX-512 (``-mno-avx512f``) runs the plain loops."""
+@pytest.mark.parametrize("cpu", LESSER)
+def test_the_portable_loop_gives_the_same_picks(tmp_path: Path, cpu: str):
+    """The builds for a CPU without AVX-512 (AVX2) and without any vector extension."""
     source = Path(native.__file__).with_name("argmax.cpp")
-    library = portable_build(tmp_path, [source], "-mno-avx512f")
+    library = portable_build(tmp_path, [source], LESSER[cpu])
     assert run_with(library, SCRIPT).strip() == "ok"

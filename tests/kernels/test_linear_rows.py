@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dikkat import kernels as native
-from native_builds import portable_build, run_with
+from native_builds import LESSER, portable_build, run_with
 
 
 @pytest.fixture
@@ -98,9 +98,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_portable_loops_give_the_same_products(tmp_path: Path):
-    """The build for a CPU without AVX-512 (``-mno-avx512f``) runs the plain loops, which keep
+@pytest.mark.parametrize("cpu", LESSER)
+def test_the_portable_loops_give_the_same_products(tmp_path: Path, cpu: str):
+    """The builds for a CPU without AVX-512 (AVX2) and without any vector extension, which keep
     a NaN or ±Inf as IEEE arithmetic does too."""
     source = Path(native.__file__).with_name("linear.cpp")
-    library = portable_build(tmp_path, [source], "-mno-avx512f")
+    library = portable_build(tmp_path, [source], LESSER[cpu])
     assert float(run_with(library, SCRIPT).strip().splitlines()[-1]) < 4e-7

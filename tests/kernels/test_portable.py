@@ -1,6 +1,7 @@
-"""The packed product's portable loops: the native library built for a CPU without AVX-512
-VNNI (``-mno-avx512vnni``) gives the VNNI build's products, within fp32 rounding, and keeps a
-NaN or ±Inf as IEEE arithmetic does (tests/native_nan_cases.py).
+"""The packed product's AVX2 path and plain loops: the native library built for a CPU without
+AVX-512 (``-mno-avx512f``: AVX2's vpmaddwd, qmm_avx2.h) and for one without AVX2 either gives
+the fp64 reference's products, within fp32 rounding, and keeps a NaN or ±Inf as IEEE arithmetic
+does (tests/native_nan_cases.py).
 
 The two builds register the same ops, so the portable one runs in a process of its own, with
 dikkat's native kernels turned off there (``DIKKAT_NATIVE=0``): its products are compared with
@@ -15,13 +16,15 @@ from pathlib import Path
 import pytest
 
 from dikkat import kernels as native
-from native_builds import portable_build, run_with
+from native_builds import LESSER, portable_build, run_with
 
 SCRIPT = textwrap.dedent(
     """
     import ctypes, sys, torch
     torch.ops.load_library(sys.argv[1])
-    assert ctypes.CDLL(sys.argv[1]).dikkat_native_vnni() == 0, "VNNI built in"
+    path = ctypes.CDLL(sys.argv[1]).dikkat_native_qmm_path
+    path.restype = ctypes.c_char_p
+    print(path().decode())
     from dikkat.weights.packed import PackedWeight, dequantize, round_activations
     from dikkat.weights.bits import pack
     op = torch.ops.dikkat_native.qmm
@@ -76,18 +79,24 @@ NAN_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """qmm.cpp built without VNNI, once for the tests below."""
-    folder = tmp_path_factory.mktemp("portable")
-    return portable_build(folder, [native._SOURCES[0]], "-mno-avx512vnni")
+@pytest.fixture(scope="module", params=list(LESSER))
+def library(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    """qmm.cpp built for a CPU with AVX2 and none of AVX-512, then for one with no vector
+    extension, each once for the tests below."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return portable_build(folder, [native._SOURCES[0]], LESSER[request.param]), request.param
 
 
-def test_the_portable_loops_give_the_vnni_products(library: Path):
-    assert float(run_with(library, SCRIPT).strip().splitlines()[-1]) < 1e-5
+def test_the_portable_loops_give_the_reference_products(library: tuple[Path, str]):
+    path, cpu = library
+    printed = run_with(path, SCRIPT).strip().splitlines()
+    assert printed[0] == cpu  # the build multiplies in the path made for such a CPU
+    assert float(printed[-1]) < 1e-5
 
 
-def test_the_portable_loops_keep_nan_and_inf(library: Path):
-    """The checks of tests/kernels/test_nan.py, every format, in the portable build."""
+def test_the_portable_loops_keep_nan_and_inf(library: tuple[Path, str]):
+    """The checks of tests/kernels/test_nan.py, every format, in the portable builds."""
     tests = str(Path(__file__).parents[1])
-    assert run_with(library, NAN_SCRIPT.format(tests=tests)).strip().splitlines()[-1] == "ok"
+    assert run_with(library[0], NAN_SCRIPT.format(tests=tests)).strip().splitlines()[-1] == "ok"

@@ -10,7 +10,8 @@ a decode step's attention over keys and values in a pool of slots
 (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``, ``argmax_rows``, greedy
 decoding's pick of each row's largest logit. The files are compiled into
 one library with the system's C++ compiler against the installed PyTorch, for this CPU
-(``-march=native``: AVX-512 VNNI where the CPU has it), once per source, PyTorch version,
+(``-march=native``: AVX-512 VNNI where the CPU has it, else AVX2 where it has that, else plain
+loops the compiler vectorises as it can), once per source, PyTorch version,
 compiler and CPU; the library is
 kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``), written under a temporary name and
 renamed into place, so a half-written library is never loaded. Beside it, a record of its size
@@ -58,7 +59,8 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("qmm.cpp", "linear.cpp", "paged_attention.cpp", "argmax.cpp", "dequantize.cpp")
 ]
-_HEADERS = [Path(__file__).with_name("qmm_layout.h")]  # included by the sources: in the key too
+# included by the sources: in the key too
+_HEADERS = [Path(__file__).with_name(name) for name in ("qmm_layout.h", "qmm_vnni.h", "qmm_avx2.h")]
 _LIBRARY = "dikkat_native"
 
 

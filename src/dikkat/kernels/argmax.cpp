@@ -2,15 +2,15 @@
 // first of equal values, and a NaN counts as larger than any number (its first one is taken).
 //
 // x (B, V) fp32 → (B,) int64. PyTorch's CPU argmax walks a row one value at a time, carrying the
-// index; here a row is read twice, 16 values at a time: once for its largest value (and whether
-// it holds a NaN), once for the first place that value sits.
+// index; here a row is read twice, 16 values at a time (8 in AVX2): once for its largest value
+// (and whether it holds a NaN), once for the first place that value sits.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -38,6 +38,17 @@ int64_t row_argmax(const float* p, int64_t n) {
   }
   top = _mm512_reduce_max_ps(tops);
   nan = nans != 0;
+#elif defined(__AVX2__)
+  __m256 tops = _mm256_set1_ps(top), nans = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(p + i);
+    nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    tops = _mm256_max_ps(tops, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, tops);
+  for (const float t : lanes) top = t > top ? t : top;
+  nan = _mm256_movemask_ps(nans) != 0;
 #endif
   for (; i < n; ++i) {
     nan |= p[i] != p[i];
@@ -49,6 +60,12 @@ int64_t row_argmax(const float* p, int64_t n) {
   const __m512 wanted = _mm512_set1_ps(top);
   for (; i + 16 <= n; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i), wanted, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(__AVX2__)
+  const __m256 wanted = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), wanted, _CMP_EQ_OQ));
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif

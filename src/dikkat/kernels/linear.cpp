@@ -5,7 +5,8 @@
 // weights are read from memory. Each thread takes a contiguous span of w's rows and reads four
 // rows at a time, 32 values of each per step: eight 64-byte loads from four streams in flight,
 // which the hardware prefetchers follow. Each output is a sum of 32 fp32 partial sums (two
-// registers of 16 lanes), added in a tree at the end. It is made for one row: further rows
+// registers of 16 lanes), added in a tree at the end; in AVX2, 16 values a step and 16 partial
+// sums (two registers of 8 lanes). It is made for one row: further rows
 // of x are each multiplied with the four rows of w from cache, one after the other, which is
 // slower than a matrix product's kernel from two rows on (benchmarks/decode_parts.py).
 #include <ATen/ATen.h>
@@ -16,7 +17,7 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -65,6 +66,28 @@ void rows_times(const Product& p, int64_t n) {
     }
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r], b[r]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a[R], b[R];  // values k % 16 < 8 and ≥ 8 of each row: 16 partial sums
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= p.K; k += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r] + k), x0, a[r]);
+        b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r] + k + 8), x1, b[r]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float part[8];
+      _mm256_store_ps(part, _mm256_add_ps(a[r], b[r]));
+      float s = 0.f;
+      for (int64_t j = k; j < p.K; ++j) s += w[r][j] * x[j];  // the last K % 16 values
+      for (int j = 0; j < 8; ++j) s += part[j];
+      sums[r] = s;
+    }
 #else
     for (int r = 0; r < R; ++r) {  // 16 partial sums, as the vector path keeps them
       float part[16] = {};

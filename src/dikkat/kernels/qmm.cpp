@@ -9,7 +9,8 @@
 //                       d * (scale * sum_j q[j] a[j] + offset * sum_j a[j]),
 // i.e. the dequantised weight times the rounded activations, summed in fp32. The integer sums
 // use AVX-512 VNNI (vpdpwssd: 16-bit times 16-bit, two products into a 32-bit lane, a lane a
-// weight row) where the compiler targets it; elsewhere plain loops.
+// weight row) where the compiler targets it (qmm_vnni.h), AVX2's vpmaddwd where that is the best
+// it has (qmm_avx2.h); elsewhere plain loops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,24 +25,24 @@
 #include "qmm_layout.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#include "qmm_vnni.h"
 #define DIKKAT_VNNI 1
+#define DIKKAT_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "qmm_avx2.h"
+#define DIKKAT_VNNI 0
+#define DIKKAT_AVX2 1
 #else
 #define DIKKAT_VNNI 0
+#define DIKKAT_AVX2 0
 #endif
 
 namespace {
 
-constexpr int64_t kTile = 8;     // activation rows multiplied with one unpacked weight group
-constexpr int64_t kAhead = 4096;  // bytes of weights asked for ahead of their turn
+// activation rows multiplied with one unpacked weight group: as many as keep their sums in
+// registers (32 of them in AVX-512, 16 in AVX2)
+constexpr int64_t kTile = DIKKAT_AVX2 ? 4 : 8;
 constexpr int32_t kLevels = 32767;  // activations: round(x / d), d = max |x| / kLevels
-
-#if DIKKAT_VNNI
-inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-inline __m512 load16(const at::Half* p, __mmask16 k) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-}
-#endif
 
 struct Rounded {
   std::vector<int16_t> q;    // (M, K)
@@ -146,106 +147,30 @@ template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
 void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const uint8_t* group,
               const S* scale, const S* offset, int64_t m0, int64_t n0, int64_t rows, float* out) {
   const int64_t G = K / kGroup, per_row = K / BLOCK;
-  const int16_t* aq[TILE];
-  const float* ad[TILE];
-  const float* da[TILE];
-  const int32_t* zs[TILE];
+  Tile<TILE> a;
   for (int t = 0; t < TILE; ++t) {
-    aq[t] = r.q.data() + (m0 + t) * K;
-    ad[t] = r.d.data() + (m0 + t) * G;
-    da[t] = sums.da.data() + (m0 + t) * per_row;
-    zs[t] = sums.zs.data() + (m0 + t) * per_row;
+    a.aq[t] = r.q.data() + (m0 + t) * K;
+    a.ad[t] = r.d.data() + (m0 + t) * G;
+    a.da[t] = sums.da.data() + (m0 + t) * per_row;
+    a.zs[t] = sums.zs.data() + (m0 + t) * per_row;
+    a.out[t] = out + (m0 + t) * N + n0;
   }
 #if DIKKAT_VNNI
-  constexpr int64_t chunk_bytes = kRows * 2, group_bytes = kRows * kGroup * BITS / 8;
-  __m512 acc[TILE];
-  // every loop over the tile's rows unrolled, so that the accumulators stay in registers
-  #pragma GCC unroll 8
-  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = group + g * group_bytes;
-    for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAhead + b), _MM_HINT_T0);
-    // h0: values 0-15 of the block of 32, h1: values 16-31; a symmetric format's zero point
-    // enters as -zero times the activations' sum, in integers
-    __m512i h0[TILE], h1[TILE];
-    #pragma GCC unroll 8
-    for (int t = 0; t < TILE; ++t) {
-      if constexpr (OFFSET) {
-        h0[t] = h1[t] = _mm512_setzero_si512();
-      } else if constexpr (BLOCK == 32) {
-        h0[t] = _mm512_set1_epi32(zs[t][g]);
-        h1[t] = _mm512_setzero_si512();
-      } else {
-        h0[t] = _mm512_set1_epi32(zs[t][2 * g]);
-        h1[t] = _mm512_set1_epi32(zs[t][2 * g + 1]);
-      }
-    }
-    #pragma GCC unroll 8
-    for (int64_t j = 0; j < 8; ++j) {
-      __m512i w0, w1;  // pairs j (values 2 j, 2 j + 1) and j + 8 (values 2 j + 16, 2 j + 17)
-      if constexpr (BITS == 4 || BITS == 6) {
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * chunk_bytes)));
-        w0 = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
-        w1 = _mm512_srli_epi16(w, 4);
-        if constexpr (BITS == 6) {  // w | (top & 0x30), the top bits of nibble chunk j moved
-          const __m512i top = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (8 + j / 2) * chunk_bytes)));
-          const __m512i bits45 = _mm512_set1_epi16(0x30);
-          constexpr int kOrMasked = 0xF8;  // a | (b & c): truth table over (a, b, c) as bits 2, 1, 0
-          const __m512i t0 = j % 2 ? top : _mm512_slli_epi16(top, 4);
-          const __m512i t1 = j % 2 ? _mm512_srli_epi16(top, 2) : _mm512_slli_epi16(top, 2);
-          w0 = _mm512_ternarylogic_epi32(w0, t0, bits45, kOrMasked);
-          w1 = _mm512_ternarylogic_epi32(w1, t1, bits45, kOrMasked);
-        }
-      } else {
-        w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * chunk_bytes)));
-        w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (j + 8) * chunk_bytes)));
-      }
-      #pragma GCC unroll 8
-      for (int t = 0; t < TILE; ++t) {
-        const int16_t* a = aq[t] + g * kGroup + 2 * j;
-        h0[t] = _mm512_dpwssd_epi32(h0[t], w0, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a)));
-        h1[t] = _mm512_dpwssd_epi32(h1[t], w1, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + 16)));
-      }
-    }
-    if constexpr (BLOCK == 32) {
-      const __m512 s = load16(scale + g * kRows, 0xFFFF);
-      #pragma GCC unroll 8
-      for (int t = 0; t < TILE; ++t) {
-        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(ad[t][g]));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0[t], h1[t])), sd, acc[t]);
-        if constexpr (OFFSET) {
-          acc[t] = _mm512_fmadd_ps(load16(offset + g * kRows, 0xFFFF), _mm512_set1_ps(da[t][g]), acc[t]);
-        }
-      }
-    } else {
-      const __m512 s0 = load16(scale + 2 * g * kRows, 0xFFFF), s1 = load16(scale + (2 * g + 1) * kRows, 0xFFFF);
-      #pragma GCC unroll 8
-      for (int t = 0; t < TILE; ++t) {
-        const __m512 d = _mm512_set1_ps(ad[t][g]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0[t]), _mm512_mul_ps(s0, d), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1[t]), _mm512_mul_ps(s1, d), acc[t]);
-        if constexpr (OFFSET) {
-          acc[t] = _mm512_fmadd_ps(load16(offset + 2 * g * kRows, 0xFFFF), _mm512_set1_ps(da[t][2 * g]), acc[t]);
-          acc[t] = _mm512_fmadd_ps(load16(offset + (2 * g + 1) * kRows, 0xFFFF), _mm512_set1_ps(da[t][2 * g + 1]), acc[t]);
-        }
-      }
-    }
-  }
-  const __mmask16 lanes = rows >= kRows ? 0xFFFF : (1u << rows) - 1;
-  #pragma GCC unroll 8
-  for (int t = 0; t < TILE; ++t) _mm512_mask_storeu_ps(out + (m0 + t) * N + n0, lanes, acc[t]);
+  group_vnni<BITS, BLOCK, OFFSET, TILE, S>(a, G, group, scale, offset, rows);
+#elif DIKKAT_AVX2
+  group_avx2<BITS, BLOCK, OFFSET, TILE, S>(a, G, group, scale, offset, rows);
 #else
   for (int t = 0; t < TILE; ++t) {
     for (int64_t l = 0; l < rows; ++l) {
       float acc = 0.f;
       for (int64_t b = 0; b < per_row; ++b) {
-        int32_t dot = OFFSET ? 0 : zs[t][b];
-        for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) dot += group_value<BITS>(group, l, k) * aq[t][k];
+        int32_t dot = OFFSET ? 0 : a.zs[t][b];
+        for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) dot += group_value<BITS>(group, l, k) * a.aq[t][k];
         const float s = to_float(scale[b * kRows + l]);
-        acc += s * ad[t][b * BLOCK / kGroup] * static_cast<float>(dot);
-        if constexpr (OFFSET) acc += to_float(offset[b * kRows + l]) * da[t][b];
+        acc += s * a.ad[t][b * BLOCK / kGroup] * static_cast<float>(dot);
+        if constexpr (OFFSET) acc += to_float(offset[b * kRows + l]) * a.da[t][b];
       }
-      out[(m0 + t) * N + n0 + l] = acc;
+      a.out[t][l] = acc;
     }
   }
 #endif
@@ -459,7 +384,6 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   return out;
 }
 
-bool vnni() { return DIKKAT_VNNI; }
 
 }  // namespace
 
@@ -470,4 +394,5 @@ TORCH_LIBRARY(dikkat_native, m) {
 
 TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) { m.impl("qmm", &qmm); }
 
-extern "C" int dikkat_native_vnni() { return vnni() ? 1 : 0; }
+// which group product this build multiplies with: "vnni", "avx2" or "plain" (for the tests)
+extern "C" const char* dikkat_native_qmm_path() { return DIKKAT_VNNI ? "vnni" : DIKKAT_AVX2 ? "avx2" : "plain"; }

@@ -34,6 +34,19 @@ namespace {
 constexpr int64_t kGroup = 32;   // values a block of 32 (of activations, and most weights)
 constexpr int64_t kSuper = 256;  // values a super-block of two-level scales
 constexpr int64_t kRows = 16;    // weight rows a group
+constexpr int64_t kAhead = 4096;  // bytes of weights asked for ahead of their turn
+
+// the activation rows a group product multiplies (qmm.cpp rounds them): for each, its rounded
+// values (K), their block scales d (K / 32), d times a weight block's sum of them (K / BLOCK),
+// -zero times that sum, and its output row at the group's first column
+template <int TILE>
+struct Tile {
+  const int16_t* aq[TILE];
+  const float* ad[TILE];
+  const float* da[TILE];
+  const int32_t* zs[TILE];
+  float* out[TILE];
+};
 
 // a two-level format's fp16 super-block scales (and offsets): (N, K / 256), as the int8 ones
 struct Units {
