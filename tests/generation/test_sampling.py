@@ -4,6 +4,8 @@ reference of OpenAI's definition, n choices per prompt)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -47,6 +49,8 @@ def make_gpt(seed: int = 0) -> GPT:
         (dict(logit_bias={3: 101.0}), ValueError, r"logit_bias\[3\]"),
         (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias names -1"),
         (dict(logit_bias="3:1"), TypeError, "logit_bias must be a dict"),
+        (dict(min_new_tokens=-1), ValueError, "min_new_tokens"),
+        (dict(max_new_tokens=3, min_new_tokens=4), ValueError, "min_new_tokens=4 exceeds"),
     ],
 )
 def test_bad_fields_are_refused_by_name(kwargs, error, words):
@@ -112,6 +116,8 @@ def test_seq2seq_and_lookup_refuse_choices_and_sampling():
     model = make_gpt()
     with pytest.raises(ValueError, match="lookup decoding cannot honour presence_penalty"):
         lookup_generate(model, [[1, 2]], SamplingParams(presence_penalty=1.0))
+    with pytest.raises(ValueError, match="lookup decoding cannot honour min_new_tokens=2"):
+        lookup_generate(model, [[1, 2]], SamplingParams(min_new_tokens=2, stop_ids=(3,)))
     torch.manual_seed(0)
     config = Seq2SeqConfig(src_vocab_size=V, tgt_vocab_size=V, d_model=16, n_heads=2,
                            n_encoder_layers=1, n_decoder_layers=1, max_len=16)  # fmt: skip
@@ -172,6 +178,20 @@ def test_a_large_bias_forces_its_token_and_a_banned_token_never_comes():
     plain = generate(model, [[1]], 8)[0][1:]
     banned = generate(model, [[1]], SamplingParams(max_new_tokens=8, logit_bias={plain[0]: -100}))
     assert plain[0] not in banned[0][1:]
+
+
+def test_no_stop_token_comes_before_min_new_tokens():
+    """A stop token forced by a bias of +100 comes first at token min_new_tokens + 1 (vLLM's
+    min_tokens): until then its logit is -inf, and the rest pick as without it."""
+    model = make_gpt()
+    forced = SamplingParams(max_new_tokens=6, logit_bias={9: 100}, stop_ids=(9,))
+    assert generate(model, [[1]], forced)[0][1:] == [9]
+    at_least = generate(model, [[1]], dataclasses.replace(forced, min_new_tokens=3))[0][1:]
+    banned = generate(model, [[1]], SamplingParams(max_new_tokens=3, logit_bias={9: -100}))
+    assert at_least == [*banned[0][1:], 9]
+    sampled = dataclasses.replace(forced, min_new_tokens=4, temperature=1.5, seed=0)
+    for row in generate(model, [[1]] * 3, sampled):  # rows of one batch: each makes 4 first
+        assert 9 not in row[1:5] and row[5:] == [9]
 
 
 def test_the_sampler_counts_each_rows_own_tokens():

@@ -17,6 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from live_server import WAIT, request, serving, settled  # noqa: E402
 
 from conftest import chatml_ids  # noqa: E402
+from dikkat.generation import SamplingParams, generate  # noqa: E402
 from dikkat.serving import Engine, create_app  # noqa: E402
 from dikkat.serving.protocol import (  # noqa: E402
     ChatRequest,
@@ -136,6 +137,9 @@ def test_a_field_sent_as_null_is_a_field_not_sent(url):
         ({**CHAT, "messages": [IMAGE]}, "messages[0].content[0].type"),
         ({**CHAT, "messages": [TOOL_CALL]}, "messages[0].tool_calls"),
         ({**CHAT, "temperature": 2.5}, "temperature"),
+        ({**TEXT, "min_tokens": 4}, "min_tokens"),  # above max_tokens
+        ({**CHAT, "min_tokens": -1}, "min_tokens"),
+        ({**CHAT, "ignore_eos": "yes"}, "ignore_eos"),
         ({**CHAT, "colour": "blue"}, "colour"),
     ],
 )
@@ -199,6 +203,30 @@ def test_no_malformed_body_gets_a_500_or_stops_the_server(url):
     r = client(url).chat.completions.create(**CHAT, temperature=0)  # it still serves
     assert r.choices[0].finish_reason == "length"
     settled(url)
+
+
+def test_min_tokens_and_ignore_eos_as_vllm_takes_them(tiny_gpt):
+    """With the greedy first token as the one stop token: it ends the answer at once; with
+    ``min_tokens`` 3 it cannot come before token 4 (the engine's tokens are ``generate``'s); with
+    ``ignore_eos`` it ends nothing and the answer runs to ``max_tokens``."""
+    prompt = list(b"hi")
+    first = generate(tiny_gpt, [prompt], 1)[0][-1]
+    app = create_app(Engine(tiny_gpt, max_batch=2), ByteTokenizer(), NAME, stop_ids=(first,))
+    body = {**TEXT, "max_tokens": 6, "temperature": 0}
+    with serving(app) as base:
+        c = client(base)
+        plain = c.completions.create(**body)
+        assert (plain.choices[0].finish_reason, plain.usage.completion_tokens) == ("stop", 1)
+        r = c.completions.create(**body, extra_body={"min_tokens": 3})
+        p = SamplingParams(max_new_tokens=6, stop_ids=(first,), min_new_tokens=3)
+        want = generate(tiny_gpt, [prompt], p)[0][len(prompt) :]
+        assert first not in want[:3] and r.usage.completion_tokens == len(want)
+        assert r.choices[0].text == ByteTokenizer().decode(
+            want[: -1 if want[-1] == first else None]
+        )
+        r = c.completions.create(**body, extra_body={"ignore_eos": True})
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 6)
+        settled(base)
 
 
 def test_a_request_converts_itself_into_sampling_params():

@@ -110,7 +110,7 @@ class NgramIndex:
 # lookup decoding checks guesses against the model's greedy tokens, one choice per prompt
 GREEDY_ONLY = (
     "temperature", "top_k", "top_p", "seed", "n",
-    "frequency_penalty", "presence_penalty", "logit_bias", *TOKEN_LEVEL,
+    "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens", *TOKEN_LEVEL,
 )  # fmt: skip
 
 

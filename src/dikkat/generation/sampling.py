@@ -11,7 +11,8 @@ A token is picked in four stages, the order of OpenAI's and vLLM's samplers:
 2. penalties over the tokens this row has generated so far (OpenAI's definition,
    https://platform.openai.com/docs/advanced-usage/frequency-and-presence-penalties):
    ``logit[j] −= count[j] · frequency_penalty + (count[j] > 0) · presence_penalty``, then
-   ``logit_bias`` added;
+   ``logit_bias`` added, and the stop tokens' logits set to −inf while the row has made fewer
+   than ``min_new_tokens`` (vLLM's ``min_tokens``);
 3. greedy (``temperature = 0``): the largest adjusted logit;
 4. otherwise the adjusted logits divided by the temperature, cut to the ``top_k`` largest and to
    the nucleus of mass ``top_p`` (Holtzman et al., "The Curious Case of Neural Text
@@ -105,6 +106,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # per earlier occurrence of a token in the generated text
     presence_penalty: float = 0.0  # once a token occurs in the generated text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
+    min_new_tokens: int = 0  # new tokens made before a stop token may be picked
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, at_least=0)
@@ -125,6 +127,11 @@ class SamplingParams:
         check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _set(self, "logit_bias", _biases(self.logit_bias))
+        check_int("min_new_tokens", self.min_new_tokens, at_least=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -132,8 +139,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether penalties or biases change the logits before the pick."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+        """Whether penalties, biases or a ban of the stop tokens change the logits before the
+        pick."""
+        banned = self.min_new_tokens > 0 and bool(self.stop_ids)
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or banned)
 
     def choices(self) -> list[SamplingParams]:
         """``n`` single-choice copies: choice i is seeded ``seed + i`` (None stays None), so
@@ -183,6 +192,7 @@ _WHY = {
     "frequency_penalty": "it checks guessed drafts against the model's greedy tokens",
     "presence_penalty": "it checks guessed drafts against the model's greedy tokens",
     "logit_bias": "it checks guessed drafts against the model's greedy tokens",
+    "min_new_tokens": "it checks guessed drafts against the model's greedy tokens",
 }
 
 
@@ -245,6 +255,7 @@ class Sampling(TypedDict, total=False):
     frequency_penalty: float
     presence_penalty: float
     logit_bias: Mapping[int, float]
+    min_new_tokens: int
 
 
 def as_params(params: SamplingParams | int | None, keywords: Mapping[str, Any]) -> SamplingParams:
@@ -317,6 +328,7 @@ class Sampler:
         self.generator: torch.Generator | None = None
         self.counts: Tensor | None = None  # (B, V) generated-token counts, with penalties
         self._bias: Tensor | None = None
+        self.made = 0  # picks so far: tokens each row has generated
 
     def pick(self, logits: Tensor) -> Tensor:
         """Next tokens (B,) from logits (B, V); they count as generated for the penalties."""
@@ -335,6 +347,7 @@ class Sampler:
             self.counts.scatter_add_(
                 -1, token.view(-1, 1), torch.ones(token.numel(), 1, device=logits.device)
             )
+        self.made += 1
         return token
 
     def _adjust(self, logits: Tensor) -> Tensor:
@@ -348,6 +361,10 @@ class Sampler:
                 self._bias = torch.zeros(logits.shape[-1], device=logits.device)
                 self._bias[list(ids)] = torch.tensor(values, device=logits.device)
             logits = logits + self._bias
+        if self.made < p.min_new_tokens and p.stop_ids:
+            logits = logits.index_fill(
+                -1, torch.tensor(p.stop_ids, device=logits.device), -torch.inf
+            )
         return logits
 
 

@@ -80,6 +80,8 @@ class Sampling(Request):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) → bias in [-100, 100]
+    ignore_eos: bool = False  # vLLM's and llama-server's: the stop tokens end nothing
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: no stop token before this many tokens
     user: Ignored = None  # an end user's id for the caller's own logs
 
     @property
@@ -98,9 +100,16 @@ class Sampling(Request):
         prompt_logprobs: bool = False,
     ) -> SamplingParams:
         """The fields both endpoints share, in the engine's terms (OpenAI's ``top_p = 1`` and
-        vLLM's ``top_k`` of -1 or 0 mean no cut; a negative seed is taken mod 2**64); stop
-        strings are matched by the server, not the engine."""
+        vLLM's ``top_k`` of -1 or 0 mean no cut; a negative seed is taken mod 2**64;
+        ``ignore_eos`` drops the stop tokens); stop strings are matched by the server, not the
+        engine."""
         bias = token_biases(self.logit_bias, vocab_size)
+        if self.min_tokens > max_new_tokens:
+            raise RequestError(
+                f"min_tokens={self.min_tokens} exceeds the {max_new_tokens} new tokens this "
+                "request may make (max_tokens, or the context left)",
+                param="min_tokens",
+            )
         try:
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
@@ -108,7 +117,7 @@ class Sampling(Request):
                 top_p=None if self.top_p == 1.0 else float(self.top_p),
                 top_k=self.top_k if self.top_k not in (None, -1, 0) else None,
                 seed=None if self.seed is None else self.seed % 2**64,
-                stop_ids=tuple(stop_ids),
+                stop_ids=() if self.ignore_eos else tuple(stop_ids),
                 n=n,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
@@ -116,6 +125,7 @@ class Sampling(Request):
                 frequency_penalty=float(self.frequency_penalty),
                 presence_penalty=float(self.presence_penalty),
                 logit_bias=bias,
+                min_new_tokens=self.min_tokens,
             )
         except (TypeError, ValueError) as e:
             raise RequestError(str(e), param=self._field_named(str(e))) from None
