@@ -244,6 +244,8 @@ def test_json_holds_every_figure_and_one_entry_per_repetition(tiny, capsys):
     assert all(v > 0 for v in result["decode_tok_s"] + result["prefill_tok_s"])
     assert result["decode_tokens"] == [4, 4]
     assert result["read_gb_s"] > 0 and result["peak_rss_mb"] > 0 and result["bandwidth_share"] > 0
+    assert result["load_s"] > 0 and result["first_token_s"] > 0
+    assert "loaded in" in err
     assert (result["model"], result["weights"], result["threads"]) == (str(tiny), "fp32", 1)
     assert (result["prompt_tokens"], result["new_tokens"], result["prefill_tokens"]) == (4, 4, 8)
     assert result["repeat"] == 2 and result["torch"] == torch.__version__ and result["cpu"]
@@ -269,7 +271,8 @@ def test_the_table_names_the_model_and_every_repetition(tiny, capsys):
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     assert str(tiny) in out and "int8" in out
-    for label in ("decode tok/s", "prefill tok/s", "rep 1", "median", "bytes/token", "GB/s"):
+    for label in ("decode tok/s", "prefill tok/s", "rep 1", "median", "bytes/token", "GB/s",
+                  "first token"):  # fmt: skip
         assert label in out, label
     assert f"{hand_count(TINY, 'int8') / 1e6:.2f}" in out  # the weights' MB
 

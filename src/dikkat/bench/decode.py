@@ -81,6 +81,10 @@ class DecodeBenchResult:
     # with compile: of the compiled decode's first CHECKED_TOKENS, how many the eager model
     # gives too, in order (None: not compiled)
     compiled_agrees: int | None = None
+    load_s: float | None = None  # seconds to load the model (file to inference copy)
+    # seconds from the first decode's start to its first token: the process's first prefill
+    # (of prompt_tokens) and pick, with whatever the first call costs (a kernel's first load)
+    first_token_s: float | None = None
     machine: dict[str, Any] = field(default_factory=machine)
 
     @property
@@ -111,6 +115,8 @@ class DecodeBenchResult:
             "bandwidth_share": self.bandwidth_share,
             "peak_rss_mb": self.peak_rss_mb,
             "compiled_agrees": self.compiled_agrees,
+            "load_s": self.load_s,
+            "first_token_s": self.first_token_s,
             "torch": self.machine["torch"],
             "cpu": self.machine["cpu"],
             "machine": self.machine,
@@ -122,16 +128,18 @@ class DecodeBenchResult:
 
 def _time_decode(
     model: nn.Module, prompt: list[int], new_tokens: int, compile: bool = False
-) -> tuple[list[int], float]:
-    """(the tokens decoded, tok/s after the first): greedy, with no stop token, so exactly
-    ``new_tokens`` come (the model's EOS included, as any other token); ``compile``: through
-    the model's compiled static step (the warm-up compiles it)."""
+) -> tuple[list[int], float, float]:
+    """(the tokens decoded, tok/s after the first, seconds to the first): greedy, with no stop
+    token, so exactly ``new_tokens`` come (the model's EOS included, as any other token);
+    ``compile``: through the model's compiled static step (the warm-up compiles it)."""
     params = SamplingParams(max_new_tokens=new_tokens)
+    start = time.perf_counter()
     steps = iter_generate(model, [prompt], params, compile=compile)
     tokens = [int(next(steps)[0])]  # the prefill and the first token
+    first = time.perf_counter() - start
     start = time.perf_counter()
     tokens += [int(step[0]) for step in steps]
-    return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - start), first
 
 
 CHECKED_TOKENS = 16  # the compiled decode's first tokens, compared with the eager model's
@@ -142,7 +150,7 @@ def _agreement(model: nn.Module, prompt: list[int], compiled: list[int]) -> int:
     gives too, in order (a compiled graph that computes something else shows here first;
     rounding alone rarely parts them this early)."""
     n = min(CHECKED_TOKENS, len(compiled))
-    eager, _ = _time_decode(model, prompt, n)
+    eager, _, _ = _time_decode(model, prompt, n)
     return next((i for i in range(n) if eager[i] != compiled[i]), n)
 
 
@@ -223,8 +231,9 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
     say(f"loading {source} …")
     start = time.perf_counter()
     model, tokenizer = _load(source, config.weights)
+    load_s = time.perf_counter() - start
     weights = _format_of(model)
-    say(f"loaded in {time.perf_counter() - start:.1f} s; {weights} weights")
+    say(f"loaded in {load_s:.1f} s; {weights} weights")
     _check_room(source, model, config)
     generator = torch.Generator().manual_seed(config.seed)
     vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # type: ignore[union-attr]
@@ -233,7 +242,7 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
     long_prompt = random_ids(config.prefill_tokens, vocab, avoid, generator)
 
     say("warm-up …")
-    warm, _ = _time_decode(model, prompt, config.new_tokens, config.compile)
+    warm, _, first_token_s = _time_decode(model, prompt, config.new_tokens, config.compile)
     _time_prefill(model, long_prompt)
     agree = _agreement(model, prompt, warm) if config.compile else None
     if agree is not None:
@@ -243,7 +252,7 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
     prefills: list[float] = []
     counts: list[int] = []
     for r in range(config.repeat):
-        tokens, tok_s = _time_decode(model, prompt, config.new_tokens, config.compile)
+        tokens, tok_s, _ = _time_decode(model, prompt, config.new_tokens, config.compile)
         counts.append(len(tokens))
         decode.append(tok_s)
         prefills.append(_time_prefill(model, long_prompt))
@@ -272,6 +281,8 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
         probe_bytes=probe // 4 * 4,
         peak_rss_mb=peak,
         compiled_agrees=agree,
+        load_s=load_s,
+        first_token_s=first_token_s,
     )
 
 
@@ -292,6 +303,10 @@ def _check_room(source: str, model: nn.Module, config: DecodeBenchConfig) -> Non
 
 
 # --- the table ---------------------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    return "unmeasured" if value is None else f"{value:.2f} s"
 
 
 def format_decode_table(result: DecodeBenchResult) -> str:
@@ -325,6 +340,8 @@ def format_decode_table(result: DecodeBenchResult) -> str:
         f"share           {100 * result.bandwidth_share:.0f} % (bytes/token × median decode "
         "tok/s ÷ read bandwidth)",
         f"peak RSS        {peak}",
+        f"load            {_seconds(result.load_s)}; first token {_seconds(result.first_token_s)}"
+        f" (the first decode's {c.prompt_tokens}-token prefill and pick)",
     ]
     if result.compiled_agrees is not None:
         n = min(CHECKED_TOKENS, c.new_tokens)
