@@ -41,7 +41,9 @@ EXAMPLES = """examples:
       smollm2 and gemma3-270m, 3 rounds, ~24 KB of held-out text
   python benchmarks/llamacpp.py --models gemma3-270m --rounds 5 --skip greedy,perplexity
   python benchmarks/llamacpp.py --dikkat-cmd "python my_decode_bench.py"
-      any command taking dikkat bench decode's arguments and printing its JSON"""
+      any command taking dikkat bench decode's arguments and printing its JSON
+  python benchmarks/llamacpp.py --before ../old/src --skip quality
+      this tree and an older one (a git worktree's src) side by side, with llama.cpp"""
 KEYS = ("decode_tok_s", "prefill_tok_s")
 
 
@@ -86,7 +88,8 @@ def one(value: float | list[float]) -> float:
 
 
 def speed_rounds(bins: Path, dikkat_cmd: list[str], path: Path, args) -> dict[str, list[dict]]:
-    """``args.rounds`` interleaved rounds of both engines on one file, the order alternating."""
+    """``args.rounds`` interleaved rounds of the engines on one file (llama.cpp, dikkat, and
+    with ``--before`` dikkat from another tree), the order alternating."""
     sizes = {"threads": args.threads, "prefill-tokens": args.prefill, "new-tokens": args.new}
     llama = [str(bins / "llama-bench"), "-m", str(path), "-t", str(args.threads)]
     llama += ["-p", str(args.prefill), "-n", str(args.new), "-r", "1", "-o", "json"]
@@ -95,14 +98,17 @@ def speed_rounds(bins: Path, dikkat_cmd: list[str], path: Path, args) -> dict[st
         ours += [f"--{flag}", str(value)]
     ours += ["--json", *(["--weights", args.weights] if args.weights else [])]
     ours += ["--compile"] if args.compile else []
-    runs: dict[str, list[dict]] = {"llama.cpp": [], "dikkat": []}
+    commands = {"dikkat": ours}
+    if args.before:  # the same command, importing dikkat from the other tree
+        commands["dikkat before"] = ["env", f"PYTHONPATH={args.before}", *ours]
+    runs: dict[str, list[dict]] = {"llama.cpp": [], **{e: [] for e in commands}}
     for r in range(args.rounds):
-        for engine in ("llama.cpp", "dikkat")[:: 1 if r % 2 == 0 else -1]:
+        for engine in list(runs)[:: 1 if r % 2 == 0 else -1]:
             if engine == "llama.cpp":
                 out = run(llama, f"llama-bench on {path.name}").stdout
                 runs[engine].append(parse_llama_bench(out, args.prefill, args.new))
             else:
-                out = run(ours, f"{shlex.join(dikkat_cmd)} on {path.name}").stdout
+                out = run(commands[engine], f"{engine} on {path.name}").stdout
                 runs[engine].append(parse_dikkat_json(out))
             d, p = (one(runs[engine][-1][k]) for k in KEYS)
             print(f"  round {r + 1} {engine:>9}: decode {d:7.1f} tok/s, prefill {p:7.1f} tok/s")
@@ -124,10 +130,10 @@ def speed_table(per_model: dict[str, dict[str, dict[str, float]]]) -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for model, m in per_model.items():
-        for engine in ("llama.cpp", "dikkat"):
+        for engine in m:
             d, p = (m[engine][k] for k in KEYS)
             ratios = [f"{m[engine][k] / m['llama.cpp'][k]:.2f}" for k in KEYS]
-            ratios = ratios if engine == "dikkat" else ["", ""]
+            ratios = ratios if engine != "llama.cpp" else ["", ""]
             lines.append(f"| {model} | {engine} | {d:.1f} | {p:.1f} | {' | '.join(ratios)} |")
     return "\n".join(lines)
 
@@ -159,6 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--llamacpp-version", default=VERSION, help="the llama-cpp-python sdist's version")
     add("--cache", type=Path, default=cache_dir(), help="where llama.cpp is built")
     add("--dikkat-cmd", help="the command before MODEL (default: python -m dikkat bench decode)")
+    add("--before", type=Path, help="another tree's src: its dikkat runs too, 'dikkat before'")
     add("--out", type=Path, default=RESULTS / "llamacpp")
     args = parser.parse_args(argv)
     if args.quick:

@@ -4,6 +4,7 @@ on made-up inputs, and the speed rounds end to end with stand-in binaries (nothi
 import importlib
 import json
 import math
+import os
 import stat
 import sys
 from pathlib import Path
@@ -171,6 +172,27 @@ def test_speed_rounds_alternate_engines_and_write_the_table(lc, build, tmp_path,
     assert "read bandwidth 9.0 GB/s" in table
     assert json.loads((out / "llamacpp.json").read_text())["report"] == table
     assert table in capsys.readouterr().out
+
+
+def test_before_runs_another_tree_s_dikkat_in_the_same_rounds(lc, build, tmp_path):
+    log, model = tmp_path / "calls.txt", tmp_path / "tiny.gguf"
+    model.write_bytes(b"")
+    fake_bins(build, tmp_path / "cache", "9.9.9", log)
+    dikkat = (
+        f"{sys.executable} -c \"import json,os; open('{log}','a').write('dikkat '"
+        f"+os.environ.get('PYTHONPATH','-')+'\\n'); print(json.dumps({{'decode_tok_s': [40.0], "
+        f"'prefill_tok_s': [400.0]}}))\""
+    )
+    argv = f"--models {model} --rounds 2 --skip quality --cache {tmp_path / 'cache'} "
+    argv += f"--llamacpp-version 9.9.9 --out {tmp_path / 'out'} --before /old/src"
+    results = lc.main([*argv.split(), "--dikkat-cmd", dikkat])
+    calls = [c.split()[-1] for c in log.read_text().splitlines()]
+    ours = os.environ.get("PYTHONPATH", "-")  # this tree's dikkat runs as the tests import it
+    assert calls == ["llama-bench", ours, "/old/src", "/old/src", ours, "llama-bench"]
+    speed = results["models"][str(model)]["speed"]
+    assert set(speed) == {"llama.cpp", "dikkat", "dikkat before"}
+    table = (tmp_path / "out" / "llamacpp.md").read_text()
+    assert "| dikkat before | 40.0 | 400.0 | 0.50 | 0.50 |" in table
 
 
 def test_a_missing_cmake_is_one_line_and_a_non_zero_exit(lc, build, tmp_path, monkeypatch):
