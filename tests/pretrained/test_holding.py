@@ -4,6 +4,8 @@ layers of a file's packed blocks, views rebuilt around them, and the biases of p
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import tiny_gguf as tg
@@ -55,3 +57,33 @@ def test_a_fused_layer_of_the_wrong_size_is_refused():
         MultiHeadAttention(16, 2).hold_qkv(Linear(16, 40))
     with pytest.raises(ValueError, match="gate/up layer must be"):
         GatedMLP(16, 24).hold_gate_up(Linear(16, 24))
+
+
+def test_hold_consumes_what_it_is_given_and_refuses_a_copy_it_cannot_consume(tmp_path):
+    """A loader's dict loses each packed weight as a layer takes it (what was read is let go
+    layer by layer); a mapping that cannot be emptied is refused."""
+    from dikkat.models import Decoder, DecoderConfig
+    from dikkat.models.holding import HoldsWeights
+    from dikkat.models.io import meta_modules
+    from dikkat.weights.packed import PackedWeight
+
+    path = tmp_path / "tiny.gguf"
+    tg.tiny_llama_file(path)
+    given: dict = {}
+    original = HoldsWeights.hold
+
+    def spy(self, weights, source):
+        given["before"] = sum(isinstance(w, PackedWeight) for w in weights.values())
+        original(self, weights, source)
+        given["after"] = sum(isinstance(w, PackedWeight) for w in weights.values())
+
+    HoldsWeights.hold = spy  # type: ignore[method-assign]
+    try:
+        dikkat.pretrained.load(path)
+    finally:
+        HoldsWeights.hold = original  # type: ignore[method-assign]
+    assert given["before"] > 0 and given["after"] == 0
+    with meta_modules():
+        model = Decoder(DecoderConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2))
+    with pytest.raises(TypeError, match="weights must be a dict"):
+        model.hold(types.MappingProxyType({}), "here")  # type: ignore[arg-type]

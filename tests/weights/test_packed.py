@@ -19,6 +19,7 @@ from dikkat.weights.packed import (
     dequantize,
     packed_linear,
     round_activations,
+    stacked,
     unpack,
 )
 from dikkat.weights.packed_layers import PackedLinear
@@ -228,6 +229,27 @@ def test_a_layer_of_parts_in_two_layouts_multiplies_each_part():
     assert torch.allclose(layer.forward_rows(x, 6, 14), layer(x)[:, 6:14], atol=1e-6)
     assert layer.weight.shape == (16, 64) and layer.weight.dtype == torch.float32
     assert layer.nbytes == sum(p.nbytes for p in parts) + 16 * 4
+
+
+@pytest.mark.parametrize("sizes", [(32, 16, 5), (16, 37)])
+def test_parts_in_groups_stack_as_they_are_where_their_groups_line_up(sizes):
+    """A loader hands q/k/v (or a large tensor's slices) already in groups of 16 rows: parts
+    whose groups line up stack in groups, with no copy in rows, into the weight of all rows."""
+    whole = random_packed(sum(sizes), 64, 4, 32, True, 4, dtype=torch.float16)
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    parts = [whole.rows(a, b).in_groups() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    together = stacked(iter(parts), whole.shape[0])
+    assert together.grouped
+    for held, want in zip(together.tensors(), whole.in_groups().tensors(), strict=True):
+        assert torch.equal(held, want)
+    layer = PackedLinear(parts, None, False)
+    assert len(layer.parts) == 1 and layer.parts[0].grouped
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), PackedLinear(whole, None, False)(x))
+    with pytest.raises(ValueError, match="whole groups but the last"):
+        stacked(reversed(parts), whole.shape[0])
+    with pytest.raises(ValueError, match="the parts hold"):
+        stacked(iter(parts[:-1]), whole.shape[0])
 
 
 @pytest.mark.parametrize("weights", ["q8", "q4"])

@@ -22,6 +22,8 @@ def fused_linear(in_features: int, sizes: tuple[int, ...], bias: bool) -> Linear
     parts = [nn.Linear(in_features, n, bias=bias) for n in sizes]
     fused = Linear(in_features, sum(sizes), bias=bias, device="meta", dtype=parts[0].weight.dtype)
     fused = fused.to_empty(device=parts[0].weight.device)
+    if fused.weight.is_meta:  # built to be given its weights (dikkat.models.io.meta_modules)
+        return fused
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if bias:

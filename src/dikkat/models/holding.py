@@ -14,7 +14,6 @@ the token table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,14 +45,18 @@ class HoldsWeights:
         shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         return shapes | {k: tuple(p.shape) for k, p in module.named_parameters()}
 
-    def hold(self, weights: Mapping[str, Stored], source: str) -> None:
+    def hold(self, weights: dict[str, Stored], source: str) -> None:
         """Take ``weights`` (every name of the state dict, untied output layer included, or a
         fused layer's own name for its parts) as the model's: a tensor becomes the parameter
         itself (``assign=True``: its memory is kept, not copied), a packed weight the layer
-        that multiplies it. Raises ``ValueError`` naming ``source`` where a name or shape does
-        not fit."""
+        that multiplies it. ``weights`` is consumed: a packed entry leaves it once a layer holds
+        it (or its fused, regrouped copy), so that what was read is let go layer by layer and a
+        load peaks near the model's size, not twice it. Raises ``ValueError`` naming
+        ``source`` where a name or shape does not fit."""
+        if not isinstance(weights, dict):
+            raise TypeError(f"weights must be a dict (consumed), not {type(weights).__name__}")
         module: nn.Module = self  # type: ignore[assignment]
-        left = dict(weights)
+        left = weights
         for prefix, m in module.named_modules():
             at = f"{prefix}." if prefix else ""
             if isinstance(m, MultiHeadAttention) and m.qkv_proj is not None:

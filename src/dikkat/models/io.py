@@ -12,17 +12,20 @@ checkpoint. ``save`` never replaces a model, a run or foreign files without ``ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from dikkat import runs
 from dikkat.files import atomic_write_all, record, verify
@@ -203,11 +206,42 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+class _NoRandomFills(TorchFunctionMode):
+    """Skips ``normal_`` on meta tensors: it writes nothing there, but its meta form runs through
+    ``torch._refs``, whose wrapper imports ``torch._dynamo`` and with it triton (~90 MiB
+    resident, ~1 s) in a process that never compiles."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        filled = args[0] if args else kwargs.get("tensor")  # nn.init passes it by name
+        if func in _FILLS and isinstance(filled, Tensor) and filled.is_meta:
+            return filled
+        return func(*args, **kwargs)
+
+
+_FILLS = (torch.nn.init.normal_, Tensor.normal_)
+
+
+@contextlib.contextmanager
+def meta_modules() -> Iterator[None]:
+    """Modules built inside hold meta tensors (no memory): to count their parameters, or to be
+    given their weights by a loader. Their random initialisation is skipped, as it means
+    nothing there."""
+    with torch.device("meta"), _NoRandomFills():
+        yield
+
+
 def model_bytes(cls: type, config: Any) -> int:
     """The bytes of the parameters and buffers (position tables) that ``cls(config)``
     allocates, counted on the meta device: nothing is allocated. Not counted: what building
     them needs for a moment, and everything a forward pass needs."""
-    with torch.device("meta"):
+    with meta_modules():
         model = cls(config)
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -237,6 +237,21 @@ class GGUFFile:
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return data.reshape(rows, info.nbytes // rows if rows else 0)
 
+    def let_go(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        """Drop the pages of tensor ``name``'s bytes (of its ``rows`` [start, stop) of
+        :meth:`raw`, default all) from this process's resident memory: a loader that has made
+        its own copy calls it, so that the file's pages do not stay resident beside the copies
+        (the file stays mapped and in the system's page cache; a later read faults the pages in
+        again). A no-op where ``madvise`` is missing."""
+        info = self._info(name)
+        row_bytes = info.nbytes // max(1, int(np.prod(info.shape[:-1])))
+        first, stop = (
+            (0, info.nbytes) if rows is None else (rows[0] * row_bytes, rows[1] * row_bytes)
+        )
+        start = (info.offset + first) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hasattr(mmap, "MADV_DONTNEED") and stop > first:
+            self._map.madvise(mmap.MADV_DONTNEED, start, info.offset + stop - start)
+
     def read(self, name: str) -> Tensor:
         """Tensor ``name`` dequantised to fp32, in torch order (a new, writable tensor); a
         ``ValueError`` where it holds NaN or ±Inf, or integers (I8 … I64: no weights)."""

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.models.holding import Stored
+from dikkat.models.io import meta_modules
 from dikkat.pretrained.families import Family, by_gguf_architecture, by_hf_model_type
 from dikkat.pretrained.gguf_checks import check_shape
 from dikkat.pretrained.gguf_file import GGUFFile
@@ -40,7 +41,7 @@ from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.weights.formats import PACKED_KINDS, WeightFormat, check_weights, repack
 from dikkat.weights.inference import inference_model
-from dikkat.weights.packed import PackedWeight
+from dikkat.weights.packed import PackedWeight, stacked
 from dikkat.weights.packed_layers import PackedLinear
 
 __all__ = ["load"]
@@ -115,7 +116,7 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
     config = family.config_from_gguf(file.metadata, shapes, source)
     names = family.tensors.gguf(config)
     _check_names(set(file.tensors), set(names), (), source)
-    with torch.device("meta"):  # built once, its weights allocated only as they are loaded
+    with meta_modules():  # built once, its weights allocated only as they are loaded
         model = family.model(config)
     own = model.weight_shapes()  # every tensor's shape, before any is read or repacked
     for theirs, ours in names.items():
@@ -125,8 +126,12 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
     def read(theirs: str, ours: str) -> Stored:
         info = file.tensors[theirs]
         if packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
-            return _packed(file, theirs, ours, family, config)
-        return family.gguf_fix(ours, file.read(theirs), config)
+            stored: Stored = _packed(file, theirs, ours, family, config)
+        else:
+            stored = family.gguf_fix(ours, file.read(theirs), config)
+        file.let_go(theirs)  # its bytes are copied: the file's pages need not stay resident
+        _give_back_freed_memory()  # and the heap its repacking used for a moment
+        return stored
 
     model.hold({ours: read(theirs, ours) for theirs, ours in names.items()}, source)
     return model, tokenizer, file.metadata.get("tokenizer.chat_template")
@@ -141,15 +146,32 @@ def _tokenizer(file: GGUFFile) -> Tokenizer:
         raise ValueError(f"{file.path}: {e}") from None
 
 
+SLICE_ROWS = 4096  # rows of a large tensor repacked at a time (a multiple of 16)
+
+
 def _packed(file: GGUFFile, name: str, ours: str, family: Family, config: Any) -> PackedWeight:
-    """Tensor ``name`` repacked, its rows in dikkat's order (what the family's fix-up does to
-    the dequantised tensor, done to the row indices)."""
+    """Tensor ``name`` repacked in the kernel's groups of 16 rows (which the layers stack and
+    hold as they are), its rows in dikkat's order (what the family's fix-up does to the
+    dequantised tensor, done to the row indices). A tensor in file order is repacked
+    :data:`SLICE_ROWS` rows at a time into the result, so that its repacking needs a slice's
+    memory beside it, not a copy of it (a token table is the largest tensor of a small model)."""
     info = file.tensors[name]
     where = f"{file.path}: tensor {name!r}"
-    p = repack(file.raw(name), info.kind_name, info.shape, name=where)  # type: ignore[arg-type]
-    rows = torch.arange(info.shape[0])
+    N, K = info.shape
+    raw = file.raw(name)
+    rows = torch.arange(N)
     order = family.gguf_fix(ours, rows[:, None], config)[:, 0]
-    return p if torch.equal(order, rows) else p.take(order)
+    if not torch.equal(order, rows):
+        whole = repack(raw, info.kind_name, (N, K), name=where)
+        return whole.take(order).in_groups()
+
+    def repacked(a: int) -> PackedWeight:
+        b = min(N, a + SLICE_ROWS)
+        p = repack(raw[a:b], info.kind_name, (b - a, K), name=where).in_groups()
+        file.let_go(name, (a, b))  # the slice is copied: its pages need not stay resident
+        return p
+
+    return stacked(map(repacked, range(0, N, SLICE_ROWS)), N)
 
 
 def _from_hf(folder: Path) -> tuple[nn.Module, Tokenizer, str | None]:
@@ -178,7 +200,7 @@ def _from_hf(folder: Path) -> tuple[nn.Module, Tokenizer, str | None]:
         with safe_open(str(where[theirs]), framework="pt") as f:
             return family.hf_fix(ours, f.get_tensor(theirs).float(), config)
 
-    with torch.device("meta"):
+    with meta_modules():
         model = family.model(config)
     model.hold({ours: read(theirs, ours) for theirs, ours in names.items()}, str(folder))
     tokenizer, template = Tokenizer.from_hf_folder(folder)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dikkat.models.io import available_memory
+from dikkat.models.io import available_memory, meta_modules
 from dikkat.validate import check_choice, check_int
 
 
@@ -95,7 +95,7 @@ def new_model(cls: type[nn.Module], config: Any) -> nn.Module:
     """``cls(config)``, after checking on the meta device (no memory) that training it fits in
     the memory the machine has: a size that does not fit is an error naming the parameter
     count, not a crash of the allocator or a visit from the out-of-memory killer."""
-    with torch.device("meta"):
+    with meta_modules():
         n = sum(p.numel() for p in cls(config).parameters())
     need, have = n * TRAINING_BYTES_PER_PARAMETER, available_memory()
     if have is not None and need > have:

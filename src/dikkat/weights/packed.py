@@ -43,7 +43,7 @@ row's result does not depend on the others in its batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +206,12 @@ class PackedWeight:
         )
         return expand(p.scale, p.super_scale), offset
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors it holds: values, scales and whichever of the offsets and super-block
+        scales it has, in that order."""
+        held = (self.values, self.scale, self.offset, self.super_scale, self.super_offset)
+        return [t for t in held if t is not None]
+
     def _grouped_parts(self, fn: Callable[[Tensor, int], Tensor], grouped: bool) -> PackedWeight:
         """fn applied to the values (two bytes a unit) and the scales and offsets (one)."""
         return self._with(lambda t: fn(t, 2 if t is self.values else 1), grouped)
@@ -218,6 +224,26 @@ class PackedWeight:
             fn(self.values), fn(self.scale), apply(self.offset), self.zero, self.bits, self.block,
             self.kind, grouped, apply(self.super_scale), apply(self.super_offset),
         )  # fmt: skip
+
+
+def stacked(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
+    """``rows`` rows given as parts of one layout, in order, each in groups of 16 rows and all
+    but the last whole groups, as one weight in groups: filled in place part by part, so that
+    an iterable that makes each part as it is asked for holds one part at a time beside the
+    result (a large tensor repacked in slices)."""
+    out: PackedWeight | None = None
+    at = 0
+    for p in parts:
+        if not p.grouped or (at + p.shape[0] < rows and p.shape[0] % ROWS):
+            raise ValueError(f"parts must be in groups, whole groups but the last: {p.shape}")
+        if out is None:
+            out = p._with(lambda t: t.new_empty((rows, *t.shape[1:])), True)
+        for held, part in zip(out.tensors(), p.tensors(), strict=True):
+            held[at : at + p.shape[0]] = part
+        at += p.shape[0]
+    if out is None or at != rows:
+        raise ValueError(f"the parts hold {at} rows, not {rows}")
+    return out
 
 
 def unpack(p: PackedWeight) -> Tensor:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dikkat.weights.groups import ROWS
 from dikkat.weights.held import HeldWeight, InferenceLinear
 from dikkat.weights.packed import PackedWeight, dequantize, packed_linear
 
@@ -72,10 +73,13 @@ class PackedLinear(InferenceLinear):
 
 def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
     """Consecutive parts of one layout (bits, block, zero point or offsets, the scales' dtype)
-    stacked into one."""
+    stacked into one. Parts in groups of 16 rows stay so where every part but the last fills
+    its groups (the stacked groups are then the groups of the stacked rows: no copy is made
+    in rows and regrouped); otherwise they are stacked row by row."""
     if not parts:
         raise ValueError("a packed layer needs at least one packed weight")
-    if len(parts) > 1:
+    in_groups = all(p.grouped for p in parts) and all(p.shape[0] % ROWS == 0 for p in parts[:-1])
+    if len(parts) > 1 and not in_groups:
         parts = [p.in_rows() for p in parts]
     out = [parts[0]]
     for p in parts[1:]:
@@ -90,7 +94,7 @@ def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
         kind = q.kind if q.kind == p.kind else f"{q.kind}+{p.kind}"
         out[-1] = PackedWeight(
             torch.cat([q.values, p.values]), torch.cat([q.scale, p.scale]), cat(q.offset, p.offset),
-            q.zero, q.bits, q.block, kind, False, cat(q.super_scale, p.super_scale),
+            q.zero, q.bits, q.block, kind, q.grouped, cat(q.super_scale, p.super_scale),
             cat(q.super_offset, p.super_offset),
         )  # fmt: skip
     return out
