@@ -150,23 +150,32 @@ def fake_bins(build, cache: Path, version: str, log: Path) -> None:
     (bins.parent / "dikkat-stamp").write_text(build.stamp_text(version))
 
 
-def test_speed_rounds_alternate_engines_and_write_the_table(lc, build, tmp_path, capsys):
+def stand_in_run(lc, build, tmp_path: Path, *extra: str) -> tuple[dict, list[list[str]], Path]:
+    """``llamacpp.py`` over an empty model file, 2 rounds, with stand-in binaries and a stand-in
+    dikkat that logs its PYTHONPATH and arguments and prints fixed figures: (its results, the
+    calls logged, split, the model's path)."""
     log, model, out = tmp_path / "calls.txt", tmp_path / "tiny.gguf", tmp_path / "out"
     model.write_bytes(b"")
     fake_bins(build, tmp_path / "cache", "9.9.9", log)
     dikkat = (
-        f"{sys.executable} -c \"import json,sys; open('{log}','a').write('dikkat '"
-        f"+' '.join(sys.argv[1:])+'\\n'); print(json.dumps({{'decode_tok_s': [40.0], "
-        f"'prefill_tok_s': [400.0], 'read_gb_s': 9.0}}))\""
+        f"{sys.executable} -c \"import json,os,sys; open('{log}','a').write('dikkat '"
+        f"+os.environ.get('PYTHONPATH','-')+' '+' '.join(sys.argv[1:])+'\\n'); "
+        f"print(json.dumps({{'decode_tok_s': [40.0], 'prefill_tok_s': [400.0], "
+        f"'read_gb_s': 9.0}}))\""
     )
     argv = f"--models {model} --rounds 2 --skip quality --cache {tmp_path / 'cache'} "
     argv += f"--llamacpp-version 9.9.9 --out {out}"
-    results = lc.main([*argv.split(), "--dikkat-cmd", dikkat])
-    calls = log.read_text().splitlines()
-    assert [c.split()[0] for c in calls] == ["llama-bench", "dikkat", "dikkat", "llama-bench"]
+    results = lc.main([*argv.split(), "--dikkat-cmd", dikkat, *extra])
+    return results, [c.split() for c in log.read_text().splitlines()], model
+
+
+def test_speed_rounds_alternate_engines_and_write_the_table(lc, build, tmp_path, capsys):
+    results, calls, model = stand_in_run(lc, build, tmp_path)
+    assert [c[0] for c in calls] == ["llama-bench", "dikkat", "dikkat", "llama-bench"]
     flags = "--threads 2 --prefill-tokens 512 --new-tokens 128 --prompt-tokens 16 --repeat 1"
-    assert calls[1].split()[1:] == [str(model), *flags.split(), "--json"]
+    assert calls[1][2:] == [str(model), *flags.split(), "--json"]
     assert results["models"][str(model)]["speed"]["dikkat"]["decode_tok_s"] == 40.0
+    out = tmp_path / "out"
     table = (out / "llamacpp.md").read_text()
     assert "| dikkat | 40.0 | 400.0 | 0.50 | 0.50 |" in table
     assert "read bandwidth 9.0 GB/s" in table
@@ -175,22 +184,11 @@ def test_speed_rounds_alternate_engines_and_write_the_table(lc, build, tmp_path,
 
 
 def test_before_runs_another_tree_s_dikkat_in_the_same_rounds(lc, build, tmp_path):
-    log, model = tmp_path / "calls.txt", tmp_path / "tiny.gguf"
-    model.write_bytes(b"")
-    fake_bins(build, tmp_path / "cache", "9.9.9", log)
-    dikkat = (
-        f"{sys.executable} -c \"import json,os; open('{log}','a').write('dikkat '"
-        f"+os.environ.get('PYTHONPATH','-')+'\\n'); print(json.dumps({{'decode_tok_s': [40.0], "
-        f"'prefill_tok_s': [400.0]}}))\""
-    )
-    argv = f"--models {model} --rounds 2 --skip quality --cache {tmp_path / 'cache'} "
-    argv += f"--llamacpp-version 9.9.9 --out {tmp_path / 'out'} --before /old/src"
-    results = lc.main([*argv.split(), "--dikkat-cmd", dikkat])
-    calls = [c.split()[-1] for c in log.read_text().splitlines()]
+    results, calls, model = stand_in_run(lc, build, tmp_path, "--before", "/old/src")
     ours = os.environ.get("PYTHONPATH", "-")  # this tree's dikkat runs as the tests import it
-    assert calls == ["llama-bench", ours, "/old/src", "/old/src", ours, "llama-bench"]
-    speed = results["models"][str(model)]["speed"]
-    assert set(speed) == {"llama.cpp", "dikkat", "dikkat before"}
+    paths = [c[1] if c[0] == "dikkat" else c[0] for c in calls]
+    assert paths == ["llama-bench", ours, "/old/src", "/old/src", ours, "llama-bench"]
+    assert set(results["models"][str(model)]["speed"]) == {"llama.cpp", "dikkat", "dikkat before"}
     table = (tmp_path / "out" / "llamacpp.md").read_text()
     assert "| dikkat before | 40.0 | 400.0 | 0.50 | 0.50 |" in table
 
