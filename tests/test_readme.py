@@ -13,6 +13,12 @@ def test_readme_starts_with_the_two_commands():
     assert "make demo" in first_block and "make test" in first_block
 
 
+def test_the_readme_says_where_the_dikkat_command_is():
+    """`make` installs into .venv: the command line's section says how to reach `dikkat`."""
+    section = README.read_text().split("## The command line", 1)[1].split("```sh", 1)[0]
+    assert "source .venv/bin/activate" in section and ".venv/bin/dikkat" in section
+
+
 def test_every_command_line_of_the_readme_parses():
     """The README's `dikkat …` lines are valid command lines (parsed, not run)."""
     import shlex
@@ -41,7 +47,7 @@ def test_the_command_block_runs_top_to_bottom():
     from dikkat.cli import build_parser
 
     parser = build_parser()
-    block = re.search(r"## The command line\n\n```sh\n(.*?)```", README.read_text(), re.S)
+    block = re.search(r"## The command line\n.*?```sh\n(.*?)```", README.read_text(), re.S)
     made: set[Path] = set()
     for line in block.group(1).splitlines():
         argv = shlex.split(line.split("  #")[0])[1:]

@@ -190,3 +190,12 @@ def check_writable_dir(path: str | Path, what: str = "--out") -> Path:
     except OSError as e:
         raise ValueError(f"{what} {path} is not writable: {e.strerror or e}") from None
     return path
+
+
+def cache_dir() -> Path:
+    """Where dikkat keeps what it makes once and reuses (docs/models.md, "What is cached
+    where"): ``$DIKKAT_CACHE``, else ``$XDG_CACHE_HOME/dikkat``, else ``~/.cache/dikkat``."""
+    if os.environ.get("DIKKAT_CACHE"):
+        return Path(os.environ["DIKKAT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dikkat"

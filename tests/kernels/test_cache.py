@@ -131,3 +131,14 @@ def test_a_build_keeps_its_record_and_is_then_reused(tmp_path, whole, stand_in, 
     assert int(size) == whole.stat().st_size and len(digest) == 64
     assert native.build(folder) == library and builds(count) == 1  # whole: loaded as it is
     assert capsys.readouterr().err == ""
+
+
+def test_the_kernels_live_in_dikkat_s_one_cache(tmp_path, monkeypatch):
+    """``$DIKKAT_CACHE`` moves the compiled kernels with the models; else the XDG cache."""
+    from dikkat.pretrained.sources import cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("DIKKAT_CACHE", raising=False)
+    assert native.native_dir() == tmp_path / "xdg" / "dikkat" / "native"
+    monkeypatch.setenv("DIKKAT_CACHE", str(tmp_path / "mine"))
+    assert native.native_dir() == tmp_path / "mine" / "native" == cache_dir() / "native"

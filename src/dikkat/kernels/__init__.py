@@ -11,10 +11,10 @@ a decode step's attention over keys and values in a pool of slots
 decoding's pick of each row's largest logit. The files are compiled into
 one library with the system's C++ compiler against the installed PyTorch, for this CPU
 (``-march=native``: AVX-512 VNNI where the CPU has it, else AVX2 where it has that, else plain
-loops the compiler vectorises as it can), once per source, PyTorch version,
-compiler and CPU; the library is
-kept under ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``), written under a temporary name and
-renamed into place, so a half-written library is never loaded. Beside it, a record of its size
+loops the compiler vectorises as it can), once per source, PyTorch version, compiler and CPU;
+the library is kept under ``native`` in dikkat's cache (``~/.cache/dikkat/native``;
+:func:`native_dir`), written under a temporary name and renamed into place, so a half-written
+library is never loaded. Beside it, a record of its size
 and SHA-256 (``<library>.sha256``, written the same way, after it) is checked before each load:
 a library that no longer matches it (cut short on a full disk, overwritten) or has none is
 rebuilt, with a line on stderr saying so — loading a damaged one kills the process (SIGBUS)
@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dikkat.files import cache_dir
+
 __all__ = [
     "argmax_op",
     "build",
@@ -65,9 +67,9 @@ _LIBRARY = "dikkat_native"
 
 
 def native_dir() -> Path:
-    """Where compiled kernels are kept: ``$XDG_CACHE_HOME/dikkat/native`` (``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dikkat" / "native"
+    """Where compiled kernels are kept: ``native`` in dikkat's cache (``$DIKKAT_CACHE``, else
+    ``$XDG_CACHE_HOME/dikkat``, else ``~/.cache/dikkat``: :func:`dikkat.files.cache_dir`)."""
+    return cache_dir() / "native"
 
 
 def _cpu() -> str:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dikkat.files import atomic_write
+from dikkat.files import atomic_write, cache_dir
 
 __all__ = ["NAMES", "Source", "cache_dir", "resolve"]
 
@@ -56,14 +56,6 @@ class Source:
 
 class MissingModelError(ModuleNotFoundError):
     """A named model whose package is not installed; the message is one line with the fix."""
-
-
-def cache_dir() -> Path:
-    """``$DIKKAT_CACHE``, else ``$XDG_CACHE_HOME/dikkat``, else ``~/.cache/dikkat``."""
-    if os.environ.get("DIKKAT_CACHE"):
-        return Path(os.environ["DIKKAT_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dikkat"
 
 
 def resolve(source: str | os.PathLike) -> Source:
