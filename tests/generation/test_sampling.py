@@ -79,6 +79,7 @@ def test_the_keyword_form_builds_the_same_params():
     assert as_params(5, dict(temperature=0.5, eos_id=3)) == SamplingParams(
         max_new_tokens=5, temperature=0.5, stop_ids=(3,)
     )
+    assert as_params(5, dict(stop=["x", "y"])) == SamplingParams(max_new_tokens=5, stop=("x", "y"))
     with pytest.raises(TypeError, match="not both"):
         as_params(SamplingParams(), dict(temperature=0.5))
     with pytest.raises(TypeError, match="unknown sampling keyword 'temprature'"):

@@ -75,6 +75,20 @@ def test_ctrl_c_stops_an_answer_and_the_conversation_goes_on(tiny, capsys, monke
     assert "answer interrupted" in err and "fine" in out
 
 
+def test_generate_and_chat_take_stop_strings_as_keywords(tiny):
+    """``stop=[...]`` as the docs give it: the text ends before the first stop string."""
+    lm = dikkat.pretrained.load(tiny)
+    greedy = dict(max_new_tokens=12, temperature=0)
+    full = lm.generate("hello", **greedy)
+    assert len(full) >= 5, full
+    cut = full[3:5]
+    assert lm.generate("hello", **greedy, stop=[cut]) == full[: full.index(cut)]
+    user = [{"role": "user", "content": "hi"}]
+    said = lm.chat(user, **greedy)
+    assert said, "the tiny model answers something"
+    assert lm.chat(user, **greedy, stop=said[-1]) == said[: said.index(said[-1])]
+
+
 def test_a_model_without_a_template_is_refused_in_one_line(tmp_path, capsys):
     save_tiny("llama", tmp_path)
     code, _, err = run_cli(["chat", str(tmp_path), "-m", "hi"], capsys)

@@ -251,6 +251,7 @@ class Sampling(TypedDict, total=False):
     seed: int | None
     eos_id: int | None
     stop_ids: tuple[int, ...]
+    stop: str | Sequence[str]
     n: int
     frequency_penalty: float
     presence_penalty: float
