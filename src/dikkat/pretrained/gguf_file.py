@@ -210,6 +210,7 @@ class GGUFFile:
         alignment = _alignment(self.metadata, self.path)
         directory = [_directory_entry(cursor, i, self.path) for i in range(n_tensors)]
         start = -(-cursor.pos // alignment) * alignment
+        self.data_start = start  # where the tensors' data begins: the header is all before it
         self.tensors: dict[str, TensorInfo] = {}
         end, previous = 0, None  # where the previous tensor's data ends, padded, from start
         for name, shape, kind, offset in directory:
@@ -236,6 +237,10 @@ class GGUFFile:
         data = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return data.reshape(rows, info.nbytes // rows if rows else 0)
+
+    def header_bytes(self) -> bytes:
+        """The header's bytes (keys, values, the tensors' directory): all before the data."""
+        return self._map[: self.data_start]
 
     def let_go(self, name: str, rows: tuple[int, int] | None = None) -> None:
         """Drop the pages of tensor ``name``'s bytes (of its ``rows`` [start, stop) of

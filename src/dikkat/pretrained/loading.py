@@ -36,6 +36,7 @@ from dikkat.models.io import meta_modules
 from dikkat.pretrained.families import Family, by_gguf_architecture, by_hf_model_type
 from dikkat.pretrained.gguf_checks import check_shape
 from dikkat.pretrained.gguf_file import GGUFFile
+from dikkat.pretrained.packed_cache import PackedCache
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
@@ -123,17 +124,36 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
         check_shape(shapes, theirs, own[ours], "the header's sizes", source)
     tokenizer = _tokenizer(file)
 
+    # a large file's repacked matrices come from the cache after its first load
+    cache = PackedCache(file) if packed and PackedCache.wanted(file) else None
+    cached = cache.read() if cache is not None else None
+    writer = cache.writer() if cache is not None and cached is None else None
+
     def read(theirs: str, ours: str) -> Stored:
         info = file.tensors[theirs]
         if packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
+            if cached is not None and theirs in cached:
+                return cached[theirs]
             stored: Stored = _packed(file, theirs, ours, family, config)
+            if writer is not None:
+                writer.add(theirs, stored)  # type: ignore[arg-type]
         else:
             stored = family.gguf_fix(ours, file.read(theirs), config)
         file.let_go(theirs)  # its bytes are copied: the file's pages need not stay resident
         _give_back_freed_memory()  # and the heap its repacking used for a moment
         return stored
 
-    model.hold({ours: read(theirs, ours) for theirs, ours in names.items()}, source)
+    try:
+        weights = {ours: read(theirs, ours) for theirs, ours in names.items()}
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    if writer is not None:
+        writer.commit()
+    model.hold(weights, source)
+    if cached is not None:
+        cache.let_go()  # type: ignore[union-attr]
     return model, tokenizer, file.metadata.get("tokenizer.chat_template")
 
 
