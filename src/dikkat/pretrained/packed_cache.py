@@ -139,13 +139,13 @@ class CacheWriter:
         self.digest.update(data)
 
     def commit(self) -> None:
-        """Flush the ``.bin`` to the disk, rename it into place, then write the index; remove
-        the older entries of the same file name."""
+        """Rename the ``.bin`` into place, then write the index; remove the older entries of
+        the same file name."""
         c = self.cache
         try:
             size = self.out.tell()
-            self.out.flush()
-            os.fsync(self.out.fileno())
+            # not flushed to the disk: a crash that leaves the .bin half written leaves it
+            # unlike the SHA-256 of its index, and the next load repacks
             self.out.close()
             os.chmod(self.tmp, 0o666 & ~current_umask())  # as a plain open() would make it
             os.replace(self.tmp, c.data)
