@@ -6,7 +6,7 @@ One cache entry is two files in ``packed/`` of dikkat's cache (:func:`dikkat.fil
 ``<stem>-<key>.json``, the index (each GGUF tensor's layout and where its parts lie). The key is
 a hash of what makes the entry valid: the GGUF file's size, modification time and header bytes,
 the layout's :data:`VERSION`, and the byte order. The ``.bin`` is written while the first load
-reads the file, flushed, and renamed into place; the index is written after it, the same way,
+reads the file and renamed into place; the index is written after it (flushed to the disk),
 with the ``.bin``'s size and SHA-256, so an entry without its index (a crash, a full disk) is
 never read, and one whose ``.bin`` no longer matches its index is repacked and written again,
 with a line on stderr. Writing an entry removes the older entries of the same file name. Files
