@@ -21,9 +21,9 @@ def fused_linear(in_features: int, sizes: tuple[int, ...], bias: bool) -> Linear
     the same weights as with three separate projections."""
     parts = [nn.Linear(in_features, n, bias=bias) for n in sizes]
     fused = Linear(in_features, sum(sizes), bias=bias, device="meta", dtype=parts[0].weight.dtype)
+    if parts[0].weight.is_meta:  # built to be given its weights (dikkat.models.io.meta_modules)
+        return fused  # (copying meta tensors would import torch's symbolic shapes and sympy)
     fused = fused.to_empty(device=parts[0].weight.device)
-    if fused.weight.is_meta:  # built to be given its weights (dikkat.models.io.meta_modules)
-        return fused
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if bias:
