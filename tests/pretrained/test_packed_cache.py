@@ -99,3 +99,13 @@ def test_small_files_are_not_cached(tmp_path, monkeypatch):
     loading.load(path)
     assert path.stat().st_size < packed_cache.MIN_BYTES
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_key_follows_the_code_that_repacks(cached, monkeypatch):
+    """A dikkat whose formats, fix-ups or loader changed reads no entry of an older one."""
+    path, _ = cached
+    file = GGUFFile(path)
+    before = PackedCache(file).key
+    assert PackedCache(file).key == before  # the same file and code: the same entry
+    monkeypatch.setattr(packed_cache, "_code", lambda: b"another dikkat's loader")
+    assert PackedCache(file).key != before

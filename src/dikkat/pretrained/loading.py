@@ -134,9 +134,10 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
         if packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
             if cached is not None and theirs in cached:
                 return cached[theirs]
-            stored: Stored = _packed(file, theirs, ours, family, config)
+            repacked = _packed(file, theirs, ours, family, config)
             if writer is not None:
-                writer.add(theirs, stored)  # type: ignore[arg-type]
+                writer.add(theirs, repacked)
+            stored: Stored = repacked
         else:
             stored = family.gguf_fix(ours, file.read(theirs), config)
         file.let_go(theirs)  # its bytes are copied: the file's pages need not stay resident
@@ -152,8 +153,8 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
     if writer is not None:
         writer.commit()
     model.hold(weights, source)
-    if cached is not None:
-        cache.let_go()  # type: ignore[union-attr]
+    if cache is not None and cached is not None:
+        cache.let_go()
     return model, tokenizer, file.metadata.get("tokenizer.chat_template")
 
 

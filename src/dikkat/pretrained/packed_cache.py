@@ -5,7 +5,8 @@ One cache entry is two files in ``packed/`` of dikkat's cache (:func:`dikkat.fil
 ``<stem>-<key>.bin``, the tensors' bytes one after another (each at a multiple of 64 bytes), and
 ``<stem>-<key>.json``, the index (each GGUF tensor's layout and where its parts lie). The key is
 a hash of what makes the entry valid: the GGUF file's size, modification time and header bytes,
-the layout's :data:`VERSION`, and the byte order. The ``.bin`` is written while the first load
+the layout's :data:`VERSION`, the byte order, and the source of the code that repacks (the
+weight formats, the families' fix-ups, the loader). The ``.bin`` is written while the first load
 reads the file and renamed into place; the index is written after it (flushed to the disk),
 with the ``.bin``'s size and SHA-256, so an entry without its index (a crash, a full disk) is
 never read, and one whose ``.bin`` no longer matches its index is repacked and written again,
@@ -15,6 +16,7 @@ smaller than :data:`MIN_BYTES` are not cached: repacking them costs less than th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -50,6 +52,7 @@ class PackedCache:
         for part in (VERSION, sys.byteorder, stat.st_size, stat.st_mtime_ns):
             digest.update(f"{part}\0".encode())
         digest.update(file.header_bytes())
+        digest.update(_code())
         self.key = digest.hexdigest()[:24]
         self.folder = cache_dir() / "packed" if folder is None else Path(folder)
         self.stem = file.path.stem
@@ -166,6 +169,17 @@ class CacheWriter:
         """Remove the temporary ``.bin``."""
         self.out.close()
         self.tmp.unlink(missing_ok=True)
+
+
+@functools.cache
+def _code() -> bytes:
+    """The source of everything that decides the repacked bytes — the weight formats, the
+    families' fix-ups, the loader and this cache — so that a change to any of it keys new
+    entries instead of reading old ones."""
+    root = Path(__file__).resolve().parents[1]  # dikkat/
+    files = [*(root / "weights").glob("*.py"), *(root / "pretrained" / "families").glob("*.py")]
+    files += [root / "pretrained" / "loading.py", Path(__file__).resolve()]
+    return b"\0".join(f.read_bytes() for f in sorted(files))
 
 
 def _weight(data: torch.Tensor, entry: dict[str, Any]) -> PackedWeight:
