@@ -109,3 +109,30 @@ def test_the_key_follows_the_code_that_repacks(cached, monkeypatch):
     assert PackedCache(file).key == before  # the same file and code: the same entry
     monkeypatch.setattr(packed_cache, "_code", lambda: b"another dikkat's loader")
     assert PackedCache(file).key != before
+
+
+def test_a_changed_index_is_repacked_too(cached, capfd):
+    """The index checks its own listing: a moved offset is not read as weights."""
+    import json
+
+    path, folder = cached
+    first = logits(path)
+    index_path = next(folder.glob("*.json"))
+    index = json.loads(index_path.read_text())
+    index["tensors"]["blk.0.attn_q.weight"]["parts"]["scale"][0] += 64
+    index_path.write_text(json.dumps(index))
+    assert torch.equal(logits(path), first)
+    assert "is damaged" in capfd.readouterr().err
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_load_as_it_was(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    tg.tiny_llama_file(path)
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    monkeypatch.setattr(packed_cache, "cache_dir", lambda: blocked)  # mkdir under it fails
+    monkeypatch.setattr(packed_cache, "MIN_BYTES", 0)
+    model = loading.load(path).model
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([tg.prompt_ids()]))).all()
+    assert blocked.read_text() == ""

@@ -73,12 +73,17 @@ class PackedCache:
             size = self.data.stat().st_size
         except (OSError, ValueError):
             return None
-        if index.get("key") != self.key or size == 0:
+        if not isinstance(index, dict) or index.get("key") != self.key or size == 0:
             return None
         with self.data.open("rb") as f:  # private and writable: torch takes it without a copy
             self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         data = torch.frombuffer(self._map, dtype=torch.uint8)
-        if size != index.get("bytes") or self._sha256(size) != index.get("sha256"):
+        whole = (
+            size == index.get("bytes")
+            and _listing_hash(index.get("tensors")) == index.get("tensors_sha256")
+            and self._sha256(size) == index.get("sha256")
+        )
+        if not whole:
             print(f"dikkat: {self.data} is damaged (it differs from its index): repacking",
                   file=sys.stderr, flush=True)  # fmt: skip
             return None
@@ -110,40 +115,54 @@ class PackedCache:
 
 class CacheWriter:
     """Appends repacked tensors to a temporary ``.bin`` beside the entry; :meth:`commit` puts
-    the entry in place, :meth:`discard` (or a failed commit) leaves nothing behind."""
+    the entry in place, :meth:`discard` leaves nothing behind. A disk that refuses (no room, no
+    permission) ends the writing quietly: the load goes on, and the next one repacks again."""
 
     def __init__(self, cache: PackedCache) -> None:
         self.cache = cache
-        cache.folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{cache.data.name}.", dir=cache.folder)
-        self.tmp = Path(name)
-        self.out: IO[bytes] = os.fdopen(fd, "wb")
         self.digest = hashlib.sha256()
         self.tensors: dict[str, dict[str, Any]] = {}
+        self.out: IO[bytes] | None = None
+        try:
+            cache.folder.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f".{cache.data.name}.", dir=cache.folder)
+        except OSError:
+            return
+        self.tmp = Path(name)
+        self.out = os.fdopen(fd, "wb")
 
     def add(self, name: str, p: PackedWeight) -> None:
         """Append ``p``'s tensors (GGUF tensor ``name``)."""
+        if self.out is None:
+            return
         parts = {}
-        for part in _PARTS:
-            t: torch.Tensor | None = getattr(p, part)
-            if t is None:
-                continue
-            self._write(b"\0" * (-self.out.tell() % _ALIGN))
-            t = t.contiguous()
-            parts[part] = [self.out.tell(), str(t.dtype), list(t.shape)]
-            self._write(t.reshape(-1).view(torch.uint8).numpy())
+        try:
+            for part in _PARTS:
+                t: torch.Tensor | None = getattr(p, part)
+                if t is None:
+                    continue
+                self._write(b"\0" * (-self.out.tell() % _ALIGN))
+                t = t.contiguous()
+                parts[part] = [self.out.tell(), str(t.dtype), list(t.shape)]
+                self._write(t.reshape(-1).view(torch.uint8).numpy())
+        except OSError:
+            self.discard()
+            return
         self.tensors[name] = {
             "bits": p.bits, "block": p.block, "zero": p.zero, "kind": p.kind,
             "grouped": p.grouped, "parts": parts,
         }  # fmt: skip
 
     def _write(self, data: Any) -> None:
+        assert self.out is not None
         self.out.write(data)
         self.digest.update(data)
 
     def commit(self) -> None:
         """Rename the ``.bin`` into place, then write the index; remove the older entries of
         the same file name."""
+        if self.out is None:
+            return
         c = self.cache
         try:
             size = self.out.tell()
@@ -154,11 +173,11 @@ class CacheWriter:
             os.replace(self.tmp, c.data)
             index = {
                 "key": c.key, "bytes": size, "sha256": self.digest.hexdigest(),
-                "tensors": self.tensors,
+                "tensors": self.tensors, "tensors_sha256": _listing_hash(self.tensors),
             }  # fmt: skip
             atomic_write(c.index, lambda tmp: Path(tmp).write_text(json.dumps(index)))
         except OSError:
-            self.discard()  # a full disk: the load goes on without a cache entry
+            self.discard()
             return
         entry = re.compile(rf"{re.escape(c.stem)}-[0-9a-f]{{24}}\.(bin|json)")
         for old in c.folder.iterdir():
@@ -166,9 +185,16 @@ class CacheWriter:
                 old.unlink(missing_ok=True)
 
     def discard(self) -> None:
-        """Remove the temporary ``.bin``."""
-        self.out.close()
-        self.tmp.unlink(missing_ok=True)
+        """Remove the temporary ``.bin``; nothing more is written."""
+        if self.out is not None:
+            self.out.close()
+            self.tmp.unlink(missing_ok=True)
+        self.out = None
+
+
+def _listing_hash(tensors: Any) -> str:
+    """The SHA-256 of an index's listing of tensors (the index checks itself too)."""
+    return hashlib.sha256(json.dumps(tensors, sort_keys=True).encode()).hexdigest()
 
 
 @functools.cache
