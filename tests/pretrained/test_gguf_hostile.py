@@ -82,8 +82,9 @@ def test_the_undamaged_tiny_model_loads_and_answers(tmp_path):
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     assert lm.model.config.vocab_size == lm.tokenizer.vocab_size == len(byte_level_vocab()[0])
     fp32 = dikkat.pretrained.load(path, weights="fp32")
-    with torch.no_grad():
-        assert (fp32.model(torch.tensor([prompt_ids()])) - logits).abs().max() < 1e-3
+    with torch.no_grad():  # the packed product rounds activations to 16 bits a block of 32
+        worst = (fp32.model(torch.tensor([prompt_ids()])) - logits).abs().max()
+        assert worst <= 1e-3 * logits.abs().max()
 
 
 # ------------------------------------------------------------------ non-finite weights

@@ -43,9 +43,10 @@ def test_packed_qkv_with_biases_is_one_fused_layer(tmp_path):
     assert isinstance(attn.k_proj, LinearRows) and attn.k_proj.source is attn.qkv_proj
     assert isinstance(mlp.gate_up, PackedLinear) and mlp.up.source is mlp.gate_up
     assert torch.equal(attn.qkv_proj.bias, dense.blocks[0].attn.qkv_proj.bias)
-    ids = torch.tensor([tg.prompt_ids()])  # a prefill: the packed product runs in fp32
-    with torch.no_grad():
-        torch.testing.assert_close(packed(ids), dense(ids), rtol=0, atol=1e-5)
+    ids = torch.tensor([tg.prompt_ids()])
+    with torch.no_grad():  # the packed product rounds activations to 16 bits a block of 32
+        want = dense(ids)
+        torch.testing.assert_close(packed(ids), want, rtol=0, atol=1e-3 * want.abs().max())
 
 
 def test_a_fused_layer_of_the_wrong_size_is_refused():

@@ -34,11 +34,13 @@ which is exactly the dequantised weight times the rounded activations, summed in
 llama.cpp rounds activations to 8 bits (its Q8_0/Q8_1 blocks); on SmolLM2 that moved the logits
 of a chat prompt by up to 0.5 from the dequantised model's and changed its first answer token,
 where 16 bits keep them within 0.01 (tests/pretrained/test_real_models.py checks the losses).
-:func:`packed_linear` runs it in dikkat's native kernel (:mod:`dikkat.kernels`), or, where
-that cannot be built, with PyTorch operations that compute the same product. From
-:data:`DENSE_ROWS` rows on (a prompt's prefill) it multiplies x itself by the dequantised weight
-in fp32 instead — exact, and faster there; a decode step of fewer sequences never does, so a
-row's result does not depend on the others in its batch.
+:func:`packed_linear` runs it in dikkat's native kernel (:mod:`dikkat.kernels`) for any number
+of rows (a prompt's prefill included: the kernel reads the packed blocks once for eight rows at a
+time, which beats dequantising the weight for oneDNN's fp32 product, BENCHMARKS.md), so a row's
+result never depends on the others in its batch. Where the kernel cannot be built, PyTorch
+operations compute the same product, and from :data:`DENSE_ROWS` rows on multiply x itself by
+the dequantised weight in fp32 instead (exact, and much faster there than integer sums
+emulated in PyTorch).
 """
 
 from __future__ import annotations
@@ -64,10 +66,9 @@ __all__ = [
 GROUP = 32  # values an activation block (and most weight blocks) holds
 SUPER = 256  # values a super-block of two-level scales (ggml's QK_K)
 _LEVELS = 32767  # activations' integers: int16
-# from this many rows on (a prompt's prefill, not a decode step of a batch of up to DENSE_ROWS - 1
-# sequences), x is multiplied by the dequantised weight instead: at such sizes the product is
-# bound by arithmetic, which oneDNN's fp32 kernels do faster than the integer one, and the
-# dequantising is paid once for all rows
+# without the native kernel, from this many rows on (a prompt's prefill, not a decode step of a
+# batch of up to DENSE_ROWS - 1 sequences) x is multiplied by the dequantised weight instead:
+# oneDNN's fp32 product is far faster than the integer one emulated in PyTorch operations
 DENSE_ROWS = 32
 _FALLBACK_ROWS = 4096  # weight rows dequantised at a time by the PyTorch product
 
@@ -294,12 +295,12 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
         raise ValueError(f"x must end in the weight's {K} input features, got {tuple(x.shape)}")
     rows = x.reshape(-1, K).float()
     op = _native() if x.device.type == "cpu" else None
-    if rows.shape[0] >= DENSE_ROWS:
-        out = _dense(rows, p)
-    elif op is not None:
+    if op is not None:
         p = p.in_groups()  # (a PackedLinear holds them so already)
         out = op(rows, p.values, p.scale, p.offset, p.super_scale, p.super_offset, p.bits,
                  p.block, p.zero)  # fmt: skip
+    elif rows.shape[0] >= DENSE_ROWS:
+        out = _dense(rows, p)
     else:
         out = _product(rows, p)
     out = out.view(*x.shape[:-1], N)
@@ -320,8 +321,8 @@ def _native() -> Callable[..., Tensor] | None:
 
 
 def _dense(rows: Tensor, p: PackedWeight) -> Tensor:
-    """Many rows (a prompt's prefill): x times the dequantised weight, in fp32, a few thousand
-    weight rows dequantised at a time."""
+    """Many rows (a prompt's prefill) without the native kernel: x times the dequantised weight,
+    in fp32, a few thousand weight rows dequantised at a time."""
     N = p.shape[0]
     parts = [F.linear(rows, dequantize(p.rows(n, min(n + _FALLBACK_ROWS, N)))) for n in
              range(0, N, _FALLBACK_ROWS)]  # fmt: skip
