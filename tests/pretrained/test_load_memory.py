@@ -42,6 +42,8 @@ def test_let_go_drops_a_tensor_s_pages_and_a_later_read_is_the_same(tmp_path):
     dropped = resident_mib()
     assert touched - before > 12 and touched - dropped > 12, (before, touched, dropped)
     assert torch.equal(file.read("big"), torch.from_numpy(values))  # faulted in again
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 1024\]"):
+        file.let_go("big", (0, 1025))
 
 
 def test_loading_and_generating_import_no_compiler(tmp_path):

@@ -250,6 +250,11 @@ def test_parts_in_groups_stack_as_they_are_where_their_groups_line_up(sizes):
         stacked(reversed(parts), whole.shape[0])
     with pytest.raises(ValueError, match="the parts hold"):
         stacked(iter(parts[:-1]), whole.shape[0])
+    with pytest.raises(ValueError, match="more than rows=16"):
+        stacked(iter(parts), 16)
+    other = random_packed(sizes[-1], 64, 8, 32, False, 5).in_groups()  # 8 bits, no offsets
+    with pytest.raises(ValueError, match="one layout"):
+        stacked(iter([*parts[:-1], other]), whole.shape[0])
 
 
 @pytest.mark.parametrize("weights", ["q8", "q4"])

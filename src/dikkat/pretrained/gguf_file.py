@@ -249,7 +249,10 @@ class GGUFFile:
         (the file stays mapped and in the system's page cache; a later read faults the pages in
         again). A no-op where ``madvise`` is missing."""
         info = self._info(name)
-        row_bytes = info.nbytes // max(1, int(np.prod(info.shape[:-1])))
+        n = max(1, int(np.prod(info.shape[:-1])))
+        if rows is not None and not 0 <= rows[0] <= rows[1] <= n:
+            raise ValueError(f"rows must lie in [0, {n}] for tensor {shown(name)}, got {rows}")
+        row_bytes = info.nbytes // n
         first, stop = (
             (0, info.nbytes) if rows is None else (rows[0] * row_bytes, rows[1] * row_bytes)
         )

@@ -237,8 +237,15 @@ def stacked(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
     for p in parts:
         if not p.grouped or (at + p.shape[0] < rows and p.shape[0] % ROWS):
             raise ValueError(f"parts must be in groups, whole groups but the last: {p.shape}")
+        if at + p.shape[0] > rows:
+            raise ValueError(f"the parts hold more than rows={rows} rows")
         if out is None:
             out = p._with(lambda t: t.new_empty((rows, *t.shape[1:])), True)
+        layout = [(t.dtype, t.shape[1:]) for t in p.tensors()]
+        if (p.bits, p.block, p.zero) != (out.bits, out.block, out.zero) or layout != [
+            (t.dtype, t.shape[1:]) for t in out.tensors()
+        ]:
+            raise ValueError(f"parts must share one layout: {p.kind} beside {out.kind}")
         for held, part in zip(out.tensors(), p.tensors(), strict=True):
             held[at : at + p.shape[0]] = part
         at += p.shape[0]
