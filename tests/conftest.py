@@ -13,6 +13,9 @@ import sys
 # and on 2 cores shared by two test processes the pool has no core to spare anyway. The variable
 # is read when torch._inductor.config is first imported, so it is set before torch is.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Pretrained models and the commands decode eagerly in the tests: a compiled step costs a
+# minute on a model's first run on a machine. tests/models/test_aot_step.py compiles its own.
+os.environ.setdefault("DIKKAT_COMPILE", "0")
 
 import torch
 from hypothesis import settings

@@ -26,7 +26,7 @@ from dikkat.bench.attention import (
 from dikkat.bench.cost import DEFAULT_NS, format_cost_table
 from dikkat.bench.decode import DecodeBenchConfig, format_decode_table, run_decode_benchmark
 from dikkat.cli.args import positive_float, positive_int
-from dikkat.cli.common import add_command, format_examples
+from dikkat.cli.common import add_command, add_eager_argument, compiles, format_examples
 from dikkat.core.tiled import CELLS
 
 _ATTENTION_EXAMPLES = (
@@ -183,7 +183,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         weights=args.weights,
         repeat=args.repeat,
         probe_bytes=args.probe_mib * 2**20,
-        compile=args.compile,
+        compile=compiles(args),
     )
 
     def progress(line: str) -> None:
@@ -208,11 +208,7 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
         help="format of the linear layers: fp32, bf16, int8, w8a8, q8, q4 (default: the "
         "model's own: a GGUF file's quantisation, kept packed)",
     )
-    add(
-        "--compile",
-        action="store_true",
-        help="decode with the model's torch.compile'd static step (the warm-up compiles it)",
-    )
+    add_eager_argument(parser)
     add("--repeat", type=positive_int, default=3, help="timed repetitions after a warm-up (3)")
     add("--probe-mib", type=positive_int, default=1024, help="bandwidth buffer, MiB (1024)")
     add("--json", action="store_true", help="print one JSON object instead of the table")

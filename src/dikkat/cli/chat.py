@@ -15,7 +15,14 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dikkat.cli.args import non_negative_float, positive_int, probability
-from dikkat.cli.common import add_command, add_device, device_of, utf8_text
+from dikkat.cli.common import (
+    add_command,
+    add_device,
+    add_eager_argument,
+    compiles,
+    device_of,
+    utf8_text,
+)
 from dikkat.generation import WEIGHT_FORMATS, SamplingParams
 
 if TYPE_CHECKING:
@@ -34,7 +41,7 @@ def load_pretrained(args: argparse.Namespace, weights: str | None = None) -> Pre
     start = time.perf_counter()
     lm = load(args.model, device=device_of(args), weights=weights)  # type: ignore[arg-type]
     print(f"dikkat: {lm} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    lm.compile_steps = bool(getattr(args, "compile", False))
+    lm.compile_steps = compiles(args)
     return lm
 
 
@@ -138,12 +145,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser, max_new_tokens: int) -> 
         help="format the linear layers multiply in: fp32, bf16, int8, w8a8, q8, q4; default: "
         "a GGUF file's own quantisation, kept packed (fp32 for an HF folder; docs/models.md)",
     )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode with a torch.compile'd static step: the first answer waits a minute for the "
-        "compile, the tokens after come faster",
-    )
+    add_eager_argument(parser)
 
 
 def add_commands(sub: Any) -> None:

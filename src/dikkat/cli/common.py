@@ -164,3 +164,25 @@ def device_of(args: argparse.Namespace) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {args.device}: dikkat's commands run on cpu or cuda")
     return device
+
+
+def add_eager_argument(parser: argparse.ArgumentParser) -> None:
+    """``--eager`` (and the ``--compile`` of earlier versions, now the default, hidden)."""
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="decode step by step in Python, not through the compiled step (compiled on a "
+        "machine's first run of a model, about a minute, then kept in ~/.cache/dikkat/compiled; "
+        "DIKKAT_COMPILE=0 makes this the default)",
+    )
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+
+
+def compiles(args: argparse.Namespace) -> bool:
+    """Whether a command decodes through the compiled step: unless ``--eager`` (or
+    ``DIKKAT_COMPILE=0`` without ``--compile``)."""
+    from dikkat.models.aot_step import compile_by_default  # loaded when a command runs
+
+    if getattr(args, "eager", False):
+        return False
+    return bool(getattr(args, "compile", False)) or compile_by_default()

@@ -14,7 +14,14 @@ import torch
 from dikkat import runs
 from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
 from dikkat.cli.chat import load_pretrained, sampling
-from dikkat.cli.common import add_command, add_device, device_of, require_extra, utf8_text
+from dikkat.cli.common import (
+    add_command,
+    add_device,
+    add_eager_argument,
+    device_of,
+    require_extra,
+    utf8_text,
+)
 from dikkat.cli.folders import load_model
 from dikkat.generation import WEIGHT_FORMATS, LookupStats, iter_generate, iter_lookup_generate
 from dikkat.interop import load_hf_gpt2_dir
@@ -217,6 +224,7 @@ def add_commands(sub: Any) -> None:
         "guessed by matching the last tokens against the prompt and the text so far; the same "
         "tokens as plain greedy, in fewer calls (counts printed to stderr)",
     )
+    add_eager_argument(gen)
     add_device(gen)
     add_no_verify(gen)
 

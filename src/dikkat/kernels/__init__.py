@@ -50,6 +50,7 @@ from dikkat.files import cache_dir
 __all__ = [
     "argmax_op",
     "build",
+    "cpu_identity",
     "dequantize_op",
     "linear_rows_op",
     "native_dir",
@@ -72,7 +73,8 @@ def native_dir() -> Path:
     return cache_dir() / "native"
 
 
-def _cpu() -> str:
+@functools.cache
+def cpu_identity() -> str:
     """This CPU's model and feature flags (what ``-march=native`` compiles for)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -123,7 +125,7 @@ def build(folder: Path | None = None, *, quiet: bool = False) -> Path:
     ).stdout
     key = hashlib.sha256(
         b"\0".join(s.encode() if isinstance(s, str) else s for s in
-                   (source, torch.__version__, version, _cpu(), sys.platform))
+                   (source, torch.__version__, version, cpu_identity(), sys.platform))
     ).hexdigest()[:16]  # fmt: skip
     folder = native_dir() if folder is None else folder
     target = folder / f"{_LIBRARY}-{key}.so"

@@ -21,6 +21,7 @@ from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import RotaryEmbedding, resolve_positions, valid_positions
+from dikkat.models.aot_step import compiled_step
 from dikkat.models.holding import HoldsWeights
 from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
@@ -136,9 +137,14 @@ class Generates(HoldsWeights):
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
     def static_step(self, cache: Sequence[KVCache], *, compile: bool = False) -> StaticStep:
-        """Decode steps over ``cache`` with static shapes, compiled or not
-        (:class:`~dikkat.models.static_step.StaticStep`)."""
-        return StaticStep(self, cache, compile=compile)  # type: ignore[arg-type]
+        """Decode steps over ``cache`` with static shapes
+        (:class:`~dikkat.models.static_step.StaticStep`); ``compile=True``: compiled, ahead of
+        time and kept on disk for one row on the CPU (:class:`~dikkat.models.aot_step.AotStep`),
+        else by ``torch.compile``, eager with a line on stderr where neither builds
+        (:func:`~dikkat.models.aot_step.compiled_step`)."""
+        if compile:
+            return compiled_step(self, cache)  # type: ignore[arg-type]
+        return StaticStep(self, cache)  # type: ignore[arg-type]
 
     def pool_step(
         self, keys: Sequence[Tensor], values: Sequence[Tensor], *, compile: bool = False

@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 
 from dikkat.generation.generate import iter_generate
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
+from dikkat.models.aot_step import compile_by_default
 from dikkat.models.decoder import Decoder
 from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.pretrained.chat_template import check_unicode, render_chat
@@ -49,9 +50,10 @@ class Pretrained:
     ) -> None:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.name, self.path = name, path
-        # True: one prompt at a time decodes with the model's torch.compile'd static step
-        # (dikkat.models.static_step; a Decoder): a minute's compile, then faster steps
-        self.compile_steps = False
+        # True: one prompt at a time decodes through the model's compiled step, built on a
+        # machine's first run of the model and kept on disk (dikkat.models.aot_step); False: the
+        # eager steps. Default: True unless the environment sets DIKKAT_COMPILE=0
+        self.compile_steps = compile_by_default()
         self._text = _TextOf(tokenizer)
         self._chat_tokens = ChatTokens(tokenizer)
 

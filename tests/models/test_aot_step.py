@@ -1,0 +1,151 @@
+"""The decode step compiled ahead of time (dikkat.models.aot_step): the eager step's logits for
+every cache length from one package, loaded again without compiling (in a fresh process,
+without importing dynamo), a damaged package refused, the key following what the compiled code
+depends on, and the eager step where nothing compiles."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dikkat.cli.common import compiles
+from dikkat.generation.generate import decode_step, prefill
+from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig, aot_step
+from dikkat.models.aot_step import AotStep, StepCompileError, compile_by_default, compiled_step
+from dikkat.models.static_step import StaticStep
+
+CONFIGS = {
+    "llama": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2),
+    "gemma3": DecoderConfig.preset(
+        "gemma3-270m", vocab_size=64, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48,
+        n_layers=3, sliding_window=4, layer_kinds=("sliding", "full", "sliding"), max_len=64,
+    ),
+    "gpt2": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_len=64),
+}  # fmt: skip
+
+
+def build(family: str, seed: int = 0) -> Decoder | GPT:
+    torch.manual_seed(seed)
+    config = CONFIGS[family]
+    return (GPT if isinstance(config, GPTConfig) else Decoder)(config).eval()
+
+
+def _matches_eager(model, step_of, slots: int) -> None:
+    ids = torch.randint(0, 64, (1, 5))
+    eager, static = model.new_cache(1, slots), model.new_cache(1, slots)
+    tokens = prefill(model, ids, eager).argmax(-1)
+    prefill(model, ids, static)
+    step = step_of(static)
+    for slot in range(5, slots):  # past the 4-key window of the sliding layers
+        want = decode_step(model, tokens, eager, slot)
+        got = step(tokens, slot)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        tokens = want.argmax(-1)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_one_package_gives_the_eager_logits_at_every_cache_length(family):
+    """In dikkat's cache, as a user's: tests/models/test_static_step.py's models are the same,
+    and share the packages (built by whichever test comes first)."""
+    model = build(family)
+    first = AotStep(model, model.new_cache(1, 12))
+    assert first.package.is_file()
+    _matches_eager(model, lambda cache: AotStep(model, cache), 12)
+    again = AotStep(model, model.new_cache(1, 20))
+    assert not again.built and again.package == first.package  # loaded, not compiled
+    _matches_eager(model, lambda cache: AotStep(model, cache), 20)
+
+
+def test_a_fresh_process_loads_the_package_without_dynamo():
+    model = build("llama")
+    AotStep(model, model.new_cache(1, 8))  # built by the test above, or here
+    script = textwrap.dedent("""
+        import sys, torch
+        from dikkat.models import Decoder, DecoderConfig
+        from dikkat.models.aot_step import AotStep
+        from dikkat.models.static_step import StaticStep
+        torch.manual_seed(1)  # other weights, the same structure: the same package
+        model = Decoder(DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2,
+                                      n_layers=2)).eval()
+        cache = model.new_cache(1, 8)
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+        step = AotStep(model, cache)
+        eager_cache = model.new_cache(1, 8)
+        model(torch.tensor([[1, 2, 3]]), cache=eager_cache)
+        got = step(torch.tensor([4]), 3)
+        want = StaticStep(model, eager_cache)(torch.tensor([4]), 3)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got, want)
+        print(step.built, "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False", "False"]
+
+
+def test_a_damaged_package_is_not_loaded(tmp_path, capsys):
+    model = build("llama")
+    shared = AotStep(model, model.new_cache(1, 8)).package
+    for path in (shared, shared.with_suffix(".json")):  # a copy of its own to damage
+        shutil.copy(path, tmp_path / path.name)
+    step = AotStep(model, model.new_cache(1, 8), folder=tmp_path)
+    assert not step.built
+    data = step.package.read_bytes()
+    step.package.write_bytes(data[: len(data) // 2])
+    assert step._load() is None
+    assert "unusable" in capsys.readouterr().err
+    step.package.write_bytes(data)
+    assert step._load() is not None
+
+
+def test_the_key_follows_what_the_code_depends_on():
+    base = build("llama")
+    windows = (None, None)
+    key = aot_step.step_key(base, windows)
+    assert aot_step.step_key(build("llama", seed=1), windows) == key  # other weights' values
+    assert aot_step.step_key(base, (4, None)) != key  # another window
+    wider = Decoder(DecoderConfig(vocab_size=64, d_model=48, n_heads=4, n_kv_heads=2, n_layers=2))
+    assert aot_step.step_key(wider.eval(), windows) != key  # other shapes
+    small = build("llama")
+    with torch.no_grad():  # a tensor small enough to be written into the code: by value
+        small.blocks[0].attn_norm.weight.data = torch.ones(32)[:16].clone()
+    assert aot_step.step_key(small, windows) != key
+
+
+def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp_path, capsys):
+    model = build("gpt2", seed=2)
+    monkeypatch.setenv("DIKKAT_CACHE", str(tmp_path))  # no package there
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(aot_step, "_build", no_compiler)
+    cache = model.new_cache(1, 8)
+    step = compiled_step(model, cache)
+    assert type(step) is StaticStep
+    assert "decoding eagerly" in capsys.readouterr().err
+    with pytest.raises(StepCompileError, match="no C\\+\\+ compiler"):
+        AotStep(model, cache)
+
+
+def test_a_batch_is_no_case_for_it():
+    model = build("llama")
+    with pytest.raises(StepCompileError, match="one row"):
+        AotStep(model, model.new_cache(2, 8))
+
+
+def test_compiled_by_default_unless_told(monkeypatch):
+    monkeypatch.delenv("DIKKAT_COMPILE", raising=False)
+    assert compile_by_default()
+    assert compiles(argparse.Namespace(eager=False, compile=False))
+    assert not compiles(argparse.Namespace(eager=True, compile=False))
+    monkeypatch.setenv("DIKKAT_COMPILE", "0")
+    assert not compile_by_default()
+    assert not compiles(argparse.Namespace(eager=False, compile=False))
+    assert compiles(argparse.Namespace(eager=False, compile=True))
