@@ -97,7 +97,7 @@ def speed_rounds(bins: Path, dikkat_cmd: list[str], path: Path, args) -> dict[st
     for flag, value in {**sizes, "prompt-tokens": args.prompt, "repeat": 1}.items():
         ours += [f"--{flag}", str(value)]
     ours += ["--json", *(["--weights", args.weights] if args.weights else [])]
-    ours += ["--compile"] if args.compile else []
+    ours += ["--eager"] if args.eager else []
     commands = {"dikkat": ours}
     if args.before:  # the same command, importing dikkat from the other tree
         commands["dikkat before"] = ["env", f"PYTHONPATH={args.before}", *ours]
@@ -153,9 +153,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--prompt", type=int, default=16, help="prompt tokens before decoding")
     add("--weights", default=None, help="dikkat's weight format (default: the file's, packed)")
     add(
-        "--compile",
+        "--eager",
         action="store_true",
-        help="dikkat decodes with its compiled static step (dikkat bench decode --compile)",
+        help="dikkat decodes step by step in Python, not through its compiled step (dikkat bench "
+        "decode --eager)",
     )
     add("--greedy", type=int, default=64, help="greedy tokens compared")
     add("--ctx", type=int, default=512, help="perplexity chunk length (llama-perplexity -c)")

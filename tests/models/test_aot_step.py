@@ -59,6 +59,7 @@ def test_one_package_gives_the_eager_logits_at_every_cache_length(family):
     _matches_eager(model, lambda cache: AotStep(model, cache), 12)
     again = AotStep(model, model.new_cache(1, 20))
     assert not again.built and again.package == first.package  # loaded, not compiled
+    assert again._runner is first._runner  # once for the model: a chat's next turn reuses it
     _matches_eager(model, lambda cache: AotStep(model, cache), 20)
 
 

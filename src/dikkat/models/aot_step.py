@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,11 @@ def _build(model: nn.Module, windows: tuple[int | None, ...], keys: list[Tensor]
     return where
 
 
+# the packages loaded for a model, bound to its tensors: its next decode (a chat's next turn, a
+# cache of another length) reuses them
+_LOADED: weakref.WeakKeyDictionary[nn.Module, dict[Path, Any]] = weakref.WeakKeyDictionary()
+
+
 def _runner(package: Path) -> Any:
     """The package's loader, which runs it (one runner, not single-threaded, on the CPU)."""
     return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
@@ -240,13 +246,14 @@ class AotStep(StaticStep):
         self.key = step_key(model, self._windows)  # type: ignore[arg-type]
         self.package = folder / f"step-{self.key}.pt2"
         self.built = False  # whether this object compiled its package (else it loaded one)
-        runner = self._load()
+        loaded = _LOADED.setdefault(model, {})  # type: ignore[arg-type]
+        runner = loaded.get(self.package) or self._load()
         if runner is None:
             self._compile(folder)
             runner = self._load()
             if runner is None:
                 raise StepCompileError(f"the package just built at {self.package} fails to load")
-        self._runner = runner
+        self._runner = loaded[self.package] = runner
         self._fn = self._run
 
     def _run(self, model: object, windows: object, keys: list[Tensor], values: list[Tensor],
