@@ -17,8 +17,15 @@ import torch
 from dikkat.cli.common import compiles
 from dikkat.generation.generate import decode_step, prefill
 from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig, aot_step
-from dikkat.models.aot_step import AotStep, StepCompileError, compile_by_default, compiled_step
-from dikkat.models.static_step import StaticStep
+from dikkat.models.aot_step import (
+    AotPoolStep,
+    AotStep,
+    StepCompileError,
+    compile_by_default,
+    compiled_pool_step,
+    compiled_step,
+)
+from dikkat.models.static_step import PoolStep, StaticStep
 
 CONFIGS = {
     "llama": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2),
@@ -63,6 +70,35 @@ def test_one_package_gives_the_eager_logits_at_every_cache_length(family):
     _matches_eager(model, lambda cache: AotStep(model, cache), 20)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_one_pool_package_serves_batches_that_change(family):
+    """The batch step over pools of slots (the serving engine's): rows join, leave and grow,
+    and each batch gets the eager pool step's logits and writes, from one package."""
+    model = build(family)
+    layout = model.cache_layout()
+    shape = (64, layout.kv_heads, layout.head_dim)
+    keys = [torch.randn(shape) for _ in range(layout.n_layers)]
+    values = [torch.randn(shape) for _ in range(layout.n_layers)]
+    eager_keys, eager_values = [k.clone() for k in keys], [v.clone() for v in values]
+    eager = PoolStep(model, eager_keys, eager_values)
+    compiled = AotPoolStep(model, keys, values)
+    slots = torch.randperm(64)[:48].view(3, 16)
+    tokens, positions = torch.tensor([3, 9, 6]), torch.tensor([5, 2, 7])
+    for rows in ([0, 1, 2], [0, 2], [1], [0, 1, 2], [2]):
+        r = torch.tensor(rows)
+        S = int(positions[r].max()) + 1
+        args = (tokens[r], positions[r], slots[r, :S])
+        want = eager(*args)
+        got = compiled(*args)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        tokens[r] = want.argmax(-1)
+        positions[r] += 1
+    for a, b in zip(keys + values, eager_keys + eager_values, strict=True):  # the same writes
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    again = AotPoolStep(model, keys, values)
+    assert not again.built and again._runner is compiled._runner
+
+
 def test_a_fresh_process_loads_the_package_without_dynamo():
     model = build("llama")
     AotStep(model, model.new_cache(1, 8))  # built by the test above, or here
@@ -70,7 +106,7 @@ def test_a_fresh_process_loads_the_package_without_dynamo():
         import sys, torch
         from dikkat.models import Decoder, DecoderConfig
         from dikkat.models.aot_step import AotStep
-        from dikkat.models.static_step import StaticStep
+        from dikkat.models.static_step import PoolStep, StaticStep
         torch.manual_seed(1)  # other weights, the same structure: the same package
         model = Decoder(DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2,
                                       n_layers=2)).eval()
@@ -126,13 +162,17 @@ def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(aot_step, "_build", no_compiler)
+    monkeypatch.setattr(aot_step._Package, "_build", no_compiler)
     cache = model.new_cache(1, 8)
     step = compiled_step(model, cache)
     assert type(step) is StaticStep
     assert "decoding eagerly" in capsys.readouterr().err
     with pytest.raises(StepCompileError, match="no C\\+\\+ compiler"):
         AotStep(model, cache)
+    pools = [torch.zeros(8, 4, 8) for _ in range(2)]  # the batch step: torch.compile's instead
+    pool_step = compiled_pool_step(model, pools, [p.clone() for p in pools])
+    assert type(pool_step) is PoolStep and pool_step._compiled
+    assert "compiles in each process instead" in capsys.readouterr().err
 
 
 def test_a_batch_is_no_case_for_it():

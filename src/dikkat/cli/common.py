@@ -166,7 +166,7 @@ def device_of(args: argparse.Namespace) -> torch.device:
     return device
 
 
-def add_eager_argument(parser: argparse.ArgumentParser) -> None:
+def add_eager_argument(parser: argparse._ActionsContainer) -> None:
     """``--eager`` (and the ``--compile`` of earlier versions, now the default, hidden)."""
     parser.add_argument(
         "--eager",

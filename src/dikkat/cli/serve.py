@@ -15,7 +15,14 @@ import torch
 
 from dikkat.cli.args import add_no_verify, positive_float, positive_int
 from dikkat.cli.chat import load_pretrained
-from dikkat.cli.common import add_command, add_device, device_of, require_extra
+from dikkat.cli.common import (
+    add_command,
+    add_device,
+    add_eager_argument,
+    compiles,
+    device_of,
+    require_extra,
+)
 from dikkat.cli.folders import load_model
 from dikkat.cli.generate import _tokenizer_of
 from dikkat.interop import load_hf_gpt2_dir
@@ -73,10 +80,9 @@ def build_app(args: argparse.Namespace, executor: Executor | None = None) -> Any
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         weights=args.weights,
-        compile=args.compile,
+        compile=compiles(args),
     )
-    if args.compile:
-        print("dikkat: compiling the decode step (a minute or two the first time)…", flush=True)
+    if compiles(args):  # the batch decode step was compiled or loaded above; a first run of each
         engine.warm_up()
     from dikkat.serving.server import create_app  # needs fastapi (checked above)
 
@@ -296,13 +302,7 @@ def add_commands(sub: Any) -> None:
         "(blocks of 32); default: a GGUF file's own quantisation with --model, else fp32; the "
         "saved weights are not changed",
     )
-    engine.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode through the model's torch.compile'd step (a Decoder or GPT; compiled "
-        "before serving starts, in a minute or two), without the eager forward's per-layer "
-        "Python",
-    )
+    add_eager_argument(engine)
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )

@@ -52,11 +52,19 @@ from dikkat.files import atomic_write, cache_dir, record, verify, write_text
 from dikkat.generation.protocol import LayeredLM
 from dikkat.kernels import cpu_identity, paged_attention_op
 from dikkat.layers.kv_cache import KVCache
-from dikkat.models.static_step import StaticStep, _step
+from dikkat.models.static_step import PoolStep, StaticStep, _pool_step, _step
 
-__all__ = ["AotStep", "StepCompileError", "aot_applies", "compile_by_default", "compiled_dir"]
+__all__ = [
+    "AotPoolStep",
+    "AotStep",
+    "StepCompileError",
+    "aot_applies",
+    "compile_by_default",
+    "compiled_dir",
+]
 
 VERSION = 1  # the package's layout and its record's; a change needs a new one
+MAX_ROWS = 1024  # the most rows a compiled batch step takes
 _INLINED = 16  # tensors of at most this many numbers may be written into the code: keyed by value
 
 
@@ -77,15 +85,13 @@ def compiled_dir() -> Path:
     return cache_dir() / "compiled"
 
 
-def aot_applies(model: nn.Module, cache: Sequence[KVCache]) -> bool:
-    """Whether :class:`AotStep` serves ``model`` over ``cache``: one row of fp32 keys on the CPU,
-    and every tensor of the model on the CPU (the native kernels' case)."""
-    k = cache[0].k if cache else None
+def aot_applies(model: nn.Module, keys: Tensor) -> bool:
+    """Whether a step compiled ahead of time serves ``model`` over ``keys`` (a layer's cache or
+    pool): fp32 keys on the CPU, and every tensor of the model on the CPU (the native kernels'
+    case)."""
     return (
-        k is not None
-        and k.shape[0] == 1
-        and k.dtype == torch.float32
-        and k.is_cpu
+        keys.dtype == torch.float32
+        and keys.is_cpu
         and all(t.is_cpu for t in _tensors(model).values())
     )
 
@@ -145,10 +151,12 @@ def _source_digest() -> bytes:
     return digest.digest()
 
 
-def step_key(model: nn.Module, windows: tuple[int | None, ...]) -> str:
-    """The name of ``model``'s compiled step: what a package depends on (module docstring)."""
+def step_key(model: nn.Module, windows: tuple[int | None, ...], inputs: str = "") -> str:
+    """The name of ``model``'s compiled step: what a package depends on (module docstring);
+    ``inputs`` says what of the step's inputs is fixed in it (a pool's slots)."""
     digest = hashlib.sha256()
-    for part in (VERSION, torch.__version__, cpu_identity(), repr(model), repr(windows)):
+    parts = (VERSION, torch.__version__, cpu_identity(), repr(model), repr(windows), inputs)
+    for part in parts:
         digest.update(str(part).encode() + b"\0")
     digest.update(_source_digest())
     for path, t in _tensors(model).items():
@@ -159,60 +167,18 @@ def step_key(model: nn.Module, windows: tuple[int | None, ...]) -> str:
 
 
 class _StepModule(nn.Module):
-    """The step as a module, for torch.export: the caches and the token are its inputs."""
+    """A step as a module, for torch.export: the caches, the tokens and where they go are its
+    inputs (``step``: :func:`~dikkat.models.static_step._step` or ``_pool_step``)."""
 
-    def __init__(self, model: nn.Module, windows: tuple[int | None, ...]) -> None:
+    def __init__(self, model: nn.Module, windows: tuple[int | None, ...],
+                 step: Callable[..., Tensor]) -> None:  # fmt: skip
         super().__init__()
-        self.model, self.windows = model, windows
+        self.model, self.windows, self.step = model, windows, step
 
-    def forward(self, keys: list[Tensor], values: list[Tensor], tokens: Tensor,
-                pos: Tensor) -> Tensor:  # fmt: skip
-        return _step(self.model, self.windows, keys, values, tokens, pos)  # type: ignore[arg-type]
-
-
-def _build(model: nn.Module, windows: tuple[int | None, ...], keys: list[Tensor],
-           values: list[Tensor], package: Path) -> dict[str, str]:  # fmt: skip
-    """Export and compile the step into ``package``; returns each constant's path in the model."""
-    fetched: dict[str, Tensor] = {}
-
-    def note_constants(graph: torch.fx.Graph) -> None:
-        root = graph.owning_module
-        for node in graph.find_nodes(op="get_attr"):
-            value: Any = root
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
-            if isinstance(value, Tensor):
-                fetched[str(node.target)] = value
-
-    slots = torch.export.Dim("slots", min=2, max=max(2, model.config.max_len))  # type: ignore[union-attr]
-    dynamic = ([{2: slots}] * len(keys), [{2: slots}] * len(values), None, None)
-    example = (keys, values, torch.zeros(1, dtype=torch.long), torch.tensor(0))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # export's and inductor's notes on their own internals
-        program = torch.export.export(
-            _StepModule(model, windows), example, dynamic_shapes=dynamic, strict=False
-        )
-        torch._inductor.aoti_compile_and_package(
-            program,
-            package_path=str(package),
-            inductor_configs={
-                "aot_inductor.package_constants_in_so": False,
-                "post_grad_custom_post_pass": note_constants,
-            },
-        )
-    paths = {_identity(t): path for path, t in _tensors(model).items()}
-    where: dict[str, str] = {}
-    # the constants the package asks for: of those the graph fetched, the ones inductor did not
-    # write into its code (a tensor of a few numbers) nor find the same as another (a tied one)
-    for name in _runner(package).get_constant_fqns():
-        t = fetched.get(name)
-        path = None if t is None else paths.get(_identity(t))
-        if t is None or path is None:
-            raise StepCompileError(
-                f"the compiled step reads a tensor {name} that is none of the model's"
-            )
-        where[name] = path.removeprefix("model.")
-    return where
+    def forward(self, keys: list[Tensor], values: list[Tensor], tokens: Tensor, where: Tensor,
+                slots: Tensor | None = None) -> Tensor:  # fmt: skip
+        rest = (tokens, where) if slots is None else (tokens, where, slots)
+        return self.step(self.model, self.windows, keys, values, *rest)
 
 
 # the packages loaded for a model, bound to its tensors: its next decode (a chat's next turn, a
@@ -225,58 +191,47 @@ def _runner(package: Path) -> Any:
     return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
 
 
-class AotStep(StaticStep):
-    """:class:`~dikkat.models.static_step.StaticStep`'s decode steps (same call, same checks)
-    through a package AOTInductor compiled (module docstring): built the first time a model is
-    decoded on a machine, with a line on stderr saying so, then loaded from ``folder`` (default
-    :func:`compiled_dir`). A :class:`StepCompileError` where it cannot be built or loaded.
+class _Package:
+    """``step`` of ``model`` compiled for inputs like ``example`` (the caches, the tokens and
+    where they go), with the sizes ``dynamic`` names symbolic (torch.export's
+    ``dynamic_shapes``), ``fixed`` saying what else of them the package holds fixed: found in
+    ``folder``, else built there; ``runner`` runs it, bound to the model's tensors."""
 
-    The package is bound to ``model``'s tensors, which must stay as they are (the values may
-    change in place, not the tensors)."""
-
-    def __init__(self, model: LayeredLM, cache: Sequence[KVCache], *,
-                 folder: str | Path | None = None) -> None:  # fmt: skip
-        super().__init__(model, cache)
-        if not aot_applies(model, cache):  # type: ignore[arg-type]
-            raise StepCompileError(
-                "a compiled step ahead of time takes one row of fp32 keys on the CPU, got "
-                f"{tuple(self._keys[0].shape)} {self._keys[0].dtype} on {self._keys[0].device}"
-            )
-        folder = compiled_dir() if folder is None else Path(folder)
-        self.key = step_key(model, self._windows)  # type: ignore[arg-type]
-        self.package = folder / f"step-{self.key}.pt2"
+    def __init__(self, model: nn.Module, windows: tuple[int | None, ...], kind: str,
+                 step: Callable[..., Tensor], example: tuple[Any, ...],
+                 dynamic: tuple[Any, ...], fixed: str, folder: Path) -> None:  # fmt: skip
+        self.model, self.windows, self.kind, self.step = model, windows, kind, step
+        self.example, self.dynamic, self.folder = example, dynamic, folder
+        self.key = step_key(model, windows, f"{kind}: {fixed}")
+        self.package = folder / f"{kind}-{self.key}.pt2"
         self.built = False  # whether this object compiled its package (else it loaded one)
-        loaded = _LOADED.setdefault(model, {})  # type: ignore[arg-type]
-        runner = loaded.get(self.package) or self._load()
+        loaded = _LOADED.setdefault(model, {})
+        runner = loaded.get(self.package) or self.load()
         if runner is None:
-            self._compile(folder)
-            runner = self._load()
+            self._compile()
+            runner = self.load()
             if runner is None:
                 raise StepCompileError(f"the package just built at {self.package} fails to load")
-        self._runner = loaded[self.package] = runner
-        self._fn = self._run
+        self.runner = loaded[self.package] = runner
 
-    def _run(self, model: object, windows: object, keys: list[Tensor], values: list[Tensor],
-             tokens: Tensor, pos: Tensor) -> Tensor:  # fmt: skip
-        return self._runner.boxed_run([*keys, *values, tokens, pos])[0]
-
-    def _record(self) -> Path:
+    @property
+    def record_path(self) -> Path:
         return self.package.with_suffix(".json")
 
-    def _load(self) -> Any:
+    def load(self) -> Any:
         """The package's runner, its constants bound to the model's tensors; None where there is
         no package, or its record does not match it (damaged: it is rebuilt)."""
         try:
-            entry = json.loads(self._record().read_text())
+            entry = json.loads(self.record_path.read_text())
             if entry.get("version") != VERSION:
                 return None
             verify(self.package, entry["package"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            if self.package.exists() or self._record().exists():
+            if self.package.exists() or self.record_path.exists():
                 print(f"dikkat: the compiled step {self.package.name} is unusable ({e}); "
                       "compiling it again", file=sys.stderr)  # fmt: skip
             return None
-        tensors = _tensors(self.model)  # type: ignore[arg-type]
+        tensors = _tensors(self.model)
         missing = [path for path in entry["constants"].values() if path not in tensors]
         if missing:
             raise StepCompileError(f"the model has no tensors {missing[:3]} the step reads")
@@ -289,39 +244,176 @@ class AotStep(StaticStep):
         runner.load_constants(constants, False, True, True, False)
         return runner
 
-    def _compile(self, folder: Path) -> None:
-        print("dikkat: compiling the decode step of this model for this machine (once; a "
-              "minute or so) …", file=sys.stderr, flush=True)  # fmt: skip
+    def _compile(self) -> None:
+        print(f"dikkat: compiling the {'batch ' if self.kind == 'pool' else ''}decode step of "
+              "this model for this machine (once; a minute or so) …", file=sys.stderr,
+              flush=True)  # fmt: skip
         start = time.perf_counter()
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.folder, prefix=".build-") as tmp:
             built = Path(tmp) / self.package.name
             try:
-                where = _build(self.model, self._windows, self._keys, self._values, built)
+                where = self._build(built)
             except StepCompileError:
                 raise
             except Exception as e:  # export's and inductor's errors have no common base
                 raise StepCompileError(f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
             entry = {"version": VERSION, "package": record(built), "constants": where}
             atomic_write(self.package, lambda to: shutil.copyfile(built, to))
-            write_text(self._record(), json.dumps(entry, indent=1))
+            write_text(self.record_path, json.dumps(entry, indent=1))
         self.built = True
         print(f"dikkat: compiled in {time.perf_counter() - start:.0f} s, kept in "
               f"{self.package}", file=sys.stderr)  # fmt: skip
+
+    def _build(self, package: Path) -> dict[str, str]:
+        """Export and compile the step into ``package``; returns each constant's path in the
+        model."""
+        fetched: dict[str, Tensor] = {}
+
+        def note_constants(graph: torch.fx.Graph) -> None:
+            root = graph.owning_module
+            for node in graph.find_nodes(op="get_attr"):
+                value: Any = root
+                for part in str(node.target).split("."):
+                    value = getattr(value, part)
+                if isinstance(value, Tensor):
+                    fetched[str(node.target)] = value
+
+        module = _StepModule(self.model, self.windows, self.step)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # export's and inductor's notes on their internals
+            program = torch.export.export(
+                module, self.example, dynamic_shapes=self.dynamic, strict=False
+            )
+            torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=str(package),
+                inductor_configs={
+                    "aot_inductor.package_constants_in_so": False,
+                    "post_grad_custom_post_pass": note_constants,
+                },
+            )
+        paths = {_identity(t): path for path, t in _tensors(self.model).items()}
+        where: dict[str, str] = {}
+        # the constants the package asks for: of those the graph fetched, the ones inductor did
+        # not write into its code (a tensor of a few numbers) nor find the same as another (a
+        # tied one)
+        for name in _runner(package).get_constant_fqns():
+            t = fetched.get(name)
+            path = None if t is None else paths.get(_identity(t))
+            if t is None or path is None:
+                raise StepCompileError(
+                    f"the compiled step reads a tensor {name} that is none of the model's"
+                )
+            where[name] = path
+        return where
+
+
+def _slots_dim(model: nn.Module) -> Any:
+    return torch.export.Dim("slots", min=2, max=max(2, model.config.max_len))  # type: ignore[union-attr,operator]
+
+
+class AotStep(StaticStep):
+    """:class:`~dikkat.models.static_step.StaticStep`'s decode steps (same call, same checks)
+    of one row through a package AOTInductor compiled (module docstring): built the first time a
+    model is decoded on a machine, with a line on stderr saying so, then loaded from ``folder``
+    (default :func:`compiled_dir`). A :class:`StepCompileError` where it cannot be built or
+    loaded.
+
+    The package is bound to ``model``'s tensors, which must stay as they are (the values may
+    change in place, not the tensors)."""
+
+    def __init__(self, model: LayeredLM, cache: Sequence[KVCache], *,
+                 folder: str | Path | None = None) -> None:  # fmt: skip
+        super().__init__(model, cache)
+        k = self._keys[0]
+        if k.shape[0] != 1 or not aot_applies(model, k):  # type: ignore[arg-type]
+            raise StepCompileError(
+                "a compiled step ahead of time takes one row of fp32 keys on the CPU, got "
+                f"{tuple(k.shape)} {k.dtype} on {k.device}"
+            )
+        slots = _slots_dim(model)  # type: ignore[arg-type]
+        n = len(self._keys)
+        example = (self._keys, self._values, torch.zeros(1, dtype=torch.long), torch.tensor(0))
+        dynamic = ([{2: slots}] * n, [{2: slots}] * n, None, None)
+        folder = compiled_dir() if folder is None else Path(folder)
+        self._package = _Package(model, self._windows, "step", _step, example, dynamic,  # type: ignore[arg-type]
+                                 "one row", folder)  # fmt: skip
+        self.key, self.package = self._package.key, self._package.package
+        self.built, self._runner = self._package.built, self._package.runner
+        self._fn = self._run
+
+    def _run(self, model: object, windows: object, keys: list[Tensor], values: list[Tensor],
+             tokens: Tensor, pos: Tensor) -> Tensor:  # fmt: skip
+        return self._runner.boxed_run([*keys, *values, tokens, pos])[0]
+
+    def _load(self) -> Any:
+        return self._package.load()
+
+
+class AotPoolStep(PoolStep):
+    """:class:`~dikkat.models.static_step.PoolStep`'s decode steps (same call, same checks) of
+    a batch of rows over pools of slots through a package AOTInductor compiled, the batch and
+    the slots a row may read symbolic, as :class:`AotStep` (which says what is kept where)."""
+
+    def __init__(self, model: LayeredLM, keys: Sequence[Tensor], values: Sequence[Tensor], *,
+                 folder: str | Path | None = None) -> None:  # fmt: skip
+        super().__init__(model, keys, values)
+        if not aot_applies(model, self._keys[0]):  # type: ignore[arg-type]
+            k = self._keys[0]
+            raise StepCompileError(
+                f"a compiled step ahead of time takes fp32 pools on the CPU, got {k.dtype} on "
+                f"{k.device}"
+            )
+        rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+        slots = _slots_dim(model)  # type: ignore[arg-type]
+        # traced with two rows of four slots (a size of 1 would be taken for a constant), each
+        # input a tensor of its own (one tensor given twice would be traced as one input)
+        tokens, positions = torch.zeros(2, dtype=torch.long), torch.tensor([1, 2])
+        example = (self._keys, self._values, tokens, positions, torch.arange(8).view(2, 4))
+        static = [None] * len(self._keys)  # the pools' sizes are fixed
+        dynamic = (static, static, {0: rows}, {0: rows}, {0: rows, 1: slots})
+        folder = compiled_dir() if folder is None else Path(folder)
+        fixed = f"pools {tuple(self._keys[0].shape)}"
+        self._package = _Package(model, self._windows, "pool", _pool_step, example, dynamic,  # type: ignore[arg-type]
+                                 fixed, folder)  # fmt: skip
+        self.key, self.package = self._package.key, self._package.package
+        self.built, self._runner = self._package.built, self._package.runner
+        self._fn = self._run
+
+    def _run(self, model: object, windows: object, keys: list[Tensor], values: list[Tensor],
+             tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
+        return self._runner.boxed_run([*keys, *values, tokens, positions, slots])[0]
 
 
 def compiled_step(model: LayeredLM, cache: Sequence[KVCache],
                   say: Callable[[str], None] | None = None) -> StaticStep:  # fmt: skip
     """The fastest decode step of ``model`` over ``cache`` that builds here: :class:`AotStep`
-    where it applies, else ``torch.compile``'d; where the compile fails, the eager step, and
-    one line (``say``, default stderr) saying why."""
-    if not aot_applies(model, cache):  # type: ignore[arg-type]
+    for one row on the CPU, else ``torch.compile``'d; where the compile fails, the eager step,
+    and one line (``say``, default stderr) saying why."""
+    k = cache[0].k
+    if k.shape[0] != 1 or not aot_applies(model, k):  # type: ignore[arg-type]
         return StaticStep(model, cache, compile=True)
     try:
         return AotStep(model, cache)
     except StepCompileError as e:
         (say or _to_stderr)(f"dikkat: decoding eagerly: the compiled step is unavailable ({e})")
         return StaticStep(model, cache)
+
+
+def compiled_pool_step(model: LayeredLM, keys: Sequence[Tensor], values: Sequence[Tensor],
+                       say: Callable[[str], None] | None = None) -> PoolStep:  # fmt: skip
+    """The fastest pool step of ``model`` that builds here: :class:`AotPoolStep` on the CPU,
+    else ``torch.compile``'d (and there too where it cannot be built, with one line, ``say``,
+    saying why)."""
+    if not aot_applies(model, keys[0]):  # type: ignore[arg-type]
+        return PoolStep(model, keys, values, compile=True)
+    try:
+        return AotPoolStep(model, keys, values)
+    except StepCompileError as e:
+        (say or _to_stderr)(f"dikkat: the batch decode step compiles in each process instead: "
+                            f"the step compiled ahead of time is unavailable ({e})")  # fmt: skip
+        return PoolStep(model, keys, values, compile=True)
 
 
 def _to_stderr(line: str) -> None:

@@ -21,7 +21,7 @@ from dikkat.layers.inputs import check_token_ids, check_valid
 from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import LinearRows
 from dikkat.layers.positional import RotaryEmbedding, resolve_positions, valid_positions
-from dikkat.models.aot_step import compiled_step
+from dikkat.models.aot_step import compiled_pool_step, compiled_step
 from dikkat.models.holding import HoldsWeights
 from dikkat.models.static_step import PoolStep, StaticStep
 from dikkat.validate import check_int
@@ -150,8 +150,13 @@ class Generates(HoldsWeights):
         self, keys: Sequence[Tensor], values: Sequence[Tensor], *, compile: bool = False
     ) -> PoolStep:
         """Decode steps of rows at positions of their own, their keys and values in per-layer
-        pools of slots (a paged cache; :class:`~dikkat.models.static_step.PoolStep`)."""
-        return PoolStep(self, keys, values, compile=compile)  # type: ignore[arg-type]
+        pools of slots (a paged cache; :class:`~dikkat.models.static_step.PoolStep`);
+        ``compile=True``: compiled ahead of time and kept on disk on the CPU
+        (:class:`~dikkat.models.aot_step.AotPoolStep`), else (or where that cannot be built) by
+        ``torch.compile`` (:func:`~dikkat.models.aot_step.compiled_pool_step`)."""
+        if compile:
+            return compiled_pool_step(self, keys, values)  # type: ignore[arg-type]
+        return PoolStep(self, keys, values)  # type: ignore[arg-type]
 
     @property
     def n_params(self) -> int:

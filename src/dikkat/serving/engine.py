@@ -80,10 +80,13 @@ class Engine:
             the model's own if it is an inference copy already (a GGUF file's packed weights,
             :func:`dikkat.pretrained.load`), else "fp32". The model's own parameters are not
             changed.
-        compile: decode through the model's ``torch.compile``'d pool step (``model.pool_step``,
-            :class:`~dikkat.models.static_step.PoolStep`; a ``Decoder`` or a ``GPT``): one graph
-            for every batch (one more for a batch of one), compiled in the first steps or by
-            :meth:`warm_up`. The prefills stay eager.
+        compile: decode through the model's compiled pool step (``model.pool_step``; a
+            ``Decoder`` or a ``GPT``): on the CPU compiled ahead of time, once per model and
+            machine, and loaded from dikkat's cache after
+            (:class:`~dikkat.models.aot_step.AotPoolStep`), with the batch and the slots
+            symbolic, so one package serves every batch; elsewhere, or where that cannot be
+            built, through ``torch.compile`` in the first steps or :meth:`warm_up`. The
+            prefills stay eager.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
     from any thread while another runs :meth:`step` (a lock guards the queues and the block
