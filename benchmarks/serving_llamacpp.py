@@ -8,9 +8,10 @@ tokens/s with 1, 4 and 8 streams at once.
 For each model, both servers run at once, each in its own process on a free 127.0.0.1 port,
 started and stopped here, on the same file:
 
-- dikkat: ``python -m dikkat serve --model FILE --max-batch PARALLEL --compile`` (a GGUF file's
-  quantised weights kept packed as the file holds them; the decode step compiled before the
-  server answers; torch threads from ``OMP_NUM_THREADS``; ``--eager``: without ``--compile``);
+- dikkat: ``python -m dikkat serve --model FILE --max-batch PARALLEL`` (a GGUF file's quantised
+  weights kept packed as the file holds them; the decode step compiled, or loaded compiled,
+  before the server answers; torch threads from ``OMP_NUM_THREADS``; this script's ``--eager``:
+  the server's, which decodes step by step in Python);
 - llama.cpp: ``llama-server -m FILE -np PARALLEL -cb -t THREADS -tb THREADS -c CTX``, built once
   by benchmarks/llamacpp_build.py; ``CTX`` gives each of the ``PARALLEL`` slots room for a
   prompt and its tokens (``-c`` is shared among the slots).
@@ -104,7 +105,7 @@ def one_model(name: str, bins: Path, args: argparse.Namespace, counts: list[int]
     llama = LlamaServer(bins, path, args.parallel, ctx, args.threads)
     servers: dict[str, Server] = {"llama-server": llama}
     try:  # both load at once; each waits its turn while the other is measured
-        extra_args = () if args.eager else ("--compile",)
+        extra_args = ("--eager",) if args.eager else ()
         servers["dikkat"] = Server(str(path), args.parallel, args.threads, extra_args)
         for server in servers.values():
             server.wait()
@@ -171,7 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--rounds", type=int, default=2, help="interleaved rounds; the medians are reported")
     add("--parallel", type=int, default=8, help="llama-server -np, dikkat serve --max-batch")
     add("--threads", type=int, default=2, help="both servers' threads")
-    add("--eager", action="store_true", help="dikkat serve without --compile")
+    add("--eager", action="store_true", help="dikkat serve --eager")
     add("--llamacpp-version", default=VERSION, help="the llama-cpp-python sdist's version")
     add("--cache", type=Path, default=cache_dir(), help="where llama.cpp is built")
     args = parser.parse_args(argv)
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"Aggregate tokens/s, median of {args.rounds} rounds: {args.prompt}-token prompts, "
         f"{args.tokens} greedy tokens a stream, {args.threads} threads each, "
         f"llama-server -np {args.parallel} -cb, dikkat serve --max-batch {args.parallel}"
-        f"{'' if args.eager else ' --compile'}:\n\n"
+        f"{' --eager' if args.eager else ''}:\n\n"
         f"{table(models, args.counts)}\n"
     )
     print("\n" + report)

@@ -13,6 +13,7 @@ cache) or an explicit integer tensor ``positions`` of shape (T,) or (B, T).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -129,6 +130,10 @@ class RotaryEmbedding(nn.Module):
     (the "rotate half" layout of GPT-NeoX and LLaMA). Applied inside attention, after the
     projections, to q (B, H, T, D) and k (B, G, S, D).
     """
+
+    # filled by each call (the last positions' table), not part of the layer: what describes
+    # the layer leaves it out (dikkat.models.aot_step)
+    made_on_use: ClassVar[tuple[str, ...]] = ("_table",)
 
     def __init__(self, head_dim: int, *, base: float = 10000.0, max_len: int = 4096) -> None:
         super().__init__()

@@ -98,10 +98,11 @@ def aot_applies(model: nn.Module, keys: Tensor) -> bool:
 
 def _tensors(model: nn.Module) -> dict[str, Tensor]:
     """Every tensor ``model`` holds, by the first path that reaches it: through submodules,
-    their parameters, buffers and public attributes (the private ones hold what a forward
-    caches, as RoPE's last table), and the lists, dicts and dataclasses of dikkat's weight
-    holders (a packed layer's ``parts``). The order is the module tree's, so the same model
-    built again gives the same paths."""
+    their parameters, buffers and other attributes (but those a module's class lists in
+    ``made_on_use``: what a forward fills as it runs, as RoPE's last table), and the lists,
+    dicts and dataclasses of dikkat's weight holders (a packed layer's ``parts``, an int8
+    layer's ``_q``). The order is the module tree's, so the same model built again gives the
+    same paths."""
     found: dict[str, Tensor] = {}
     seen: set[int] = set()
 
@@ -113,11 +114,12 @@ def _tensors(model: nn.Module) -> dict[str, Tensor]:
             found[path] = obj
             return
         if isinstance(obj, nn.Module):
-            for k, v in vars(obj).items():  # its private attributes are caches made on use
+            made_on_use = getattr(obj, "made_on_use", ())
+            for k, v in vars(obj).items():
                 if k in ("_parameters", "_buffers", "_modules"):
                     for name, value in v.items():
                         walk(value, f"{path}{name}.")
-                elif not k.startswith("_"):
+                elif k not in made_on_use and not k.endswith("_hooks"):
                     walk(v, f"{path}{k}.")
         elif isinstance(obj, dict):
             for k, v in obj.items():
@@ -225,6 +227,11 @@ class _Package:
             entry = json.loads(self.record_path.read_text())
             if entry.get("version") != VERSION:
                 return None
+            if "failed" in entry:  # the last build here failed: not tried at every decode
+                raise StepCompileError(
+                    f"{entry['failed']} (when it was compiled; delete {self.record_path} to "
+                    "try again)"
+                )
             verify(self.package, entry["package"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             if self.package.exists() or self.record_path.exists():
@@ -254,10 +261,13 @@ class _Package:
             built = Path(tmp) / self.package.name
             try:
                 where = self._build(built)
-            except StepCompileError:
-                raise
+            except OSError as e:  # a full disk, a folder not writable: not the model's failing
+                raise StepCompileError(_first_line(e)) from e
             except Exception as e:  # export's and inductor's errors have no common base
-                raise StepCompileError(f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+                reason = str(e) if isinstance(e, StepCompileError) else _first_line(e)
+                # kept, so that the next decode of the model goes eager at once
+                write_text(self.record_path, json.dumps({"version": VERSION, "failed": reason}))
+                raise StepCompileError(reason) from e
             entry = {"version": VERSION, "package": record(built), "constants": where}
             atomic_write(self.package, lambda to: shutil.copyfile(built, to))
             write_text(self.record_path, json.dumps(entry, indent=1))
@@ -307,6 +317,11 @@ class _Package:
                 )
             where[name] = path
         return where
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _slots_dim(model: nn.Module) -> Any:

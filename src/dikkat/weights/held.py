@@ -42,6 +42,9 @@ class InferenceLinear(nn.Module):
 
     # a WeightFormat (dikkat.weights.formats), or "gguf": as a GGUF file held it
     weights_format: ClassVar[str]
+    # attributes a product fills as it runs (copies made on first use), not the weight itself:
+    # what describes the layer leaves them out (dikkat.models.aot_step)
+    made_on_use: ClassVar[tuple[str, ...]] = ("_copies",)
 
     def __init__(self, weight: Tensor, bias: nn.Parameter | None, batched: bool) -> None:
         super().__init__()
