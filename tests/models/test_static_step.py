@@ -7,27 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+from step_models import CONFIGS, build
 
 from dikkat.generation import generate
 from dikkat.generation.generate import decode_step, prefill
-from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig
+from dikkat.models import Decoder
 from dikkat.models.static_step import PoolStep, StaticStep
-
-CONFIGS = {
-    "llama": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2),
-    "gemma3": DecoderConfig.preset(
-        "gemma3-270m", vocab_size=64, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48,
-        n_layers=3, sliding_window=4, layer_kinds=("sliding", "full", "sliding"), max_len=64,
-    ),
-    "gpt2": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_len=64),
-    "gpt-rope": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
-                          position="rope", max_len=64),
-}  # fmt: skip
-
-
-def build(family: str) -> Decoder | GPT:
-    config = CONFIGS[family]
-    return (GPT if isinstance(config, GPTConfig) else Decoder)(config).eval()
 
 
 @pytest.mark.parametrize("rows", [1, 2])  # one row attends in the native kernel, where built

@@ -194,16 +194,17 @@ def _runner(package: Path) -> Any:
 
 
 class _Package:
-    """``step`` of ``model`` compiled for inputs like ``example`` (the caches, the tokens and
-    where they go), with the sizes ``dynamic`` names symbolic (torch.export's
-    ``dynamic_shapes``), ``fixed`` saying what else of them the package holds fixed: found in
-    ``folder``, else built there; ``runner`` runs it, bound to the model's tensors."""
+    """``step`` of ``model`` compiled for inputs like the example ``inputs()`` gives (the
+    caches, the tokens and where they go) with the sizes its second half names symbolic
+    (torch.export's ``dynamic_shapes``; made only for a build: torch.export.Dim imports
+    sympy), ``fixed`` saying what else of them the package holds fixed: found in ``folder``,
+    else built there; ``runner`` runs it, bound to the model's tensors."""
 
     def __init__(self, model: nn.Module, windows: tuple[int | None, ...], kind: str,
-                 step: Callable[..., Tensor], example: tuple[Any, ...],
-                 dynamic: tuple[Any, ...], fixed: str, folder: Path) -> None:  # fmt: skip
+                 step: Callable[..., Tensor], inputs: Callable[[], tuple[Any, Any]],
+                 fixed: str, folder: Path) -> None:  # fmt: skip
         self.model, self.windows, self.kind, self.step = model, windows, kind, step
-        self.example, self.dynamic, self.folder = example, dynamic, folder
+        self.inputs, self.folder = inputs, folder
         self.key = step_key(model, windows, f"{kind}: {fixed}")
         self.package = folder / f"{kind}-{self.key}.pt2"
         self.built = False  # whether this object compiled its package (else it loaded one)
@@ -290,11 +291,10 @@ class _Package:
                     fetched[str(node.target)] = value
 
         module = _StepModule(self.model, self.windows, self.step)
+        example, dynamic = self.inputs()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # export's and inductor's notes on their internals
-            program = torch.export.export(
-                module, self.example, dynamic_shapes=self.dynamic, strict=False
-            )
+            program = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
             torch._inductor.aoti_compile_and_package(
                 program,
                 package_path=str(package),
@@ -347,13 +347,15 @@ class AotStep(StaticStep):
                 "a compiled step ahead of time takes one row of fp32 keys on the CPU, got "
                 f"{tuple(k.shape)} {k.dtype} on {k.device}"
             )
-        slots = _slots_dim(model)  # type: ignore[arg-type]
-        n = len(self._keys)
-        example = (self._keys, self._values, torch.zeros(1, dtype=torch.long), torch.tensor(0))
-        dynamic = ([{2: slots}] * n, [{2: slots}] * n, None, None)
+
+        def inputs() -> tuple[Any, Any]:
+            slots, n = _slots_dim(model), len(self._keys)  # type: ignore[arg-type]
+            tokens, pos = torch.zeros(1, dtype=torch.long), torch.tensor(0)
+            dynamic = ([{2: slots}] * n, [{2: slots}] * n, None, None)
+            return (self._keys, self._values, tokens, pos), dynamic
+
         folder = compiled_dir() if folder is None else Path(folder)
-        self._package = _Package(model, self._windows, "step", _step, example, dynamic,  # type: ignore[arg-type]
-                                 "one row", folder)  # fmt: skip
+        self._package = _Package(model, self._windows, "step", _step, inputs, "one row", folder)  # type: ignore[arg-type]
         self.key, self.package = self._package.key, self._package.package
         self.built, self._runner = self._package.built, self._package.runner
         self._fn = self._run
@@ -380,18 +382,20 @@ class AotPoolStep(PoolStep):
                 f"a compiled step ahead of time takes fp32 pools on the CPU, got {k.dtype} on "
                 f"{k.device}"
             )
-        rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
-        slots = _slots_dim(model)  # type: ignore[arg-type]
-        # traced with two rows of four slots (a size of 1 would be taken for a constant), each
-        # input a tensor of its own (one tensor given twice would be traced as one input)
-        tokens, positions = torch.zeros(2, dtype=torch.long), torch.tensor([1, 2])
-        example = (self._keys, self._values, tokens, positions, torch.arange(8).view(2, 4))
-        static = [None] * len(self._keys)  # the pools' sizes are fixed
-        dynamic = (static, static, {0: rows}, {0: rows}, {0: rows, 1: slots})
+
+        def inputs() -> tuple[Any, Any]:
+            rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+            slots = _slots_dim(model)  # type: ignore[arg-type]
+            # traced with two rows of four slots (a size of 1 would be taken for a constant),
+            # each input a tensor of its own (one tensor given twice is traced as one input)
+            tokens, positions = torch.zeros(2, dtype=torch.long), torch.tensor([1, 2])
+            example = (self._keys, self._values, tokens, positions, torch.arange(8).view(2, 4))
+            static = [None] * len(self._keys)  # the pools' sizes are fixed
+            return example, (static, static, {0: rows}, {0: rows}, {0: rows, 1: slots})
+
         folder = compiled_dir() if folder is None else Path(folder)
         fixed = f"pools {tuple(self._keys[0].shape)}"
-        self._package = _Package(model, self._windows, "pool", _pool_step, example, dynamic,  # type: ignore[arg-type]
-                                 fixed, folder)  # fmt: skip
+        self._package = _Package(model, self._windows, "pool", _pool_step, inputs, fixed, folder)  # type: ignore[arg-type]
         self.key, self.package = self._package.key, self._package.package
         self.built, self._runner = self._package.built, self._package.runner
         self._fn = self._run
