@@ -18,7 +18,7 @@ from step_models import build
 
 from dikkat.cli.common import compiles
 from dikkat.generation.generate import decode_step, prefill
-from dikkat.models import Decoder, DecoderConfig, aot_step
+from dikkat.models import Decoder, DecoderConfig, aot_package
 from dikkat.models.aot_step import (
     AotPoolStep,
     AotStep,
@@ -135,15 +135,15 @@ def test_a_damaged_package_is_not_loaded(tmp_path, capsys):
 def test_the_key_follows_what_the_code_depends_on():
     base = build("llama")
     windows = (None, None)
-    key = aot_step.step_key(base, windows)
-    assert aot_step.step_key(build("llama", seed=1), windows) == key  # other weights' values
-    assert aot_step.step_key(base, (4, None)) != key  # another window
+    key = aot_package.step_key(base, windows)
+    assert aot_package.step_key(build("llama", seed=1), windows) == key  # other weights' values
+    assert aot_package.step_key(base, (4, None)) != key  # another window
     wider = Decoder(DecoderConfig(vocab_size=64, d_model=48, n_heads=4, n_kv_heads=2, n_layers=2))
-    assert aot_step.step_key(wider.eval(), windows) != key  # other shapes
+    assert aot_package.step_key(wider.eval(), windows) != key  # other shapes
     small = build("llama")
     with torch.no_grad():  # a tensor small enough to be written into the code: by value
         small.blocks[0].attn_norm.weight.data = torch.ones(32)[:16].clone()
-    assert aot_step.step_key(small, windows) != key
+    assert aot_package.step_key(small, windows) != key
 
 
 def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp_path, capsys):
@@ -156,7 +156,7 @@ def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp
         tries.append(1)
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(aot_step._Package, "_build", no_compiler)
+    monkeypatch.setattr(aot_package.Package, "_build", no_compiler)
     cache = model.new_cache(1, 8)
     step = compiled_step(model, cache)
     assert type(step) is StaticStep

@@ -1,6 +1,7 @@
 """Models: GPT (decoder-only), BERT (masked LM), Seq2Seq (the original translator), and Decoder
 (the Llama family and Gemma 3, for pretrained weights: :mod:`dikkat.pretrained`)."""
 
+from dikkat.models.aot_step import AotPoolStep, AotStep
 from dikkat.models.bert import BERT, BERT_PRESETS, BERTConfig
 from dikkat.models.decoder import DECODER_PRESETS, Decoder, DecoderBlock, DecoderConfig
 from dikkat.models.gpt import GPT, GPT_PRESETS, GPTConfig
@@ -14,6 +15,8 @@ __all__ = [
     "GPT",
     "GPT_PRESETS",
     "SEQ2SEQ_PRESETS",
+    "AotPoolStep",
+    "AotStep",
     "BERTConfig",
     "Decoder",
     "DecoderBlock",
