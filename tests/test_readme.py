@@ -76,6 +76,22 @@ def test_what_the_examples_write_is_ignored_by_git():
         assert done.returncode == 0, f"{path} is not in .gitignore"
 
 
+def test_no_example_writes_over_a_file_of_the_checkout():
+    """What a README command writes (``--png``, ``--out``, ``--gguf``) goes to a place git
+    ignores: running the README never changes a committed file (docs/img's pictures)."""
+    import re
+    import subprocess
+
+    lines = [line for line in README.read_text().splitlines() if line.startswith("dikkat ")]
+    written = [m for line in lines for m in re.findall(r"--(?:png|out|gguf)[ =](\S+)", line)]
+    assert written, "the README's commands write nothing? the pattern has gone stale"
+    for path in written:
+        done = subprocess.run(
+            ["git", "-C", str(README.parent), "check-ignore", "-q", "--no-index", path]
+        )
+        assert done.returncode == 0, f"a README command writes {path}, which git does not ignore"
+
+
 def test_every_stated_training_recipe_is_the_registry_s():
     """A `dikkat train --task NAME --flag value …` line in the README, BENCHMARKS.md or docs/
     states the recipe: each value it gives equals the task's recipe in the registry."""
