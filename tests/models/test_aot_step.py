@@ -88,6 +88,21 @@ def test_one_pool_package_serves_batches_that_change(family):
     assert not again.built and again._runner is compiled._runner
 
 
+def test_a_model_whose_tensors_are_replaced_is_bound_again():
+    """The next step of a model whose tensors were replaced (a new parameter, as ``.to()``
+    makes) reads the new ones; a step made before keeps the old ones alive, not dangling."""
+    model = build("llama")
+    before = AotStep(model, model.new_cache(1, 8))
+    old = model.norm_f.weight
+    model.norm_f.weight = torch.nn.Parameter(torch.full_like(old, 2.0), requires_grad=False)
+    after = AotStep(model, model.new_cache(1, 8))
+    assert after._runner is not before._runner
+    _matches_eager(model, lambda cache: AotStep(model, cache), 10)
+    assert any(t is old for t in before._package.bound.tensors.values())  # held, not dangling
+    del old
+    assert torch.isfinite(before(torch.tensor([1]), 0)).all()
+
+
 def test_a_fresh_process_loads_the_package_without_the_compiler():
     model = build("llama")
     AotStep(model, model.new_cache(1, 8))  # built by the test above, or here

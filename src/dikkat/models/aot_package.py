@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from dikkat.files import atomic_write, cache_dir, record, verify, write_text
 from dikkat.kernels import cpu_identity, paged_attention_op
 
-__all__ = ["Package", "StepCompileError", "compiled_dir", "step_key", "tensors_of"]
+__all__ = ["Bound", "Package", "StepCompileError", "compiled_dir", "step_key", "tensors_of"]
 
 VERSION = 1  # the package's layout and its record's; a change needs a new one
 _INLINED = 16  # tensors of at most this many numbers may be written into the code: keyed by value
@@ -149,9 +149,25 @@ class _StepModule(nn.Module):
         return self.step(self.model, self.windows, keys, values, *rest)
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A loaded package's ``runner`` and the model's tensors its constants point to, by name
+    (held here too: the runner's pointers stay valid while it lives, whatever the model does)
+    and by their path in the model."""
+
+    runner: Any
+    tensors: dict[str, Tensor]
+    paths: dict[str, str]
+
+    def current(self, model: nn.Module) -> bool:
+        """Whether the model still holds these tensors (not replaced, as ``.to()`` replaces)."""
+        now = tensors_of(model)
+        return all(now.get(self.paths[name]) is t for name, t in self.tensors.items())
+
+
 # the packages loaded for a model, bound to its tensors: its next decode (a chat's next turn, a
 # cache of another length) reuses them
-_LOADED: weakref.WeakKeyDictionary[nn.Module, dict[Path, Any]] = weakref.WeakKeyDictionary()
+_LOADED: weakref.WeakKeyDictionary[nn.Module, dict[Path, Bound]] = weakref.WeakKeyDictionary()
 
 
 def _runner(package: Path) -> Any:
@@ -177,19 +193,22 @@ class Package:
         self.package = folder / f"{kind}-{self.key}.pt2"
         self.built = False  # whether this object compiled its package (else it loaded one)
         loaded = _LOADED.setdefault(model, {})
-        runner = loaded.get(self.package) or self.load()
-        if runner is None:
+        bound = loaded.get(self.package)
+        if bound is None or not bound.current(model):  # its tensors replaced: bound again
+            bound = self.load()
+        if bound is None:
             self._compile()
-            runner = self.load()
-            if runner is None:
+            bound = self.load()
+            if bound is None:
                 raise StepCompileError(f"the package just built at {self.package} fails to load")
-        self.runner = loaded[self.package] = runner
+        self.bound = loaded[self.package] = bound
+        self.runner = bound.runner
 
     @property
     def record_path(self) -> Path:
         return self.package.with_suffix(".json")
 
-    def load(self) -> Any:
+    def load(self) -> Bound | None:
         """The package's runner, its constants bound to the model's tensors; None where there is
         no package, or its record does not match it (damaged: it is rebuilt)."""
         try:
@@ -218,7 +237,7 @@ class Package:
             return None
         # (constants, use the inactive buffer, check every one is given, user-managed, h2d copy)
         runner.load_constants(constants, False, True, True, False)
-        return runner
+        return Bound(runner, constants, dict(entry["constants"]))
 
     def _compile(self) -> None:
         print(f"dikkat: compiling the {'batch ' if self.kind == 'pool' else ''}decode step of "
