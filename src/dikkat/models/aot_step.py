@@ -71,8 +71,9 @@ class AotStep(StaticStep):
     (default :func:`compiled_dir`). A :class:`StepCompileError` where it cannot be built or
     loaded.
 
-    The package is bound to ``model``'s tensors, which must stay as they are (the values may
-    change in place, not the tensors)."""
+    The package is bound to ``model``'s tensors when the step is made: values changed in place
+    reach it; tensors replaced after (``.to()``, a new parameter) reach the next step made, not
+    this one, which keeps the old ones alive."""
 
     def __init__(self, model: LayeredLM, cache: Sequence[KVCache], *,
                  folder: str | Path | None = None) -> None:  # fmt: skip
