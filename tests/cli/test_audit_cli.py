@@ -44,6 +44,10 @@ def test_a_saved_gpt_passes_every_audit(folders, capsys):
     assert checked.count("each key set to every one of the 32 token ids") == 2, out
     assert checked.count("float64, a copy of the model; a move counts above 1e-09 ×") == 2, out
     assert "a position fails above 0.0001 ×" in checked
+    # each audit says on stderr that it runs, and how it ended (a real model's take a minute)
+    assert [line.split(",")[0] for line in err.splitlines() if " in " in line] == [
+        f"dikkat: audit {i}/4" for i in range(1, 5)
+    ], err
 
 
 def test_a_gpt_with_a_tiny_leak_for_one_token_id_exits_1(folders, capsys, monkeypatch):

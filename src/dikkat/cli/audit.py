@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -155,6 +157,7 @@ def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
     if args.model is not None:
         from dikkat.pretrained import load  # loaded when a command runs (see dikkat.cli)
 
+        print(f"dikkat: loading {args.model} …", file=sys.stderr, flush=True)
         lm = load(args.model, device=device, weights="fp32")  # gradients need a plain model
         return f"{args.model} ({lm!r})", decoder_audits(lm.model, args)
     if args.hf is not None:
@@ -181,7 +184,14 @@ def load_audits(args: argparse.Namespace) -> tuple[str, list[Audit]]:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Run the audits that apply, print a table; exit 1 if any failed."""
     subject, audits = load_audits(args)
-    reports = [run() for run in audits]
+    reports = []
+    for i, run in enumerate(audits, 1):  # some take a minute on a real model: say which runs
+        print(f"dikkat: audit {i}/{len(audits)} …", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        reports.append(run())
+        print(f"dikkat: audit {i}/{len(audits)}, {reports[-1].name}: "
+              f"{'ok' if reports[-1].ok else 'FAILED'} in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
     width = max(len(r.name) for r in reports)
     print(f"dikkat audit of {subject}")
     print(f"  {'audit':<{width}}  {'result':<6}  what was found")
