@@ -141,10 +141,10 @@ def test_a_damaged_package_is_not_loaded(tmp_path, capsys):
     assert not step.built
     data = step.package.read_bytes()
     step.package.write_bytes(data[: len(data) // 2])
-    assert step._load() is None
+    assert step._package.load() is None
     assert "unusable" in capsys.readouterr().err
     step.package.write_bytes(data)
-    assert step._load() is not None
+    assert step._package.load() is not None
 
 
 def test_the_key_follows_what_the_code_depends_on():
@@ -185,6 +185,28 @@ def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp
     assert "compiles in each process instead" in capsys.readouterr().err
 
 
+def test_a_package_this_pytorch_cannot_load_is_compiled_again(monkeypatch, capsys):
+    model = build("llama")
+    step = AotStep(model, model.new_cache(1, 8))
+
+    def refuses(package):
+        raise RuntimeError("Error in dlopen: undefined symbol")
+
+    monkeypatch.setattr(aot_package, "_runner", refuses)
+    assert step._package.load() is None  # not a crash: the caller builds it again
+    assert "does not load (RuntimeError: Error in dlopen" in capsys.readouterr().err
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_eager_step(monkeypatch, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("DIKKAT_CACHE", str(blocker / "cache"))  # mkdir fails under a file
+    model = build("gpt2", seed=3)
+    step = compiled_step(model, model.new_cache(1, 8))
+    assert type(step) is StaticStep
+    assert "the cache cannot keep it" in capsys.readouterr().err
+
+
 def test_a_batch_is_no_case_for_it():
     model = build("llama")
     with pytest.raises(StepCompileError, match="one row"):
@@ -196,7 +218,8 @@ def test_compiled_by_default_unless_told(monkeypatch):
     assert compile_by_default()
     assert compiles(argparse.Namespace(eager=False, compile=False))
     assert not compiles(argparse.Namespace(eager=True, compile=False))
-    monkeypatch.setenv("DIKKAT_COMPILE", "0")
-    assert not compile_by_default()
+    for off in ("0", "false", "Off"):
+        monkeypatch.setenv("DIKKAT_COMPILE", off)
+        assert not compile_by_default()
     assert not compiles(argparse.Namespace(eager=False, compile=False))
     assert compiles(argparse.Namespace(eager=False, compile=True))

@@ -25,6 +25,7 @@ spend its minute again (deleting the record tries again).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -231,12 +232,17 @@ class Package:
         if missing:
             raise StepCompileError(f"the model has no tensors {missing[:3]} the step reads")
         paged_attention_op()  # the kernels' ops are registered before the package calls them
-        runner = _runner(self.package)
         constants = {name: tensors[path] for name, path in entry["constants"].items()}
-        if set(runner.get_constant_fqns()) != set(constants):
+        try:
+            runner = _runner(self.package)
+            if set(runner.get_constant_fqns()) != set(constants):
+                raise RuntimeError("its constants are not the ones its record names")
+            # (constants, use the inactive buffer, check every one is given, user-managed, h2d)
+            runner.load_constants(constants, False, True, True, False)
+        except RuntimeError as e:  # the loader's errors: a package this PyTorch cannot run
+            print(f"dikkat: the compiled step {self.package.name} does not load "
+                  f"({_first_line(e)}); compiling it again", file=sys.stderr)  # fmt: skip
             return None
-        # (constants, use the inactive buffer, check every one is given, user-managed, h2d copy)
-        runner.load_constants(constants, False, True, True, False)
         return Bound(runner, constants, dict(entry["constants"]))
 
     def _compile(self) -> None:
@@ -244,24 +250,34 @@ class Package:
               "this model for this machine (once; a minute or so) …", file=sys.stderr,
               flush=True)  # fmt: skip
         start = time.perf_counter()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.folder, prefix=".build-") as tmp:
-            built = Path(tmp) / self.package.name
-            try:
-                where = self._build(built)
-            except OSError as e:  # a full disk, a folder not writable: not the model's failing
-                raise StepCompileError(_first_line(e)) from e
-            except Exception as e:  # export's and inductor's errors have no common base
-                reason = str(e) if isinstance(e, StepCompileError) else _first_line(e)
-                # kept, so that the next decode of the model goes eager at once
-                write_text(self.record_path, json.dumps({"version": VERSION, "failed": reason}))
-                raise StepCompileError(reason) from e
-            entry = {"version": VERSION, "package": record(built), "constants": where}
-            atomic_write(self.package, lambda to: shutil.copyfile(built, to))
-            write_text(self.record_path, json.dumps(entry, indent=1))
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=self.folder, prefix=".build-") as tmp:
+                built = Path(tmp) / self.package.name
+                where = self._built(built)
+                entry = {"version": VERSION, "package": record(built), "constants": where}
+                # the package first, its record after: a crash between leaves a record that
+                # does not match, and the next load compiles again
+                atomic_write(self.package, lambda to: shutil.copyfile(built, to))
+                write_text(self.record_path, json.dumps(entry, indent=1))
+        except OSError as e:  # a full disk, a folder not writable: not the model's failing
+            raise StepCompileError(f"the cache cannot keep it: {_first_line(e)}") from e
         self.built = True
         print(f"dikkat: compiled in {time.perf_counter() - start:.0f} s, kept in "
               f"{self.package}", file=sys.stderr)  # fmt: skip
+
+    def _built(self, package: Path) -> dict[str, str]:
+        """:meth:`_build`, a failure of the model's (not of the disk) recorded, so that the
+        next decode of the model goes eager at once instead of compiling for a minute again."""
+        try:
+            return self._build(package)
+        except OSError:
+            raise
+        except Exception as e:  # export's and inductor's errors have no common base
+            reason = str(e) if isinstance(e, StepCompileError) else _first_line(e)
+            with contextlib.suppress(OSError):  # not recorded: the next decode tries again
+                write_text(self.record_path, json.dumps({"version": VERSION, "failed": reason}))
+            raise StepCompileError(reason) from e
 
     def _build(self, package: Path) -> dict[str, str]:
         """Export and compile the step into ``package``; returns each constant's path in the

@@ -45,8 +45,8 @@ MAX_ROWS = 1024  # the most rows a compiled batch step takes
 
 def compile_by_default() -> bool:
     """Whether a pretrained model decodes through its compiled step unless told otherwise:
-    yes, unless the environment sets ``DIKKAT_COMPILE=0``."""
-    return os.environ.get("DIKKAT_COMPILE", "1").strip() != "0"
+    yes, unless the environment sets ``DIKKAT_COMPILE=0`` (or false, no, off)."""
+    return os.environ.get("DIKKAT_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def aot_applies(model: nn.Module, keys: Tensor) -> bool:
@@ -100,9 +100,6 @@ class AotStep(StaticStep):
     def _run(self, model: object, windows: object, keys: list[Tensor], values: list[Tensor],
              tokens: Tensor, pos: Tensor) -> Tensor:  # fmt: skip
         return self._runner.boxed_run([*keys, *values, tokens, pos])[0]
-
-    def _load(self) -> Any:
-        return self._package.load()
 
 
 class AotPoolStep(PoolStep):
