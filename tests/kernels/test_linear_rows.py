@@ -1,7 +1,8 @@
 """Decoding's fp32 product in the native kernel (dikkat.kernels, ``linear_rows``) against the
 fp64 product: rows of any length (the 32-value steps, the masked tail), weights of any number of
-rows (the four-row blocks, the rows left over), strided inputs, no bias, empty shapes; and the
-build for a CPU without AVX-512, which runs the plain loops."""
+rows (the four-row blocks, the rows left over), fp32, fp16 and bf16 weights (read row by row for
+a few rows of x, widened a slice at a time for more), strided inputs, no bias, empty shapes; and
+the builds for a CPU without AVX-512, which run the AVX2 and the plain loops."""
 
 from __future__ import annotations
 
@@ -44,6 +45,24 @@ def test_the_product_is_the_fp64_product(op, M, N, K):
     within_fp32(op(x.float(), w.float(), None), F.linear(x, w), K)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 9, 33), (1, 70, 773), (3, 5, 16), (7, 4, 100),
+                                           (8, 70, 64), (40, 1100, 4096)])  # fmt: skip
+def test_a_16_bit_weight_is_widened_exactly(op, dtype, M, N, K):
+    """Row by row below 8 rows of x, in slices widened for ATen's product from 8 on (the last
+    shape takes three slices): the fp64 product of the widened weight either way."""
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g)
+    want = F.linear(x.double(), w.double(), b.double())
+    within_fp32(op(x, w, b), want, K)
+    within_fp32(op(x, w, None), want - b.double(), K)
+    strided = torch.randn(N, K + 3, generator=g).to(dtype)[:, 1:-2]
+    strided.copy_(w)
+    assert torch.equal(op(x, strided, b), op(x, w, b))
+
+
 def test_strided_inputs_give_the_contiguous_products(op):
     g = torch.Generator().manual_seed(0)
     big = torch.randn(40, 100, generator=g)
@@ -66,8 +85,10 @@ def test_empty_shapes_are_what_f_linear_gives(op):
 def test_bad_inputs_are_refused(op):
     with pytest.raises(RuntimeError, match=r"x must be \(M, K\) fp32"):
         op(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(2, 4), None)
-    with pytest.raises(RuntimeError, match=r"w must be \(N, K\) fp32"):
+    with pytest.raises(RuntimeError, match=r"w must be \(N, K\) fp32, fp16 or bf16"):
         op(torch.zeros(1, 4), torch.zeros(2, 4, 1), None)
+    with pytest.raises(RuntimeError, match=r"w must be \(N, K\) fp32, fp16 or bf16"):
+        op(torch.zeros(1, 4), torch.zeros(2, 4, dtype=torch.float64), None)
     with pytest.raises(RuntimeError, match="must share K"):
         op(torch.zeros(1, 4), torch.zeros(2, 5), None)
     with pytest.raises(RuntimeError, match=r"bias must be \(N,\) fp32"):
@@ -84,9 +105,11 @@ SCRIPT = textwrap.dedent(
         x = torch.randn(M, K, generator=g, dtype=torch.float64)
         w = torch.randn(N, K, generator=g, dtype=torch.float64)
         b = torch.randn(N, generator=g, dtype=torch.float64)
-        got = torch.ops.dikkat_native.linear_rows(x.float(), w.float(), b.float()).double()
-        want = torch.nn.functional.linear(x, w, b)
-        worst = max(worst, ((got - want).abs().max() / (want.abs().max() + 1) / (K + 4)).item())
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            wide = w.to(dtype).double()  # what the weight holds
+            got = torch.ops.dikkat_native.linear_rows(x.float(), w.to(dtype), b.float()).double()
+            want = torch.nn.functional.linear(x, wide, b)
+            worst = max(worst, ((got - want).abs().max() / (want.abs().max() + 1) / (K + 4)).item())
     x, w = torch.randn(2, 33, generator=g), torch.randn(5, 33, generator=g)
     x[0, 7], x[1, 32], w[1, 7] = float("inf"), float("nan"), 0.0  # Inf · 0: NaN
     got = torch.ops.dikkat_native.linear_rows(x, w, None)

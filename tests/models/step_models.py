@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig
+from dikkat.models.io import meta_modules
 
 CONFIGS = {
     "llama": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2),
@@ -27,3 +28,16 @@ def build(family: str, seed: int | None = None) -> Decoder | GPT:
         torch.manual_seed(seed)
     config = CONFIGS[family]
     return (GPT if isinstance(config, GPTConfig) else Decoder)(config).eval()
+
+
+def build_half(
+    family: str, seed: int | None = None, dtype: torch.dtype = torch.float16
+) -> Decoder | GPT:
+    """The family's model with its matrices held in ``dtype`` (fp16 or bf16), as a loader holds a
+    GGUF file's F16 or BF16 ones (dikkat.weights.half)."""
+    model = build(family, seed)
+    weights = {k: v.to(dtype) if v.dim() == 2 else v for k, v in model.state_dict().items()}
+    with meta_modules():
+        held = type(model)(model.config)
+    held.hold(weights, f"{family} in {dtype}")
+    return held.eval()

@@ -6,6 +6,7 @@ depends on, and the eager step where nothing compiles."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from step_models import build
+from step_models import build, build_half
 
 from dikkat.cli.common import compiles
 from dikkat.generation.generate import decode_step, prefill
@@ -43,6 +44,16 @@ def _matches_eager(model, step_of, slots: int) -> None:
         got = step(tokens, slot)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         tokens = want.argmax(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_held_in_16_bits_compiles_to_its_eager_logits(family):
+    """Its 16-bit tables are the package's constants, bound to the model's own (no copy)."""
+    model = build_half(family, seed=0)
+    step = AotStep(model, model.new_cache(1, 12))
+    record = json.loads(step.package.with_suffix(".json").read_text())
+    assert "tok_emb.table" in record["constants"].values()
+    _matches_eager(model, lambda cache: AotStep(model, cache), 12)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -109,7 +120,7 @@ def test_a_fresh_process_loads_the_package_without_the_compiler():
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from step_models import build
+        from step_models import build, build_half
         from dikkat.models.aot_step import AotStep
         from dikkat.models.static_step import StaticStep
         model = build("llama", seed=1)  # other weights, the same structure: the same package

@@ -17,7 +17,7 @@ import torch
 
 import dikkat
 from dikkat.models import GPT
-from dikkat.weights import PackedEmbedding, PackedLinear
+from dikkat.weights import HalfEmbedding, HalfLinear, PackedEmbedding, PackedLinear
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -174,13 +174,18 @@ def test_quantised_tensors_are_dequantised(qtype, hf, bpe, tmp_path):
         kept = packed(x)
     assert (got - want).abs().max() < 1e-10
     assert (got - unrounded).abs().max() > 1e-7  # the file's rounding is there
-    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
-    if qtype == "F16":
-        assert not layers  # nothing packed: fp32, as dequantised
-    else:  # qkv, out, up, down per layer, and the tied head
+    if qtype == "F16":  # kept in 16 bits, multiplied in fp32
+        layers = [m for m in packed.modules() if isinstance(m, HalfLinear)]
         assert len(layers) == 4 * packed.config.n_layers + 1
-        assert isinstance(packed.tok_emb, PackedEmbedding)
-        assert packed.lm_head.parts[0] is packed.tok_emb.packed
+        assert isinstance(packed.tok_emb, HalfEmbedding)
+        assert packed.lm_head.table is packed.tok_emb.table
+        assert packed.pos_emb.weight.dtype == torch.float32  # added, not looked up: expanded
+        assert (kept.double() - want).abs().max() < 1e-5 * want.abs().max()
+        return
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 4 * packed.config.n_layers + 1  # qkv, out, up, down; the tied head
+    assert isinstance(packed.tok_emb, PackedEmbedding)
+    assert packed.lm_head.parts[0] is packed.tok_emb.packed
     # the packed product rounds the activations to 16 bits per block of 32
     assert (kept.double() - want).abs().max() < 1e-3 * want.abs().max()
 

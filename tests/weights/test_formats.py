@@ -12,13 +12,21 @@ import torch
 from dikkat import kernels
 from dikkat.layers import Linear
 from dikkat.weights import InferenceLinear, PackedLinear, formats, inference_model, w8a8_available
-from dikkat.weights.formats import FORMATS, PACKED_KINDS, WEIGHT_FORMATS, WeightFormat
+from dikkat.weights.formats import (
+    FORMATS,
+    HALF_KINDS,
+    PACKED_KINDS,
+    WEIGHT_FORMATS,
+    WeightFormat,
+)
+from dikkat.weights.half import HalfLinear
 
 
 def test_the_static_type_names_the_registry_s_inference_formats():
     assert typing.get_args(WeightFormat) == WEIGHT_FORMATS
-    assert set(WEIGHT_FORMATS) | set(PACKED_KINDS) == set(FORMATS)
-    assert not set(WEIGHT_FORMATS) & set(PACKED_KINDS)
+    assert set(WEIGHT_FORMATS) | set(PACKED_KINDS) | set(HALF_KINDS) == set(FORMATS)
+    assert len(WEIGHT_FORMATS) + len(PACKED_KINDS) + len(HALF_KINDS) == len(FORMATS)
+    assert HALF_KINDS == {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def test_every_entry_names_its_layer_and_a_kernel_of_the_kernels_package():
@@ -30,6 +38,8 @@ def test_every_entry_names_its_layer_and_a_kernel_of_the_kernels_package():
     for kind in PACKED_KINDS:
         assert FORMATS[kind].layer is PackedLinear
         assert FORMATS[kind].blocks is not None and FORMATS[kind].blocks.kind == kind
+    for kind in HALF_KINDS:
+        assert FORMATS[kind].layer is HalfLinear and FORMATS[kind].blocks is None
 
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)

@@ -1,16 +1,23 @@
-// fp32 products of an activation row with an fp32 weight: decoding's x Wᵀ + b.
+// Products of activation rows with a weight held in fp32, fp16 or bf16: decoding's x Wᵀ + b.
 //
-// x (M, K), w (N, K), bias (N) or none → (M, N), every row of x and w contiguous. Decoding one
-// sequence multiplies one row by every weight matrix of the model, so a step is as fast as the
-// weights are read from memory. Each thread takes a contiguous span of w's rows and reads four
-// rows at a time, 32 values of each per step: eight 64-byte loads from four streams in flight,
-// which the hardware prefetchers follow. Each output is a sum of 32 fp32 partial sums (two
-// registers of 16 lanes), added in a tree at the end; in AVX2, 16 values a step and 16 partial
-// sums (two registers of 8 lanes). It is made for one row: further rows
+// x (M, K) fp32, w (N, K) fp32, fp16 or bf16, bias (N) fp32 or none → (M, N) fp32, every row of
+// x and w contiguous; a 16-bit weight is widened to fp32 as it is read (exactly: every fp16 and
+// bf16 value is an fp32 value) and the arithmetic is fp32's. Decoding one sequence multiplies
+// one row by every weight matrix of the model, so a step is as fast as the weights are read from
+// memory. Each thread takes a contiguous span of w's rows and reads four rows at a time, 32
+// values of each per step: eight 64-byte loads (four 32-byte ones for 16-bit values) from four
+// streams in flight, which the hardware prefetchers follow. Each output is a sum of 32 fp32
+// partial sums (two registers of 16 lanes), added in a tree at the end; in AVX2, 16 values a
+// step and 16 partial sums (two registers of 8 lanes). It is made for one row: further rows
 // of x are each multiplied with the four rows of w from cache, one after the other, which is
-// slower than a matrix product's kernel from two rows on (benchmarks/decode_parts.py).
+// slower than a matrix product's kernel from two rows on (benchmarks/decode_parts.py). So from
+// kBlasRows rows on (a prompt's prefill, a batch) a 16-bit weight is widened a slice of rows at
+// a time and multiplied by ATen's fp32 matrix product; an fp32 weight's caller chooses that
+// product itself (dikkat.weights.dense.Fp32Linear).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,24 +30,62 @@
 
 namespace {
 
-constexpr int64_t kRows = 4;            // weight rows read together
-constexpr int64_t kChunkBytes = 65536;  // at least this much of w a thread's span
+constexpr int64_t kRows = 4;                // weight rows read together
+constexpr int64_t kChunkBytes = 65536;      // at least this much of w a thread's span
+constexpr int64_t kBlasRows = 8;            // from this many rows of x, a 16-bit w is widened
+constexpr int64_t kWidenedBytes = 8 << 20;  // fp32 bytes of w widened at a time for that
 
+template <typename W>
 struct Product {
   const float* x;
   int64_t x_stride, M, K;
-  const float* w;
+  const W* w;
   int64_t w_stride;
   const float* bias;  // or nullptr
   float* out;
   int64_t N;
 };
 
+#if defined(__AVX512F__)
+// 16 values of a weight row as fp32 lanes; the masked form reads only the lanes set
+inline __m512 lanes16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 lanes16(const c10::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+inline __m512 lanes16(const c10::BFloat16* w) {  // bf16 is the top half of an fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// the last n < 16 values of a row, zeros after them
+template <typename W>
+inline __m512 tail16(const W* w, int64_t n) {
+  W v[16] = {};
+  std::copy(w, w + n, v);
+  return lanes16(v);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 values of a weight row as fp32 lanes
+inline __m256 lanes8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 lanes8(const c10::Half* w) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+#else
+  alignas(32) float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(w[j]);
+  return _mm256_load_ps(v);
+#endif
+}
+inline __m256 lanes8(const c10::BFloat16* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // out[m, n .. n + R) for every row m of x: R rows of w from row n, read from memory for the
 // first row of x and from cache for the others
-template <int R>
-void rows_times(const Product& p, int64_t n) {
-  const float* w[R];
+template <int R, typename W>
+void rows_times(const Product<W>& p, int64_t n) {
+  const W* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (n + r) * p.w_stride;
   for (int64_t m = 0; m < p.M; ++m) {
     const float* x = p.x + m * p.x_stride;
@@ -54,15 +99,15 @@ void rows_times(const Product& p, int64_t n) {
       const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
       #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + k), x0, a[r]);
-        b[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + k + 16), x1, b[r]);
+        a[r] = _mm512_fmadd_ps(lanes16(w[r] + k), x0, a[r]);
+        b[r] = _mm512_fmadd_ps(lanes16(w[r] + k + 16), x1, b[r]);
       }
     }
-    for (; k < p.K; k += 16) {  // the last K % 32 values, 16 at a time, masked
-      const __mmask16 lanes = p.K - k >= 16 ? 0xFFFF : (1u << (p.K - k)) - 1;
-      const __m512 x0 = _mm512_maskz_loadu_ps(lanes, x + k);
+    for (; k < p.K; k += 16) {  // the last K % 32 values, 16 at a time
+      const int64_t n = std::min<int64_t>(16, p.K - k);
+      const __m512 x0 = _mm512_maskz_loadu_ps(n == 16 ? 0xFFFF : (1u << n) - 1, x + k);
       #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, w[r] + k), x0, a[r]);
+      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(tail16(w[r] + k, n), x0, a[r]);
     }
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r], b[r]));
@@ -75,8 +120,8 @@ void rows_times(const Product& p, int64_t n) {
       const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
       #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r] + k), x0, a[r]);
-        b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r] + k + 8), x1, b[r]);
+        a[r] = _mm256_fmadd_ps(lanes8(w[r] + k), x0, a[r]);
+        b[r] = _mm256_fmadd_ps(lanes8(w[r] + k + 8), x1, b[r]);
       }
     }
     #pragma GCC unroll 4
@@ -84,14 +129,14 @@ void rows_times(const Product& p, int64_t n) {
       alignas(32) float part[8];
       _mm256_store_ps(part, _mm256_add_ps(a[r], b[r]));
       float s = 0.f;
-      for (int64_t j = k; j < p.K; ++j) s += w[r][j] * x[j];  // the last K % 16 values
+      for (int64_t j = k; j < p.K; ++j) s += static_cast<float>(w[r][j]) * x[j];  // the last K % 16
       for (int j = 0; j < 8; ++j) s += part[j];
       sums[r] = s;
     }
 #else
     for (int r = 0; r < R; ++r) {  // 16 partial sums, as the vector path keeps them
       float part[16] = {};
-      for (int64_t k = 0; k < p.K; ++k) part[k % 16] += w[r][k] * x[k];
+      for (int64_t k = 0; k < p.K; ++k) part[k % 16] += static_cast<float>(w[r][k]) * x[k];
       float s = 0.f;
       for (int j = 0; j < 16; ++j) s += part[j];
       sums[r] = s;
@@ -102,9 +147,37 @@ void rows_times(const Product& p, int64_t n) {
   }
 }
 
+template <typename W>
+void by_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const Product<W> p{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<W>(), w.stride(0),
+                     bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+  const int64_t groups = N / kRows;
+  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kRows * K * int64_t(sizeof(W))));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) rows_times<kRows>(p, g * kRows);
+  });
+  for (int64_t n = groups * kRows; n < N; ++n) rows_times<1>(p, n);
+}
+
+// many rows of x times a 16-bit w: w widened to fp32 a slice of rows at a time (a few MB, not a
+// copy of the whole weight), each slice multiplied by ATen's matrix product
+void by_widened_slices(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t slice = std::max<int64_t>(16, kWidenedBytes / (4 * K));
+  for (int64_t n = 0; n < N; n += slice) {
+    const int64_t rows = std::min(slice, N - n);
+    const at::Tensor wide = w.narrow(0, n, rows).to(at::kFloat);
+    at::Tensor part = bias.defined() ? at::addmm(bias.narrow(0, n, rows), x, wide.t()) : at::mm(x, wide.t());
+    out.narrow(1, n, rows).copy_(part);
+  }
+}
+
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  const auto kind = w.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "w must be (N, K) fp32");
+  TORCH_CHECK(w.dim() == 2 && (kind == at::kFloat || kind == at::kHalf || kind == at::kBFloat16),
+              "w must be (N, K) fp32, fp16 or bf16");
   TORCH_CHECK(w.size(1) == x.size(1), "x (M, K) and w (N, K) must share K");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == w.size(0) && bias->scalar_type() == at::kFloat),
               "bias must be (N,) fp32");
@@ -115,14 +188,15 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::opti
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return bias ? out.copy_(bc.expand({M, N})) : out.zero_();
-  const Product p{xc.data_ptr<float>(), xc.stride(0), M, K, wc.data_ptr<float>(), wc.stride(0),
-                  bias ? bc.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
-  const int64_t groups = N / kRows;
-  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kRows * K * 4));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) rows_times<kRows>(p, g * kRows);
-  });
-  for (int64_t n = groups * kRows; n < N; ++n) rows_times<1>(p, n);
+  if (kind == at::kFloat) {
+    by_rows<float>(xc, wc, bc, out);
+  } else if (M >= kBlasRows) {
+    by_widened_slices(xc, wc, bc, out);
+  } else if (kind == at::kHalf) {
+    by_rows<c10::Half>(xc, wc, bc, out);
+  } else {
+    by_rows<c10::BFloat16>(xc, wc, bc, out);
+  }
   return out;
 }
 

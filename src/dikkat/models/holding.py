@@ -5,15 +5,19 @@ what becomes of each — as gpt-fast's ``Attention.load_hook`` joins ``wq``/``wk
 
 What the model knows and the loader does not: q/k/v rows fuse into ``attn.qkv_proj`` (all three
 or none: ``q_proj``/``k_proj``/``v_proj`` are views of its rows) and a gated MLP's gate and up
-into ``mlp.gate_up``; a packed weight (:class:`~dikkat.weights.packed.PackedWeight`, a file's
-quantised blocks) is held by a :class:`~dikkat.weights.packed_layers.PackedLinear` in place of a
-linear layer, or by a :class:`~dikkat.weights.packed_layers.PackedEmbedding` in place of the
-token table (a table that is added, as learned positions, is expanded); a tied output layer is
-the token table.
+into ``mlp.gate_up``; a matrix kept as the file holds it — packed blocks
+(:class:`~dikkat.weights.packed.PackedWeight`, a file's quantised matrices) or a 16-bit tensor
+(fp16, bf16: :mod:`dikkat.weights.half`) — is held by a layer that multiplies it so
+(:class:`~dikkat.weights.packed_layers.PackedLinear`, :class:`~dikkat.weights.half.HalfLinear`)
+in place of a linear layer, or by an embedding that looks its rows up
+(:class:`~dikkat.weights.packed_layers.PackedEmbedding`, :class:`~dikkat.weights.half.
+HalfEmbedding`) in place of the token table (a table that is added, as learned positions, is
+expanded to fp32); a tied output layer is the token table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,12 +26,34 @@ from torch import Tensor, nn
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.mlp import GatedMLP
 from dikkat.models.io import load_checked
+from dikkat.weights.half import HALF_DTYPES, HalfEmbedding, HalfLinear, is_half
 from dikkat.weights.packed import PackedWeight, dequantize
 from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
 
 __all__ = ["HoldsWeights", "Stored"]
 
-Stored = Tensor | PackedWeight  # a tensor as read, or a matrix's packed blocks
+Stored = Tensor | PackedWeight  # a tensor as read (fp32, or a 16-bit matrix), or packed blocks
+
+
+def kept(w: object) -> bool:
+    """Whether ``w`` is a matrix kept as the file holds it: packed blocks or a 16-bit tensor."""
+    return isinstance(w, PackedWeight) or is_half(w)
+
+
+def _expanded(w: Stored) -> Tensor:
+    """``w`` in fp32 (for a model that multiplies it as a plain parameter)."""
+    return dequantize(w) if isinstance(w, PackedWeight) else w.float()
+
+
+def _kept_layer(parts: Sequence[Stored], bias: nn.Parameter | None) -> nn.Module | None:
+    """The layer multiplying ``parts`` stacked by rows as they are kept: packed blocks (of any
+    kinds), or 16-bit tensors of one dtype (joined); None for parts kept in neither one way."""
+    if all(isinstance(p, PackedWeight) for p in parts):
+        return PackedLinear(list(parts), bias, False)  # type: ignore[arg-type]
+    if all(is_half(p) for p in parts) and len({p.dtype for p in parts}) == 1:
+        table = parts[0] if len(parts) == 1 else torch.cat(list(parts))  # type: ignore[arg-type]
+        return HalfLinear(table, bias)  # type: ignore[arg-type]
+    return None
 
 
 class HoldsWeights:
@@ -46,13 +72,13 @@ class HoldsWeights:
         return shapes | {k: tuple(p.shape) for k, p in module.named_parameters()}
 
     def hold(self, weights: dict[str, Stored], source: str) -> None:
-        """Take ``weights`` (every name of the state dict, untied output layer included, or a
-        fused layer's own name for its parts) as the model's: a tensor becomes the parameter
-        itself (``assign=True``: its memory is kept, not copied), a packed weight the layer
-        that multiplies it. ``weights`` is consumed: a packed entry leaves it once a layer holds
-        it (or its fused, regrouped copy), so that what was read is let go layer by layer and a
-        load peaks near the model's size, not twice it. Raises ``ValueError`` naming
-        ``source`` where a name or shape does not fit."""
+        """Take ``weights`` (every name of the state dict, untied output layer included, or a fused
+        layer's own name for its parts) as the model's: a tensor becomes the parameter itself
+        (``assign=True``: its memory is kept, not copied), a matrix kept as the file holds it
+        (packed blocks, 16 bits) the layer that multiplies it. ``weights`` is consumed: a kept
+        entry leaves it once a layer holds it (or its fused, regrouped copy), so that what was
+        read is let go layer by layer and a load peaks near the model's size, not twice it.
+        Raises ``ValueError`` naming ``source`` where a name or shape does not fit."""
         if not isinstance(weights, dict):
             raise TypeError(f"weights must be a dict (consumed), not {type(weights).__name__}")
         module: nn.Module = self  # type: ignore[assignment]
@@ -63,42 +89,47 @@ class HoldsWeights:
                 _hold_qkv(m, at, left)
             elif isinstance(m, GatedMLP):
                 _hold_gate_up(m, at, left)
-        for name in [n for n, w in left.items() if isinstance(w, PackedWeight)]:
-            layer = self._packed_layer(name, left[name])  # type: ignore[arg-type]
+        for name in [n for n, w in left.items() if kept(w)]:
+            layer = self._kept_layer(name, left[name])
             if layer is None:  # not multiplied: expanded, as the file's reader would
-                left[name] = dequantize(left[name])  # type: ignore[arg-type]
+                left[name] = _expanded(left[name])
                 continue
             parent, _, leaf = name.removesuffix(".weight").rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, leaf, layer)
             del left[name]
-        packed_table = isinstance(self.tok_emb, PackedEmbedding)
-        if self.config.tie_embeddings and packed_table:
+        if self.config.tie_embeddings and isinstance(self.tok_emb, PackedEmbedding):
             self.lm_head = PackedLinear(self.tok_emb.packed, None, False)  # the same table
+        elif self.config.tie_embeddings and isinstance(self.tok_emb, HalfEmbedding):
+            self.lm_head = HalfLinear(self.tok_emb.table, None)  # the same table
+        for name in [n for n, w in left.items() if w.dtype in HALF_DTYPES]:
+            left[name] = left[name].float()  # a 16-bit vector: read as the fp32 parameter
         load_checked(module, left, source, assign=True)
-        if self.config.tie_embeddings and not packed_table:
+        if self.config.tie_embeddings and not isinstance(
+            self.tok_emb, (PackedEmbedding, HalfEmbedding)
+        ):
             self.lm_head.weight = self.tok_emb.weight  # assign=True replaced the shared one
 
-    def _packed_layer(self, name: str, p: PackedWeight) -> nn.Module | None:
-        """The layer that holds ``p`` in place of the module ``name`` is the weight of: a
-        packed linear layer for a linear one (its bias, still to load, kept), the packed table
-        for the token table; None for any other."""
+    def _kept_layer(self, name: str, w: Stored) -> nn.Module | None:
+        """The layer that holds ``w`` (kept as the file holds it) in place of the module
+        ``name`` is the weight of: a linear layer for a linear one (its bias, still to load,
+        kept), an embedding for the token table; None for any other."""
         module: nn.Module = self  # type: ignore[assignment]
         path = name.removesuffix(".weight")
         old = module.get_submodule(path)
         if path == "tok_emb" and isinstance(old, nn.Embedding):
-            return PackedEmbedding(p)
+            return PackedEmbedding(w) if isinstance(w, PackedWeight) else HalfEmbedding(w)
         if isinstance(old, nn.Linear):
-            return PackedLinear(p, old.bias, False)  # type: ignore[arg-type]
+            return _kept_layer([w], old.bias)  # type: ignore[arg-type]
         return None
 
 
 def _hold_qkv(attn: MultiHeadAttention, at: str, left: dict[str, Stored]) -> None:
     """The fused q/k/v projection from its stored rows: given whole (``qkv_proj``), or as q, k
-    and v, packed together when all three are packed (else the packed ones are expanded)."""
+    and v, kept together when all three are kept alike (else the kept ones are expanded)."""
     whole = left.get(f"{at}qkv_proj.weight")
-    if isinstance(whole, PackedWeight):
+    if whole is not None and kept(whole):
         del left[f"{at}qkv_proj.weight"]
-        attn.hold_qkv(PackedLinear(whole, attn.qkv_proj.bias, False))  # type: ignore[union-attr]
+        attn.hold_qkv(_kept_layer([whole], attn.qkv_proj.bias))  # type: ignore[arg-type,union-attr]
         return
     if whole is not None:  # a tensor: under the state dict's three names
         for kind in ("weight", "bias"):
@@ -109,24 +140,26 @@ def _hold_qkv(attn: MultiHeadAttention, at: str, left: dict[str, Stored]) -> Non
         return
     names = [f"{at}{n}_proj.weight" for n in "qkv"]
     parts = [left.get(n) for n in names]
-    if not all(isinstance(p, PackedWeight) for p in parts):
+    layer = _kept_layer(parts, attn.qkv_proj.bias) if all(map(kept, parts)) else None  # type: ignore[union-attr]
+    if layer is None:
         for n, p in zip(names, parts, strict=True):
-            if isinstance(p, PackedWeight):
-                left[n] = dequantize(p)
+            if p is not None and kept(p):
+                left[n] = _expanded(p)
         return
     for n in names:
         del left[n]
     biases = [n.replace(".weight", ".bias") for n in names]
     if all(b in left for b in biases):  # one bias for the fused rows, loaded with the rest
         left[f"{at}qkv_proj.bias"] = torch.cat([left.pop(b) for b in biases])  # type: ignore[misc]
-    attn.hold_qkv(PackedLinear(parts, attn.qkv_proj.bias, False))  # type: ignore[arg-type,union-attr]
+    attn.hold_qkv(layer)
 
 
 def _hold_gate_up(mlp: GatedMLP, at: str, left: dict[str, Stored]) -> None:
-    """gate and up in one packed layer when both are packed (else each is held alone)."""
+    """gate and up in one layer when both are kept alike (else each is held alone)."""
     names = [f"{at}gate.weight", f"{at}up.weight"]
     parts = [left.get(n) for n in names]
-    if all(isinstance(p, PackedWeight) for p in parts):
+    layer = _kept_layer(parts, None) if all(map(kept, parts)) else None  # type: ignore[arg-type]
+    if layer is not None:
         for n in names:
             del left[n]
-        mlp.hold_gate_up(PackedLinear(parts, None, False))  # type: ignore[arg-type]
+        mlp.hold_gate_up(layer)

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dikkat.weights.formats import HALF_KINDS
+
 __all__ = ["MAX_NESTING", "GGUFFile", "TensorInfo", "shown"]
 
 _MAGIC = b"GGUF"
@@ -66,6 +68,7 @@ _ITEM_BYTES = {_STRING: 8, _ARRAY: 4 + 8} | {
     k: struct.calcsize(f) for k, (f, _) in _SCALARS.items()
 }
 _INTEGER_KINDS = ("I8", "I16", "I32", "I64")  # GGML types that hold no weights
+_CHECKED_ROWS = 4096  # rows looked at together for NaN and Inf (a bounded temporary)
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -281,15 +284,42 @@ class GGUFFile:
                 "package cannot dequantise"
             ) from None
         tensor = torch.from_numpy(np.array(values, dtype=np.float32)).view(info.shape)  # a copy
-        # a finite sum has no NaN or Inf among its terms: one pass, no mask (a sum that
-        # overflows finite values is told apart by the mask)
-        if not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
-            first = int((~torch.isfinite(tensor)).flatten().nonzero()[0, 0])
-            raise ValueError(
-                f"{self.path}: tensor {shown(name)} ({info.kind_name}) holds NaN or Inf, the "
-                f"first at {_place(first, info.shape)}: the file is damaged"
-            )
+        self._check_finite(tensor, info)
         return tensor
+
+    def read_half(self, name: str) -> Tensor:
+        """Tensor ``name``, stored as F16 or BF16, as it is stored: fp16 or bf16 in torch order
+        (a new, writable tensor); a ``ValueError`` where it holds NaN or ±Inf or is stored as
+        another kind."""
+        info = self._info(name)
+        dtype = HALF_KINDS.get(info.kind_name)
+        if dtype is None:
+            raise ValueError(
+                f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}, not in 16 bits "
+                f"({', '.join(HALF_KINDS)})"
+            )
+        bits = np.array(self.raw(name)).view(np.int16)  # a copy of the file's bytes
+        tensor = torch.from_numpy(bits).view(dtype).view(info.shape)
+        self._check_finite(tensor, info)
+        return tensor
+
+    def _check_finite(self, tensor: Tensor, info: TensorInfo) -> None:
+        """A ``ValueError`` naming the first NaN or ±Inf of ``tensor`` (read from ``info``'s
+        bytes), if it has one: looked at a slice of rows at a time, in its own dtype."""
+        rows = tensor.view(-1, info.shape[-1]) if len(info.shape) > 1 else tensor.view(1, -1)
+        for a in range(0, rows.shape[0], _CHECKED_ROWS):
+            part = rows[a : a + _CHECKED_ROWS]
+            # a finite sum has no NaN or Inf among its terms: one pass, no mask (a sum that
+            # overflows finite values is told apart by the mask)
+            if math.isfinite(float(part.sum(dtype=torch.float32))):
+                continue
+            bad = ~torch.isfinite(part)
+            if bool(bad.any()):
+                first = a * rows.shape[1] + int(bad.flatten().nonzero()[0, 0])
+                raise ValueError(
+                    f"{self.path}: tensor {shown(info.name)} ({info.kind_name}) holds NaN or Inf, "
+                    f"the first at {_place(first, info.shape)}: the file is damaged"
+                )
 
     def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)

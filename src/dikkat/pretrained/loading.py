@@ -12,9 +12,10 @@ A GGUF file's quantised matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
 default: each is repacked once, exactly, into :class:`~dikkat.weights.packed.PackedWeight`
 (:mod:`dikkat.weights.gguf_blocks`) and multiplied as such (:class:`~dikkat.layers.
 packed_layers.PackedLinear`; the token embedding a :class:`~dikkat.weights.packed_layers.
-PackedEmbedding`, shared with a tied output layer), never expanded to fp32. ``weights="fp32"``
-instead dequantises them with the ``gguf`` package, exactly as transformers reads the same file
-(``dtype`` then casts the model: bf16 halves it), and the other formats of
+PackedEmbedding`, shared with a tied output layer), never expanded to fp32. Its F16 and BF16
+matrices stay 16-bit, multiplied and looked up in fp32 (:mod:`dikkat.weights.half`).
+``weights="fp32"`` instead dequantises them with the ``gguf`` package, exactly as transformers
+reads the same file (``dtype`` then casts the model: bf16 halves it), and the other formats of
 :func:`dikkat.weights.inference_model` convert that. The model is built on the ``meta`` device and
 takes the loaded tensors as its parameters (``assign=True``), so its weights are allocated once.
 """
@@ -40,7 +41,8 @@ from dikkat.pretrained.packed_cache import PackedCache
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
-from dikkat.weights.formats import PACKED_KINDS, WeightFormat, check_weights, repack
+from dikkat.weights.formats import HALF_KINDS, PACKED_KINDS, WeightFormat, check_weights, repack
+from dikkat.weights.half import HalfLinear
 from dikkat.weights.inference import inference_model
 from dikkat.weights.packed import PackedWeight, stacked
 from dikkat.weights.packed_layers import PackedLinear
@@ -65,7 +67,8 @@ def load(
     :class:`~dikkat.models.GPT`, any other a :class:`~dikkat.models.Decoder`.
 
     ``weights`` is the format the linear layers hold: None keeps a GGUF file's quantised
-    matrices packed as the file holds them (on the CPU, in fp32 arithmetic; an HF folder's
+    matrices packed and its 16-bit ones in 16 bits, as the file holds them (on the CPU, in fp32
+    arithmetic; an HF folder's
     weights stay as they are); "fp32" dequantises them; "bf16", "int8", "w8a8", "q8", "q4"
     convert the fp32 weights (:func:`dikkat.weights.inference_model`).
 
@@ -81,12 +84,12 @@ def load(
         model, tokenizer, template = _from_gguf(found.path, packed=weights is None)
     else:
         model, tokenizer, template = _from_hf(found.path)
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
+    if any(isinstance(m, (PackedLinear, HalfLinear)) for m in model.modules()):
         if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
             raise ValueError(
-                f"{found.name} keeps its quantised weights packed, which run on the CPU in "
-                f"fp32: device={str(device)!r}, dtype={dtype} need weights='fp32' (or another "
-                "format of dikkat.weights.inference_model)"
+                f"{found.name} keeps its weights as the file holds them (packed blocks, 16 bits), "
+                f"which run on the CPU in fp32: device={str(device)!r}, dtype={dtype} need "
+                "weights='fp32' (or another format of dikkat.weights.inference_model)"
             )
         model.eval()
     else:
@@ -131,13 +134,15 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
 
     def read(theirs: str, ours: str) -> Stored:
         info = file.tensors[theirs]
-        if packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
+        if packed and len(info.shape) == 2 and info.kind_name in HALF_KINDS:
+            stored: Stored = family.gguf_fix(ours, file.read_half(theirs), config)
+        elif packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
             if cached is not None and theirs in cached:
                 return cached[theirs]
             repacked = _packed(file, theirs, ours, family, config)
             if writer is not None:
                 writer.add(theirs, repacked)
-            stored: Stored = repacked
+            stored = repacked
         else:
             stored = family.gguf_fix(ours, file.read(theirs), config)
         file.let_go(theirs)  # its bytes are copied: the file's pages need not stay resident

@@ -16,6 +16,8 @@ module                    holds
 ``packed``                :class:`PackedWeight`, blocks of 4-, 6- or 8-bit integers, and their
                           product :func:`packed_linear`
 ``packed_layers``         :class:`PackedLinear`, :class:`PackedEmbedding`
+``half``                  :class:`HalfLinear`, :class:`HalfEmbedding`: a file's fp16 and bf16
+                          matrices kept in 16 bits, multiplied in fp32
 ``bits``, ``groups``      a packed weight's bit planes, and its rows in the kernel's groups
 ``block_quantize``        dikkat's own Q8_0 and Q4_0 of any weight ("q8", "q4")
 ``gguf_blocks``           GGML's block kinds read and repacked into a :class:`PackedWeight`
@@ -25,6 +27,7 @@ module                    holds
 from dikkat.weights.block_quantize import quantize_q4, quantize_q8
 from dikkat.weights.dense import onednn_linear_available
 from dikkat.weights.formats import FORMATS, WEIGHT_FORMATS, Format, WeightFormat
+from dikkat.weights.half import HalfEmbedding, HalfLinear
 from dikkat.weights.held import InferenceLinear
 from dikkat.weights.inference import inference_model
 from dikkat.weights.int8 import (
@@ -44,6 +47,8 @@ __all__ = [
     "FORMATS",
     "WEIGHT_FORMATS",
     "Format",
+    "HalfEmbedding",
+    "HalfLinear",
     "InferenceLinear",
     "Int8Weight",
     "PackedEmbedding",

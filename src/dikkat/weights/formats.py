@@ -4,7 +4,9 @@ Two kinds of names share it. The inference formats ("fp32", "bf16", "int8", "w8a
 :data:`WeightFormat`) are what :func:`dikkat.weights.inference_model` converts a model's weights
 to; each names the layer that holds and multiplies them. The GGUF block kinds ("Q8_0", …,
 "Q6_K": :data:`PACKED_KINDS`) are what a GGUF file holds and dikkat keeps packed; each adds how a
-file's blocks are read and repacked (:mod:`dikkat.weights.gguf_blocks`). Every entry names the
+file's blocks are read and repacked (:mod:`dikkat.weights.gguf_blocks`). The GGUF 16-bit kinds
+("F16", "BF16": :data:`HALF_KINDS`) are kept as the file holds them, as a torch dtype
+(:mod:`dikkat.weights.half`). Every entry names the
 native kernel its product calls (:mod:`dikkat.kernels`), or None where the product is PyTorch's
 own (oneDNN, FBGEMM), and every product falls back to PyTorch operations where the kernels are
 not built.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import numpy as np
+import torch
 
 from dikkat.kernels import linear_rows_op, qmm_op
 from dikkat.weights.block_quantize import Q4Linear, Q8Linear
@@ -38,12 +41,14 @@ from dikkat.weights.gguf_blocks import (
     read_q6_k,
     read_q8_0,
 )
+from dikkat.weights.half import HalfLinear
 from dikkat.weights.held import InferenceLinear
 from dikkat.weights.packed import PackedWeight
 from dikkat.weights.packed_layers import PackedLinear
 
 __all__ = [
     "FORMATS",
+    "HALF_KINDS",
     "PACKED_KINDS",
     "WEIGHT_FORMATS",
     "Format",
@@ -60,12 +65,13 @@ WeightFormat = Literal["fp32", "bf16", "int8", "w8a8", "q8", "q4"]
 class Format:
     """One weight format: the layer that holds and multiplies it, the :mod:`dikkat.kernels` op
     its product calls (None: PyTorch's own), and for a GGUF block kind how a file's blocks are
-    read and repacked."""
+    read and repacked, or for a 16-bit kind the dtype it is held in."""
 
     name: str
     layer: type[InferenceLinear]
     kernel: Callable[[], Callable[..., object] | None] | None
     blocks: GGUFBlocks | None = None
+    dtype: torch.dtype | None = None  # a GGUF kind held as it is, as this torch dtype
 
 
 def _gguf(
@@ -99,12 +105,16 @@ FORMATS: dict[str, Format] = {
         _gguf("Q4_K", QK_K, 144, read_q4_k, 4, 32),
         _gguf("Q5_K", QK_K, 176, read_q5_k, 6, 32),
         _gguf("Q6_K", QK_K, 210, read_q6_k, 6, 16),
+        # GGUF's 16-bit kinds, kept in 16 bits
+        Format("F16", HalfLinear, linear_rows_op, dtype=torch.float16),
+        Format("BF16", HalfLinear, linear_rows_op, dtype=torch.bfloat16),
     )
 }
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = tuple(
-    cast(WeightFormat, n) for n, f in FORMATS.items() if f.blocks is None
+    cast(WeightFormat, n) for n, f in FORMATS.items() if f.blocks is None and f.dtype is None
 )
 PACKED_KINDS: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.blocks is not None)
+HALF_KINDS: dict[str, torch.dtype] = {n: f.dtype for n, f in FORMATS.items() if f.dtype is not None}
 
 
 def check_weights(name: str, weights: object) -> WeightFormat:

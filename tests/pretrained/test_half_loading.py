@@ -1,0 +1,84 @@
+"""A GGUF file's F16 and BF16 matrices stay 16-bit (dikkat.weights.half): fused q/k/v and gate/up
+layers, the token table shared with a tied output layer, what the model holds near the file's
+size, and the logits and greedy tokens of the file read as fp32 (transformers' reading)."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_gguf as tg
+import torch
+
+import dikkat
+from dikkat.weights import HalfEmbedding, HalfLinear, PackedLinear
+
+pytest.importorskip("gguf")
+
+KINDS = pytest.mark.parametrize("kind", [tg.T_F16, tg.T_BF16], ids=["F16", "BF16"])
+
+
+def half_file(path, kind: int, **changes: int) -> None:
+    """The tiny Llama of tiny_gguf.py with every matrix in ``kind`` (but those ``changes``
+    names, in theirs)."""
+    _, tensors = tg.tiny_llama()
+    kinds = {t.name: kind for t in tensors if len(t.shape) == 2}
+    tg.tiny_llama_file(path, kinds=kinds | changes)
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    tables = {
+        id(m.table): m.table for m in model.modules() if isinstance(m, HalfEmbedding | HalfLinear)
+    }
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(t.numel() * t.element_size() for t in tables.values())
+
+
+@KINDS
+def test_a_16_bit_file_is_held_in_16_bits(tmp_path, kind):
+    path = tmp_path / "half.gguf"
+    half_file(path, kind)
+    model = dikkat.pretrained.load(path).model
+    dtype = torch.float16 if kind == tg.T_F16 else torch.bfloat16
+    assert isinstance(model.tok_emb, HalfEmbedding) and model.tok_emb.table.dtype == dtype
+    assert isinstance(model.lm_head, HalfLinear)
+    assert model.lm_head.table is model.tok_emb.table  # tied: one table
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        assert isinstance(attn.qkv_proj, HalfLinear) and attn.k_proj.source is attn.qkv_proj
+        assert isinstance(mlp.gate_up, HalfLinear) and mlp.up.source is mlp.gate_up
+        assert isinstance(mlp.down, HalfLinear) and isinstance(attn.out_proj, HalfLinear)
+    stored = sum(info.nbytes for info in dikkat.pretrained.GGUFFile(path).tensors.values())
+    assert held_bytes(model) == stored  # the file's bytes, nothing widened beside them
+
+
+@KINDS
+def test_it_gives_the_logits_and_tokens_of_the_file_read_as_fp32(tmp_path, kind):
+    path = tmp_path / "half.gguf"
+    half_file(path, kind)
+    half, fp32 = dikkat.pretrained.load(path), dikkat.pretrained.load(path, weights="fp32")
+    for n in (1, 3, 32):  # a decode step's row, a few rows, a prefill's slices
+        ids = torch.tensor([tg.prompt_ids(n)])
+        with torch.no_grad():
+            want = fp32.model(ids)
+            torch.testing.assert_close(half.model(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+    assert half.generate("the quick brown", 12) == fp32.generate("the quick brown", 12)
+
+
+def test_q_k_v_kept_in_two_ways_are_expanded_together(tmp_path):
+    """q in F16 beside k and v in blocks: no one layer holds both, so the three are fp32."""
+    path = tmp_path / "mixed.gguf"
+    tg.tiny_llama_file(path, kinds={"blk.0.attn_q.weight": tg.T_F16})
+    model = dikkat.pretrained.load(path).model
+    qkv = model.blocks[0].attn.qkv_proj
+    assert not isinstance(qkv, HalfLinear | PackedLinear) and qkv.weight.dtype == torch.float32
+    assert isinstance(model.blocks[1].attn.qkv_proj, PackedLinear)
+    dense = dikkat.pretrained.load(path, weights="fp32").model
+    assert torch.equal(qkv.weight, dense.blocks[0].attn.qkv_proj.weight)
+
+
+def test_a_16_bit_model_runs_on_the_cpu_in_fp32_only(tmp_path):
+    path = tmp_path / "half.gguf"
+    half_file(path, tg.T_F16)
+    with pytest.raises(ValueError, match=r"16 bits.*weights='fp32'"):
+        dikkat.pretrained.load(path, dtype=torch.bfloat16)
+    lm = dikkat.pretrained.load(path, weights="fp32", dtype=torch.bfloat16)  # the way out
+    assert lm.model.tok_emb.weight.dtype == torch.bfloat16
