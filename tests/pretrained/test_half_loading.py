@@ -82,3 +82,27 @@ def test_a_16_bit_model_runs_on_the_cpu_in_fp32_only(tmp_path):
         dikkat.pretrained.load(path, dtype=torch.bfloat16)
     lm = dikkat.pretrained.load(path, weights="fp32", dtype=torch.bfloat16)  # the way out
     assert lm.model.tok_emb.weight.dtype == torch.bfloat16
+
+
+def test_the_bytes_are_read_alike_with_and_without_the_system_s_vector_reads(tmp_path, monkeypatch):
+    path = tmp_path / "half.gguf"
+    half_file(path, tg.T_BF16)
+    file = dikkat.pretrained.GGUFFile(path)
+    read = file.read_half("blk.1.ffn_down.weight")
+    assert torch.equal(read.float(), file.read("blk.1.ffn_down.weight"))
+    monkeypatch.delattr("os.preadv")
+    assert torch.equal(file.read_half("blk.1.ffn_down.weight"), read)
+    with pytest.raises(ValueError, match="stored as F32, not in 16 bits"):
+        file.read_half("output_norm.weight")
+
+
+def test_a_file_cut_short_after_it_is_opened_is_refused(tmp_path):
+    path = tmp_path / "half.gguf"
+    half_file(path, tg.T_F16)
+    file = dikkat.pretrained.GGUFFile(path)
+    halves = [info for info in file.tensors.values() if info.kind_name == "F16"]
+    last = max(halves, key=lambda info: info.offset)
+    with path.open("r+b") as f:
+        f.truncate(last.offset + 10)
+    with pytest.raises(ValueError, match=f"{last.name}.*changed while it was read"):
+        file.read_half(last.name)

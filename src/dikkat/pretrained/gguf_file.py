@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,10 @@ _ITEM_BYTES = {_STRING: 8, _ARRAY: 4 + 8} | {
     k: struct.calcsize(f) for k, (f, _) in _SCALARS.items()
 }
 _INTEGER_KINDS = ("I8", "I16", "I32", "I64")  # GGML types that hold no weights
-_CHECKED_ROWS = 4096  # rows looked at together for NaN and Inf (a bounded temporary)
+# the kinds read as they are stored, as these dtypes
+_WHOLE = {"F32": torch.float32, **HALF_KINDS}
+_CHECKED_ROWS = 4096  # rows looked at together for NaN and Inf
+_READ_BYTES = 1 << 26  # bytes a read asks for (Linux reads at most 2 GiB - 4 KiB at once)
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -188,6 +193,9 @@ class GGUFFile:
             if size < 24:
                 raise ValueError(f"{self.path} is {size} bytes long: not a GGUF file")
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            # the same file (not whatever its path names later), for reads into a tensor
+            self._fd = os.dup(file.fileno())
+        weakref.finalize(self, os.close, self._fd)
         cursor = _Cursor(memoryview(self._map), self.path)
         if bytes(cursor.take(4, "the magic")) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')")
@@ -275,6 +283,11 @@ class GGUFFile:
                 f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}: integers, "
                 "which no model reads as weights (a damaged type id?)"
             )
+        if info.kind_name in _WHOLE:  # fp32 as stored, or 16 bits widened: no dequantising
+            tensor = torch.empty(info.shape, dtype=_WHOLE[info.kind_name])
+            self._read_into(tensor, info)
+            self._check_finite(tensor, info)
+            return tensor.float()
         try:
             with np.errstate(invalid="ignore", over="ignore"):  # NaN is refused just below
                 values = dequantize(self.raw(name), GGMLQuantizationType(info.kind))
@@ -298,28 +311,45 @@ class GGUFFile:
                 f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}, not in 16 bits "
                 f"({', '.join(HALF_KINDS)})"
             )
-        bits = np.array(self.raw(name)).view(np.int16)  # a copy of the file's bytes
-        tensor = torch.from_numpy(bits).view(dtype).view(info.shape)
+        tensor = torch.empty(info.shape, dtype=dtype)
+        self._read_into(tensor, info)
         self._check_finite(tensor, info)
         return tensor
 
+    def _read_into(self, tensor: Tensor, info: TensorInfo) -> None:
+        """``info``'s bytes into ``tensor`` (contiguous, as many bytes), read from the file by
+        the system's reads, in slices: no page of the map is touched (faulting in a large
+        tensor's pages one by one is several times slower than reading them; BENCHMARKS.md,
+        "16-bit files")."""
+        out = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        if not hasattr(os, "preadv"):  # (not on every system): a copy from the map
+            out[:] = memoryview(self._map)[info.offset : info.offset + info.nbytes]
+            return
+        done = 0
+        while done < info.nbytes:
+            n = min(info.nbytes - done, _READ_BYTES)
+            got = os.preadv(self._fd, [out[done : done + n]], info.offset + done)
+            if got <= 0:
+                raise ValueError(
+                    f"{self.path}: tensor {shown(info.name)} ends past the end of the file, "
+                    "which changed while it was read"
+                )
+            done += got
+
     def _check_finite(self, tensor: Tensor, info: TensorInfo) -> None:
         """A ``ValueError`` naming the first NaN or ±Inf of ``tensor`` (read from ``info``'s
-        bytes), if it has one: looked at a slice of rows at a time, in its own dtype."""
+        bytes), if it has one: a slice of rows at a time, in its own dtype, by its smallest
+        and largest values (which are NaN or ±Inf where any value is)."""
         rows = tensor.view(-1, info.shape[-1]) if len(info.shape) > 1 else tensor.view(1, -1)
         for a in range(0, rows.shape[0], _CHECKED_ROWS):
             part = rows[a : a + _CHECKED_ROWS]
-            # a finite sum has no NaN or Inf among its terms: one pass, no mask (a sum that
-            # overflows finite values is told apart by the mask)
-            if math.isfinite(float(part.sum(dtype=torch.float32))):
+            if part.numel() == 0 or all(map(math.isfinite, torch.aminmax(part))):
                 continue
-            bad = ~torch.isfinite(part)
-            if bool(bad.any()):
-                first = a * rows.shape[1] + int(bad.flatten().nonzero()[0, 0])
-                raise ValueError(
-                    f"{self.path}: tensor {shown(info.name)} ({info.kind_name}) holds NaN or Inf, "
-                    f"the first at {_place(first, info.shape)}: the file is damaged"
-                )
+            first = a * rows.shape[1] + int((~torch.isfinite(part)).flatten().nonzero()[0, 0])
+            raise ValueError(
+                f"{self.path}: tensor {shown(info.name)} ({info.kind_name}) holds NaN or Inf, "
+                f"the first at {_place(first, info.shape)}: the file is damaged"
+            )
 
     def _info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
