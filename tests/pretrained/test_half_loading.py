@@ -75,13 +75,15 @@ def test_q_k_v_kept_in_two_ways_are_expanded_together(tmp_path):
     assert torch.equal(qkv.weight, dense.blocks[0].attn.qkv_proj.weight)
 
 
-def test_a_16_bit_model_runs_on_the_cpu_in_fp32_only(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_16_bit_file_asked_for_in_another_dtype_is_read_as_fp32_and_cast(tmp_path, dtype):
     path = tmp_path / "half.gguf"
     half_file(path, tg.T_F16)
-    with pytest.raises(ValueError, match=r"16 bits.*weights='fp32'"):
-        dikkat.pretrained.load(path, dtype=torch.bfloat16)
-    lm = dikkat.pretrained.load(path, weights="fp32", dtype=torch.bfloat16)  # the way out
-    assert lm.model.tok_emb.weight.dtype == torch.bfloat16
+    model = dikkat.pretrained.load(path, dtype=dtype).model
+    want = dikkat.pretrained.load(path, weights="fp32").model
+    assert not [m for m in model.modules() if isinstance(m, HalfLinear | HalfEmbedding)]
+    assert model.tok_emb.weight.dtype == dtype
+    assert torch.equal(model.blocks[0].mlp.down.weight, want.blocks[0].mlp.down.weight.to(dtype))
 
 
 def test_the_bytes_are_read_alike_with_and_without_the_system_s_vector_reads(tmp_path, monkeypatch):

@@ -296,12 +296,14 @@ def test_a_long_prompt_never_stalls_health_on_smollm2(smollm2):
         )
         started = time.perf_counter()
         slow.start()
-        waits = []
-        while slow.is_alive() and len(waits) < 10_000:
-            asked = time.perf_counter()
+        answered = []  # when each /health answer came, from the start
+        while slow.is_alive() and len(answered) < 10_000:
             assert request(base, "GET", "/health")[0] == 200
-            waits.append(time.perf_counter() - asked)
+            answered.append(time.perf_counter() - started)
         slow.join(WAIT)
         took = time.perf_counter() - started
     assert answers[0][1]["error"]["code"] == "context_length_exceeded"  # tokenised, then refused
-    assert max(waits) < took / 3, (max(waits), took)
+    # a loop held by the tokenising answers nothing in the middle of it; one that is free
+    # answers there however slowly a busy machine runs it (what it answers is counted, not timed)
+    middle = [t for t in answered if took / 4 < t < 3 * took / 4]
+    assert middle, (answered, took)

@@ -26,7 +26,7 @@ def test_the_static_type_names_the_registry_s_inference_formats():
     assert typing.get_args(WeightFormat) == WEIGHT_FORMATS
     assert set(WEIGHT_FORMATS) | set(PACKED_KINDS) | set(HALF_KINDS) == set(FORMATS)
     assert len(WEIGHT_FORMATS) + len(PACKED_KINDS) + len(HALF_KINDS) == len(FORMATS)
-    assert HALF_KINDS == {"F16": torch.float16, "BF16": torch.bfloat16}
+    assert {"F16": torch.float16, "BF16": torch.bfloat16} == HALF_KINDS
 
 
 def test_every_entry_names_its_layer_and_a_kernel_of_the_kernels_package():

@@ -4,10 +4,12 @@ GGUF (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) is one file: a 
 key/value pairs (the architecture's sizes, the tokenizer's vocabulary, the chat template), a
 directory of tensors (name, dims, quantisation type, offset), then the tensor data, aligned.
 
-The header is parsed here, in bulk: ``gguf.GGUFReader`` builds a Python object for every element
-of every array, which takes tens of seconds on a 262 144-token vocabulary. The tensor data stays
-in a read-only memory map and each tensor is dequantised by the ``gguf`` package
-(``gguf.quants.dequantize``), the format's own reference implementation.
+The header is parsed here, in bulk (:mod:`dikkat.pretrained.gguf_header`): ``gguf.GGUFReader``
+builds a Python object for every element of every array, which takes tens of seconds on a
+262 144-token vocabulary. The tensor data stays in a read-only memory map; a quantised tensor is
+dequantised from it by the ``gguf`` package (``gguf.quants.dequantize``), the format's own
+reference implementation, and an F32, F16 or BF16 one is read by the system's reads straight
+into its tensor (:meth:`GGUFFile.read_half` keeps 16 bits).
 
 Nothing in the file is trusted (docs/models.md, "What a load checks"). Every length and count is
 held against the bytes left before anything sized by it is built; arrays nest at most
@@ -27,7 +29,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import struct
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dikkat.pretrained.gguf_header import KEY_BYTES, MAX_NESTING, TENSOR_BYTES, Cursor, shown
 from dikkat.weights.formats import HALF_KINDS
 
 __all__ = ["MAX_NESTING", "GGUFFile", "TensorInfo", "shown"]
@@ -45,42 +47,11 @@ _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 _INT64_MAX = 2**63 - 1
-MAX_NESTING = 4  # arrays of arrays this deep at most (ggml's reader takes none nested)
-
-# GGUF value types: id → (struct format, numpy dtype) for the fixed-size ones
-_SCALARS: dict[int, tuple[str, str]] = {
-    0: ("<B", "<u1"),
-    1: ("<b", "<i1"),
-    2: ("<H", "<u2"),
-    3: ("<h", "<i2"),
-    4: ("<I", "<u4"),
-    5: ("<i", "<i4"),
-    6: ("<f", "<f4"),
-    7: ("<?", "<u1"),  # bool: one byte
-    10: ("<Q", "<u8"),
-    11: ("<q", "<i8"),
-    12: ("<d", "<f8"),
-}
-_STRING, _ARRAY, _BOOL = 8, 9, 7
-_U64 = struct.Struct("<Q")
-# the fewest bytes one entry can take: a key (length, type, a one-byte value); an array item
-# by type; a tensor's directory entry (name length, n_dims, type, offset)
-_KEY_BYTES, _TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
-_ITEM_BYTES = {_STRING: 8, _ARRAY: 4 + 8} | {
-    k: struct.calcsize(f) for k, (f, _) in _SCALARS.items()
-}
 _INTEGER_KINDS = ("I8", "I16", "I32", "I64")  # GGML types that hold no weights
 # the kinds read as they are stored, as these dtypes
 _WHOLE = {"F32": torch.float32, **HALF_KINDS}
 _CHECKED_ROWS = 4096  # rows looked at together for NaN and Inf
 _READ_BYTES = 1 << 26  # bytes a read asks for (Linux reads at most 2 GiB - 4 KiB at once)
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to about ``limit`` characters: a file's strings in a one-line
-    message (a key or a token may be megabytes long, or hold a newline)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "…"
 
 
 @dataclass(frozen=True)
@@ -98,80 +69,6 @@ class TensorInfo:
         from gguf import GGMLQuantizationType
 
         return GGMLQuantizationType(self.kind).name
-
-
-class _Cursor:
-    """Reads little-endian values from the header; every read is held against the bytes left,
-    and a failure names the file and what was being read."""
-
-    def __init__(self, buffer: memoryview, path: Path) -> None:
-        self.buffer, self.pos, self.path = buffer, 0, path
-
-    @property
-    def left(self) -> int:
-        return len(self.buffer) - self.pos
-
-    def take(self, n: int, what: str) -> memoryview:
-        if n > self.left:
-            raise ValueError(
-                f"{self.path}: {what} needs {n} bytes at byte {self.pos}, but the file ends "
-                f"{self.left} bytes later: it is truncated, damaged or not GGUF"
-            )
-        view = self.buffer[self.pos : self.pos + n]
-        self.pos += n
-        return view
-
-    def scalar(self, kind: int, what: str) -> Any:
-        fmt = _SCALARS[kind][0]
-        (value,) = struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
-        return value
-
-    def string(self, what: str) -> str:
-        n = self.scalar(10, f"the length of {what}")
-        return bytes(self.take(n, what)).decode("utf-8", errors="replace")
-
-    def strings(self, count: int, what: str) -> list[str]:
-        """``count`` strings: :meth:`string` in a tight loop (a vocabulary holds 10⁵ of them)."""
-        buffer, pos, end, out = self.buffer, self.pos, len(self.buffer), []
-        unpack, add = _U64.unpack_from, out.append
-        for _ in range(count):
-            n = unpack(buffer, pos)[0] if pos + 8 <= end else end  # a length past the end
-            if pos + 8 + n > end:
-                self.pos = pos
-                self.take(8 + n, f"item {len(out)} of {what}")  # raises, naming the place
-            add(str(buffer[pos + 8 : pos + 8 + n], "utf-8", "replace"))
-            pos += 8 + n
-        self.pos = pos
-        return out
-
-    def value(self, kind: int, what: str, depth: int = 0) -> Any:
-        if kind == _STRING:
-            return self.string(what)
-        if kind == _ARRAY:
-            if depth >= MAX_NESTING:
-                raise ValueError(
-                    f"{self.path}: {what} holds arrays nested more than {MAX_NESTING} deep"
-                )
-            item, count = self.scalar(4, f"the item type of {what}"), self.scalar(10, what)
-            size = _ITEM_BYTES.get(item)
-            if size is None:
-                raise ValueError(f"{self.path}: {what} is an array of unknown GGUF type {item}")
-            if count * size > self.left:  # before any list of that many items is built
-                raise ValueError(
-                    f"{self.path}: {what} claims {count} items, which need at least "
-                    f"{count * size} bytes; {self.left} are left in the file"
-                )
-            if item == _STRING:
-                return self.strings(count, what)
-            if item in _SCALARS:
-                dtype = np.dtype(_SCALARS[item][1])
-                data = np.frombuffer(self.take(count * size, what), dtype=dtype)
-                return (data != 0).tolist() if item == _BOOL else data.tolist()
-            return [self.value(item, what, depth + 1) for _ in range(count)]
-        if kind in _SCALARS:
-            value = self.scalar(kind, what)
-            return bool(value) if kind == _BOOL else value
-        raise ValueError(f"{self.path}: {what} has unknown GGUF value type {kind}")
 
 
 class GGUFFile:
@@ -196,7 +93,7 @@ class GGUFFile:
             # the same file (not whatever its path names later), for reads into a tensor
             self._fd = os.dup(file.fileno())
         weakref.finalize(self, os.close, self._fd)
-        cursor = _Cursor(memoryview(self._map), self.path)
+        cursor = Cursor(memoryview(self._map), self.path)
         if bytes(cursor.take(4, "the magic")) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')")
         version = cursor.scalar(4, "the version")
@@ -204,7 +101,7 @@ class GGUFFile:
             raise ValueError(f"{self.path} is GGUF version {version}; versions 2 and 3 are read")
         n_tensors = cursor.scalar(10, "the tensor count")
         n_keys = cursor.scalar(10, "the key count")
-        least = n_keys * _KEY_BYTES + n_tensors * _TENSOR_BYTES
+        least = n_keys * KEY_BYTES + n_tensors * TENSOR_BYTES
         if least > cursor.left:
             raise ValueError(
                 f"{self.path}: the header lists {n_tensors} tensors and {n_keys} keys, which "
@@ -378,7 +275,7 @@ def _alignment(metadata: dict[str, Any], path: Path) -> int:
     return value
 
 
-def _directory_entry(cursor: _Cursor, i: int, path: Path) -> tuple[str, tuple[int, ...], int, int]:
+def _directory_entry(cursor: Cursor, i: int, path: Path) -> tuple[str, tuple[int, ...], int, int]:
     """One tensor's entry: name, torch-order shape, GGML type, offset in the data section."""
     name = cursor.string(f"the name of tensor #{i}")
     what = f"tensor {shown(name)}"

@@ -67,8 +67,8 @@ def load(
     :class:`~dikkat.models.GPT`, any other a :class:`~dikkat.models.Decoder`.
 
     ``weights`` is the format the linear layers hold: None keeps a GGUF file's quantised
-    matrices packed and its 16-bit ones in 16 bits, as the file holds them (on the CPU, in fp32
-    arithmetic; an HF folder's
+    matrices packed as the file holds them, and its 16-bit ones in 16 bits unless ``device``
+    or ``dtype`` asks for another (on the CPU, in fp32 arithmetic; an HF folder's
     weights stay as they are); "fp32" dequantises them; "bf16", "int8", "w8a8", "q8", "q4"
     convert the fp32 weights (:func:`dikkat.weights.inference_model`).
 
@@ -81,15 +81,18 @@ def load(
         weights = check_weights("weights", weights)
     found = resolve(source)
     if found.kind == "gguf":
-        model, tokenizer, template = _from_gguf(found.path, packed=weights is None)
+        # 16-bit matrices are kept so where the model runs on the CPU in fp32 (else read as fp32)
+        fp32_cpu = torch.device(device).type == "cpu" and dtype in (None, torch.float32)
+        kept = weights is None
+        model, tokenizer, template = _from_gguf(found.path, packed=kept, half=kept and fp32_cpu)
     else:
         model, tokenizer, template = _from_hf(found.path)
     if any(isinstance(m, (PackedLinear, HalfLinear)) for m in model.modules()):
         if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
             raise ValueError(
-                f"{found.name} keeps its weights as the file holds them (packed blocks, 16 bits), "
-                f"which run on the CPU in fp32: device={str(device)!r}, dtype={dtype} need "
-                "weights='fp32' (or another format of dikkat.weights.inference_model)"
+                f"{found.name} keeps its quantised weights packed, which run on the CPU in "
+                f"fp32: device={str(device)!r}, dtype={dtype} need weights='fp32' (or another "
+                "format of dikkat.weights.inference_model)"
             )
         model.eval()
     else:
@@ -108,11 +111,12 @@ def _give_back_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str | None]:
+def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Tokenizer, str | None]:
     """The model, tokenizer and chat template of a GGUF file, of the family its
     ``general.architecture`` names (:mod:`dikkat.pretrained.families`): the header's sizes are
     held to the tensors before the model is built (on the meta device), and every tensor is
-    read once and handed to the model (:meth:`~dikkat.models.holding.HoldsWeights.hold`)."""
+    read once and handed to the model (:meth:`~dikkat.models.holding.HoldsWeights.hold`),
+    quantised matrices packed if ``packed``, 16-bit ones in 16 bits if ``half``."""
     file, source = GGUFFile(path), str(path)  # the header's own rules (gguf_file.py)
     family = by_gguf_architecture(file.metadata.get("general.architecture"), source)
     assert family.config_from_gguf is not None  # by_gguf_architecture: only such families
@@ -134,7 +138,7 @@ def _from_gguf(path: Path, *, packed: bool) -> tuple[nn.Module, Tokenizer, str |
 
     def read(theirs: str, ours: str) -> Stored:
         info = file.tensors[theirs]
-        if packed and len(info.shape) == 2 and info.kind_name in HALF_KINDS:
+        if half and len(info.shape) == 2 and info.kind_name in HALF_KINDS:
             stored: Stored = family.gguf_fix(ours, file.read_half(theirs), config)
         elif packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
             if cached is not None and theirs in cached:
