@@ -53,6 +53,7 @@ def test_a_model_held_in_16_bits_compiles_to_its_eager_logits(family):
     step = AotStep(model, model.new_cache(1, 12))
     record = json.loads(step.package.with_suffix(".json").read_text())
     assert "tok_emb.table" in record["constants"].values()
+    assert record["version"] == aot_package.VERSION and len(record["lineage"]) == 24
     _matches_eager(model, lambda cache: AotStep(model, cache), 12)
 
 
@@ -170,6 +171,32 @@ def test_the_key_follows_what_the_code_depends_on():
     with torch.no_grad():  # a tensor small enough to be written into the code: by value
         small.blocks[0].attn_norm.weight.data = torch.ones(32)[:16].clone()
     assert aot_package.step_key(small, windows) != key
+
+
+def test_a_build_removes_the_packages_it_makes_useless(tmp_path):
+    """Those of an older layout and those of its lineage under another key (another dikkat or
+    PyTorch built them for the same model); another model's stay, and so do files it cannot
+    read."""
+
+    def plant(name: str, entry: object) -> Path:
+        (tmp_path / f"{name}.pt2").write_bytes(b"x" * 1000)
+        (tmp_path / f"{name}.json").write_text(json.dumps(entry))
+        return tmp_path / f"{name}.pt2"
+
+    v = aot_package.VERSION
+    mine = plant("step-new", {"version": v, "lineage": "L1"})
+    older = plant("step-old", {"version": v, "lineage": "L1"})
+    failed = plant("pool-old", {"version": v, "lineage": "L1", "failed": "no compiler"})
+    layout = plant("step-v1", {"version": v - 1, "package": {}})
+    other = plant("step-other", {"version": v, "lineage": "L2"})
+    (tmp_path / "notes.json").write_text("not json")
+    freed = aot_package.prune(tmp_path, "L1", mine)
+    gone = [older, failed, layout]
+    assert not [p for p in gone if p.exists() or p.with_suffix(".json").exists()]
+    assert mine.exists() and other.exists() and (tmp_path / "notes.json").exists()
+    assert freed == sum(1000 + len(json.dumps(e)) for e in (
+        {"version": v, "lineage": "L1"}, {"version": v, "lineage": "L1", "failed": "no compiler"},
+        {"version": v - 1, "package": {}}))  # fmt: skip
 
 
 def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp_path, capsys):

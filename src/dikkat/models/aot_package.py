@@ -20,7 +20,9 @@ code), the sliding windows, what of the inputs is fixed, dikkat's own source, th
 version and the CPU. A package is written under a temporary name and renamed into place with its
 record (size and SHA-256) after it, and checked against that record before it is loaded: a
 damaged one is rebuilt. A build that fails is recorded too, so that the next process does not
-spend its minute again (deleting the record tries again).
+spend its minute again (deleting the record tries again). A build removes the packages it makes
+useless: those of an older layout, and those of the same model built by another dikkat or
+PyTorch (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -46,9 +48,18 @@ from torch import Tensor, nn
 from dikkat.files import atomic_write, cache_dir, record, verify, write_text
 from dikkat.kernels import cpu_identity, paged_attention_op
 
-__all__ = ["Bound", "Package", "StepCompileError", "compiled_dir", "step_key", "tensors_of"]
+__all__ = [
+    "Bound",
+    "Package",
+    "StepCompileError",
+    "compiled_dir",
+    "prune",
+    "step_key",
+    "step_lineage",
+    "tensors_of",
+]
 
-VERSION = 1  # the package's layout and its record's; a change needs a new one
+VERSION = 2  # the package's layout and its record's; a change needs a new one
 _INLINED = 16  # tensors of at most this many numbers may be written into the code: keyed by value
 
 
@@ -120,19 +131,57 @@ def _source_digest() -> bytes:
     return digest.digest()
 
 
-def step_key(model: nn.Module, windows: tuple[int | None, ...], inputs: str = "") -> str:
-    """The name of ``model``'s compiled step: what a package depends on (module docstring);
-    ``inputs`` says what of the step's inputs is fixed in it (a pool's slots)."""
+def step_lineage(model: nn.Module, windows: tuple[int | None, ...], inputs: str = "") -> str:
+    """What ``model``'s compiled step is for, without what builds it (dikkat's source, PyTorch,
+    the package's layout): packages of one lineage under other keys were built for the same
+    model on this machine by another dikkat or PyTorch, and a new build removes them
+    (:func:`prune`). ``inputs`` says what of the step's inputs is fixed in it (a pool's
+    slots)."""
     digest = hashlib.sha256()
-    parts = (VERSION, torch.__version__, cpu_identity(), repr(model), repr(windows), inputs)
-    for part in parts:
+    for part in (cpu_identity(), repr(model), repr(windows), inputs):
         digest.update(str(part).encode() + b"\0")
-    digest.update(_source_digest())
     for path, t in tensors_of(model).items():
         digest.update(f"{path} {tuple(t.shape)} {t.stride()} {t.dtype}\0".encode())
         if t.numel() <= _INLINED:
             digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:24]
+
+
+def step_key(model: nn.Module, windows: tuple[int | None, ...], inputs: str = "") -> str:
+    """The name of ``model``'s compiled step: what a package depends on (module docstring)."""
+    return _key(step_lineage(model, windows, inputs))
+
+
+def _key(lineage: str) -> str:
+    digest = hashlib.sha256(f"{VERSION}\0{torch.__version__}\0{lineage}\0".encode())
+    digest.update(_source_digest())
+    return digest.hexdigest()[:24]
+
+
+def prune(folder: Path, lineage: str, keep: Path) -> int:
+    """Remove from ``folder`` the packages (and records) of an older layout, and those of
+    ``lineage`` other than ``keep``: what a build of ``keep`` makes useless. Returns the bytes
+    freed; a file that cannot be read or removed is left (another process may be writing
+    it)."""
+    freed = 0
+    for entry_path in folder.glob("*.json"):
+        package = entry_path.with_suffix(".pt2")
+        if package == keep:
+            continue
+        try:
+            entry = json.loads(entry_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(entry, dict) or (
+            entry.get("version") == VERSION and entry.get("lineage") != lineage
+        ):
+            continue
+        for path in (package, entry_path):  # the package first: a record alone is rebuilt
+            with contextlib.suppress(OSError):
+                size = path.stat().st_size
+                path.unlink()
+                freed += size
+    return freed
 
 
 class _StepModule(nn.Module):
@@ -190,7 +239,8 @@ class Package:
                  fixed: str, folder: Path) -> None:  # fmt: skip
         self.model, self.windows, self.kind, self.step = model, windows, kind, step
         self.inputs, self.folder = inputs, folder
-        self.key = step_key(model, windows, f"{kind}: {fixed}")
+        self.lineage = step_lineage(model, windows, f"{kind}: {fixed}")
+        self.key = _key(self.lineage)
         self.package = folder / f"{kind}-{self.key}.pt2"
         self.built = False  # whether this object compiled its package (else it loaded one)
         loaded = _LOADED.setdefault(model, {})
@@ -255,7 +305,8 @@ class Package:
             with tempfile.TemporaryDirectory(dir=self.folder, prefix=".build-") as tmp:
                 built = Path(tmp) / self.package.name
                 where = self._built(built)
-                entry = {"version": VERSION, "package": record(built), "constants": where}
+                entry = {"version": VERSION, "lineage": self.lineage, "package": record(built),
+                         "constants": where}  # fmt: skip
                 # the package first, its record after: a crash between leaves a record that
                 # does not match, and the next load compiles again
                 atomic_write(self.package, lambda to: shutil.copyfile(built, to))
@@ -265,6 +316,10 @@ class Package:
         self.built = True
         print(f"dikkat: compiled in {time.perf_counter() - start:.0f} s, kept in "
               f"{self.package}", file=sys.stderr)  # fmt: skip
+        freed = prune(self.folder, self.lineage, self.package)
+        if freed:
+            print(f"dikkat: removed {freed / 2**20:.1f} MiB of this model's compiled steps "
+                  "from older versions", file=sys.stderr)  # fmt: skip
 
     def _built(self, package: Path) -> dict[str, str]:
         """:meth:`_build`, a failure of the model's (not of the disk) recorded, so that the
@@ -276,7 +331,8 @@ class Package:
         except Exception as e:  # export's and inductor's errors have no common base
             reason = str(e) if isinstance(e, StepCompileError) else _first_line(e)
             with contextlib.suppress(OSError):  # not recorded: the next decode tries again
-                write_text(self.record_path, json.dumps({"version": VERSION, "failed": reason}))
+                failed = {"version": VERSION, "lineage": self.lineage, "failed": reason}
+                write_text(self.record_path, json.dumps(failed))
             raise StepCompileError(reason) from e
 
     def _build(self, package: Path) -> dict[str, str]:
