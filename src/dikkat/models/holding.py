@@ -29,7 +29,6 @@ from dikkat.models.io import load_checked
 from dikkat.weights.half import HALF_DTYPES, HalfEmbedding, HalfLinear, is_half
 from dikkat.weights.packed import PackedWeight, dequantize
 from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
-from dikkat.weights.pages import empty_on_huge_pages
 
 __all__ = ["HoldsWeights", "Stored"]
 
@@ -52,11 +51,7 @@ def _kept_layer(parts: Sequence[Stored], bias: nn.Parameter | None) -> nn.Module
     if all(isinstance(p, PackedWeight) for p in parts):
         return PackedLinear(list(parts), bias, False)  # type: ignore[arg-type]
     if all(is_half(p) for p in parts) and len({p.dtype for p in parts}) == 1:
-        table = parts[0]
-        if len(parts) > 1:  # joined on huge pages, as the file's reader reads each part
-            rows = sum(p.shape[0] for p in parts)
-            out = empty_on_huge_pages((rows, table.shape[1]), table.dtype)
-            table = torch.cat(list(parts), out=out)  # type: ignore[arg-type]
+        table = parts[0] if len(parts) == 1 else torch.cat(list(parts))  # type: ignore[arg-type]
         return HalfLinear(table, bias)  # type: ignore[arg-type]
     return None
 

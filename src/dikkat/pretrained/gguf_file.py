@@ -40,7 +40,6 @@ from torch import Tensor
 
 from dikkat.pretrained.gguf_header import KEY_BYTES, MAX_NESTING, TENSOR_BYTES, Cursor, shown
 from dikkat.weights.formats import HALF_KINDS
-from dikkat.weights.pages import empty_on_huge_pages
 
 __all__ = ["MAX_NESTING", "GGUFFile", "TensorInfo", "shown"]
 
@@ -182,7 +181,7 @@ class GGUFFile:
                 "which no model reads as weights (a damaged type id?)"
             )
         if info.kind_name in _WHOLE:  # fp32 as stored, or 16 bits widened: no dequantising
-            tensor = empty_on_huge_pages(info.shape, _WHOLE[info.kind_name])
+            tensor = torch.empty(info.shape, dtype=_WHOLE[info.kind_name])
             self._read_into(tensor, info)
             self._check_finite(tensor, info)
             return tensor.float()
@@ -209,7 +208,7 @@ class GGUFFile:
                 f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}, not in 16 bits "
                 f"({', '.join(HALF_KINDS)})"
             )
-        tensor = empty_on_huge_pages(info.shape, dtype)  # a decode step streams it: BENCHMARKS.md
+        tensor = torch.empty(info.shape, dtype=dtype)
         self._read_into(tensor, info)
         self._check_finite(tensor, info)
         return tensor

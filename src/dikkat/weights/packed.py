@@ -55,7 +55,6 @@ from torch import Tensor
 from dikkat.kernels import qmm_op
 from dikkat.weights.bits import BITS, unpack_values
 from dikkat.weights.groups import ROWS, gather_rows, to_groups, to_rows
-from dikkat.weights.pages import empty_on_huge_pages
 
 __all__ = [
     "PackedWeight",
@@ -241,7 +240,7 @@ def stacked(parts: Iterable[PackedWeight], rows: int) -> PackedWeight:
         if at + p.shape[0] > rows:
             raise ValueError(f"the parts hold more than rows={rows} rows")
         if out is None:
-            out = p._with(lambda t: empty_on_huge_pages((rows, *t.shape[1:]), t.dtype), True)
+            out = p._with(lambda t: t.new_empty((rows, *t.shape[1:])), True)
         layout = [(t.dtype, t.shape[1:]) for t in p.tensors()]
         if (p.bits, p.block, p.zero) != (out.bits, out.block, out.zero) or layout != [
             (t.dtype, t.shape[1:]) for t in out.tensors()

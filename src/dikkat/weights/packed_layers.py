@@ -13,7 +13,6 @@ from torch import Tensor, nn
 from dikkat.weights.groups import ROWS
 from dikkat.weights.held import HeldWeight, InferenceLinear
 from dikkat.weights.packed import PackedWeight, dequantize, packed_linear
-from dikkat.weights.pages import empty_on_huge_pages
 
 __all__ = ["PackedEmbedding", "PackedLinear"]
 
@@ -94,17 +93,11 @@ def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
 
         kind = q.kind if q.kind == p.kind else f"{q.kind}+{p.kind}"
         out[-1] = PackedWeight(
-            _on_huge_pages(q.values, p.values), torch.cat([q.scale, p.scale]),
-            cat(q.offset, p.offset), q.zero, q.bits, q.block, kind, q.grouped,
-            cat(q.super_scale, p.super_scale), cat(q.super_offset, p.super_offset),
+            torch.cat([q.values, p.values]), torch.cat([q.scale, p.scale]), cat(q.offset, p.offset),
+            q.zero, q.bits, q.block, kind, q.grouped, cat(q.super_scale, p.super_scale),
+            cat(q.super_offset, p.super_offset),
         )  # fmt: skip
     return out
-
-
-def _on_huge_pages(a: Tensor, b: Tensor) -> Tensor:
-    """``a`` and ``b`` stacked by rows, on huge pages (:mod:`dikkat.weights.pages`)."""
-    out = empty_on_huge_pages((a.shape[0] + b.shape[0], *a.shape[1:]), a.dtype)
-    return torch.cat([a, b], out=out)
 
 
 def _layout(p: PackedWeight) -> tuple:
