@@ -6,7 +6,7 @@
 
 (a) **The greedy pick**: ``logits.argmax(-1)`` of one row of fp32 logits, for the vocabularies
 of SmolLM2 (49 152), GPT-2 (50 257) and Gemma 3 (262 144), against
-:func:`dikkat.generation.sampling.largest` (the native ``argmax_rows``).
+:func:`dikkat.generation.sampler.largest` (the native ``argmax_rows``).
 
 (b) **One row's attention in a static cache**: GPT-2-small's 12 layers of 12 heads of 64, the
 cache (1, 12, S, 64) per layer for each S of ``--slots``, its first ``--filled`` slots filled.
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from common import machine, save_json
-from dikkat.generation.sampling import largest
+from dikkat.generation.sampler import largest
 from dikkat.kernels import linear_rows_op, paged_attention_op, qmm_op
 from dikkat.models import static_step
 from dikkat.models.static_step import _attend

@@ -16,7 +16,8 @@ from dikkat.generation import (
     lookup_generate,
     token_logprobs,
 )
-from dikkat.generation.sampling import Sampler, as_params
+from dikkat.generation.sampler import Sampler
+from dikkat.generation.sampling import as_params
 from dikkat.models import GPT, GPTConfig, Seq2Seq, Seq2SeqConfig
 from helpers import scramble
 
@@ -51,6 +52,8 @@ def make_gpt(seed: int = 0) -> GPT:
         (dict(logit_bias="3:1"), TypeError, "logit_bias must be a dict"),
         (dict(min_new_tokens=-1), ValueError, "min_new_tokens"),
         (dict(max_new_tokens=3, min_new_tokens=4), ValueError, "min_new_tokens=4 exceeds"),
+        (dict(repetition_penalty=0.0), ValueError, "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), ValueError, "repetition_penalty"),
     ],
 )
 def test_bad_fields_are_refused_by_name(kwargs, error, words):
@@ -202,6 +205,46 @@ def test_the_sampler_counts_each_rows_own_tokens():
     assert sampler.pick(logits).tolist() == [2, 2]
     assert sampler.pick(logits).tolist() == [0, 0]
     assert sampler.counts is not None and sampler.counts[:, 2].tolist() == [1.0, 1.0]
+
+
+def repeat_penalised_greedy(model: GPT, prompt: list[int], steps: int, rp: float) -> list[int]:
+    """The greedy tokens under a repetition penalty (Keskar et al. 2019, as HF applies it), in
+    fp64, each step a full forward of the whole text: every token of the text so far, prompt
+    included, has a positive logit divided by rp and a negative one multiplied."""
+    model64 = make_gpt().double()
+    model64.load_state_dict(model.state_dict())
+    text = list(prompt)
+    for _ in range(steps):
+        logits = model64(torch.tensor([text]))[0, -1]
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[text] = True
+        logits = torch.where(seen & (logits > 0), logits / rp, logits)
+        logits = torch.where(seen & (logits < 0), logits * rp, logits)
+        text.append(int(logits.argmax()))
+    return text[len(prompt) :]
+
+
+@pytest.mark.parametrize("rp", [1.3, 3.0, 0.5])
+def test_the_repetition_penalty_counts_the_prompt_and_the_new_tokens(rp):
+    model = make_gpt()
+    p = SamplingParams(max_new_tokens=12, repetition_penalty=rp)
+    prompts = [[1, 2, 3, 4, 5], [7, 7]]  # the second left-padded in the batch
+    got = generate(model, prompts, p)
+    for prompt, row in zip(prompts, got, strict=True):
+        assert row[len(prompt) :] == repeat_penalised_greedy(model, prompt, 12, rp)
+    assert got != generate(model, prompts, 12)  # the penalty changed something
+
+
+def test_the_sampler_marks_no_pad_as_seen():
+    sampler = Sampler(
+        SamplingParams(repetition_penalty=2.0),
+        torch.tensor([[0, 0, 3], [0, 2, 3]]),
+        torch.tensor([[False, False, True], [True, True, True]]),
+    )
+    logits = torch.tensor([[1.0, 0.9, 0.0, 0.0], [1.0, 0.9, 0.0, 0.0]])
+    assert sampler.pick(logits).tolist() == [0, 1]  # row 0's 0s are pads: not seen, picked
+    assert sampler.seen is not None and sampler.seen.tolist() == [
+        [True, False, False, True], [True, True, True, True]]  # fmt: skip
 
 
 def test_token_logprobs_are_the_fp32_log_softmax_with_the_top_alternatives():

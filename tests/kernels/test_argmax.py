@@ -1,6 +1,6 @@
 """Greedy decoding's pick in the native kernel (dikkat.kernels, ``argmax_rows``), against
 ``torch.argmax``: ties go to the first, a NaN counts as the largest, rows of any length; and
-:func:`dikkat.generation.sampling.largest`, which uses it where it is loaded."""
+:func:`dikkat.generation.sampler.largest`, which uses it where it is loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dikkat import kernels as native
-from dikkat.generation.sampling import largest
+from dikkat.generation.sampler import largest
 from native_builds import LESSER, portable_build, run_with
 
 

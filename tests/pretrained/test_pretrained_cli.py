@@ -34,8 +34,30 @@ def test_chat_message_answers_once(tiny, capsys):
     code, out, err = run_cli(["chat", str(tiny), "-m", "hello", "-n", "5"], capsys)
     assert code == 0, err
     lm = dikkat.pretrained.load(tiny)
-    assert out == lm.chat([{"role": "user", "content": "hello"}], 5) + "\n"
+    said = lm.chat([{"role": "user", "content": "hello"}], 5, repetition_penalty=1.1)
+    assert out == said + "\n"  # chat's own repetition penalty: none from the folder
     assert "loading" in err and "Pretrained(" in err
+
+
+def test_the_sampling_the_model_s_files_suggest_is_used_under_the_flags(tiny, capsys, tmp_path):
+    """A folder's generation_config.json: its settings are the library's and the command's
+    defaults, said on stderr; a flag given wins."""
+    import shutil
+
+    folder = tmp_path / "suggests"
+    shutil.copytree(tiny, folder)
+    suggested = {"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.7}
+    (folder / "generation_config.json").write_text(json.dumps(suggested))
+    lm = dikkat.pretrained.load(folder)
+    assert lm.sampling_defaults == {"repetition_penalty": 1.7}  # do_sample false: greedy
+    user = [{"role": "user", "content": "hello"}]
+    assert lm.chat(user, 6) == lm.chat(user, 6, repetition_penalty=1.7)
+    code, out, err = run_cli(["chat", str(folder), "-m", "hello", "-n", "6"], capsys)
+    assert code == 0 and out == lm.chat(user, 6) + "\n"
+    assert "sampling as the model's files suggest: repetition_penalty=1.7" in err
+    argv = ["chat", str(folder), "-m", "hello", "-n", "6", "--repetition-penalty", "1"]
+    code, out, _ = run_cli(argv, capsys)
+    assert code == 0 and out == lm.chat(user, 6, repetition_penalty=1.0) + "\n"
 
 
 def test_a_conversation_keeps_its_history_and_ends_at_eof(tiny, capsys, monkeypatch):

@@ -140,6 +140,8 @@ def test_a_field_sent_as_null_is_a_field_not_sent(url):
         ({**TEXT, "min_tokens": 4}, "min_tokens"),  # above max_tokens
         ({**CHAT, "min_tokens": -1}, "min_tokens"),
         ({**CHAT, "ignore_eos": "yes"}, "ignore_eos"),
+        ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ({**TEXT, "repetition_penalty": 1.2, "repeat_penalty": 1.1}, "repeat_penalty"),
         ({**CHAT, "colour": "blue"}, "colour"),
     ],
 )
@@ -226,6 +228,22 @@ def test_min_tokens_and_ignore_eos_as_vllm_takes_them(tiny_gpt):
         )
         r = c.completions.create(**body, extra_body={"ignore_eos": True})
         assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 6)
+        settled(base)
+
+
+def test_the_repetition_penalty_under_either_name_gives_generate_s_tokens(tiny_gpt):
+    """vLLM's ``repetition_penalty`` and llama-server's ``repeat_penalty``: the engine counts the
+    prompt's tokens as seen, as ``generate`` does."""
+    prompt = list(b"hello hello")
+    want = generate(tiny_gpt, [prompt], SamplingParams(max_new_tokens=8, repetition_penalty=1.8))
+    app = create_app(Engine(tiny_gpt, max_batch=2), ByteTokenizer(), NAME)
+    body = {**TEXT, "prompt": "hello hello", "max_tokens": 8, "temperature": 0}
+    with serving(app) as base:
+        c = client(base)
+        for name in ("repetition_penalty", "repeat_penalty"):
+            r = c.completions.create(**body, extra_body={name: 1.8})
+            assert r.choices[0].text == ByteTokenizer().decode(want[0][len(prompt) :]), name
+        assert c.completions.create(**body).choices[0].text != r.choices[0].text
         settled(base)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dikkat.core.masks import DenseMask
-from dikkat.generation.sampling import largest, largest_finite
+from dikkat.generation.sampler import largest, largest_finite
 from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig
 from dikkat.models.decoder import gemma3_layer_kinds
 from dikkat.serving.forward import decode, prefill

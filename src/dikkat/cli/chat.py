@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dikkat.cli.args import non_negative_float, positive_int, probability
+from dikkat.cli.args import non_negative_float, positive_float, positive_int, probability
 from dikkat.cli.common import (
     add_command,
     add_device,
@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from dikkat.pretrained import Pretrained
 
 COMMANDS_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) leaves"
+# chat's repetition penalty where neither a flag nor the model's files give one: ollama's
+# default (https://github.com/ollama/ollama/blob/main/docs/modelfile.md, repeat_penalty); a
+# small model decoding greedily otherwise loops over a paragraph
+CHAT_REPETITION_PENALTY = 1.1
 
 
 def load_pretrained(args: argparse.Namespace, weights: str | None = None) -> Pretrained:
@@ -42,18 +46,24 @@ def load_pretrained(args: argparse.Namespace, weights: str | None = None) -> Pre
     lm = load(args.model, device=device_of(args), weights=weights)  # type: ignore[arg-type]
     print(f"dikkat: {lm} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     lm.compile_steps = compiles(args)
+    if lm.sampling_defaults:
+        said = ", ".join(f"{k}={v}" for k, v in lm.sampling_defaults.items())
+        print(f"dikkat: sampling as the model's files suggest: {said} (flags override)",
+              file=sys.stderr)  # fmt: skip
     return lm
 
 
-def sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """The decoding settings of the command line: ``params`` and ``weights`` keywords."""
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+
+
+def sampling(args: argparse.Namespace, lm: Pretrained) -> dict[str, Any]:
+    """The decoding settings of the command line: ``params`` and ``weights`` keywords. A flag
+    given wins; then what the model's files suggest (``lm.sampling_defaults``); then the
+    command's own default (greedy; ``--repetition-penalty``'s, :func:`add_sampling_flags`)."""
+    given = {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
+    own = {"repetition_penalty": args.default_repetition_penalty}
+    settings = own | dict(lm.sampling_defaults) | given
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, **settings)
     return dict(params=params, weights=args.weights)
 
 
@@ -78,7 +88,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def answer(lm: Pretrained, messages: list[dict], args: argparse.Namespace, out: TextIO) -> str:
     """Stream the assistant's answer to ``messages`` into ``out``; return it."""
     pieces = []
-    for piece in lm.chat_stream(messages, **sampling(args)):
+    for piece in lm.chat_stream(messages, **sampling(args, lm)):
         pieces.append(piece)
         out.write(piece)
         out.flush()
@@ -131,12 +141,22 @@ def converse(
         history = [*turn, {"role": "assistant", "content": reply}]
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, max_new_tokens: int, repetition_penalty: float = 1.0
+) -> None:
     """The generation flags ``chat`` and ``generate --model`` share."""
     parser.add_argument("-n", "--max-new-tokens", type=positive_int, default=max_new_tokens)
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=positive_int, default=None)
-    parser.add_argument("--top-p", type=probability, default=None)
+    from_file = "; default: what the model's files suggest, else "
+    parser.add_argument("--temperature", type=non_negative_float, help=f"0 = greedy{from_file}0")
+    parser.add_argument("--top-k", type=positive_int, help=f"the k likeliest{from_file}all")
+    parser.add_argument("--top-p", type=probability, help=f"nucleus sampling{from_file}1")
+    parser.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        help="a token already in the prompt or the answer has its logit divided by this "
+        f"(multiplied where negative; 1 = none){from_file}{repetition_penalty}",
+    )
+    parser.set_defaults(default_repetition_penalty=repetition_penalty)
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
     parser.add_argument(
         "--weights",
@@ -169,5 +189,5 @@ def add_commands(sub: Any) -> None:
     chat.add_argument(
         "--system", type=utf8_text, help="a system message that starts the conversation"
     )
-    add_sampling_flags(chat, max_new_tokens=256)
+    add_sampling_flags(chat, max_new_tokens=256, repetition_penalty=CHAT_REPETITION_PENALTY)
     add_device(chat)

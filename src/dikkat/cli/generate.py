@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from dikkat import runs
-from dikkat.cli.args import add_no_verify, non_negative_float, positive_int, probability
+from dikkat.cli.args import (
+    add_no_verify,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    probability,
+)
 from dikkat.cli.chat import load_pretrained, sampling
 from dikkat.cli.common import (
     add_command,
@@ -40,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("give one of a CHECKPOINT directory, --hf-gpt2 PATH or --model MODEL")
     if args.model is not None:
         return _generate_pretrained(args)
-    if args.lookup is not None and args.temperature > 0:
+    if args.lookup is not None and (args.temperature or 0) > 0:
         raise ValueError(
             f"--lookup decodes greedily; it cannot sample at --temperature {args.temperature} "
             "(drop one of them)"
@@ -79,11 +85,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 model,
                 [prompt],
                 steps,
-                temperature=args.temperature,
+                temperature=args.temperature or 0.0,
                 top_k=args.top_k,
                 top_p=args.top_p,
                 eos_id=args.eos_id,
                 seed=args.seed,
+                repetition_penalty=args.repetition_penalty or 1.0,
                 weights=args.weights,
             )
             if args.lookup is None
@@ -122,7 +129,7 @@ def _generate_pretrained(args: argparse.Namespace) -> int:
         raise ValueError(f"{flag} is for dikkat's own GPTs; --model stops at its own end tokens")
     lm = load_pretrained(args, args.weights)
     sys.stdout.write(args.prompt)
-    for piece in lm.stream(args.prompt, **sampling(args)):
+    for piece in lm.stream(args.prompt, **sampling(args, lm)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -201,9 +208,20 @@ def add_commands(sub: Any) -> None:
         help="a pretrained decoder: a name (smollm2, gemma3-270m), a .gguf file or an HF folder",
     )
     gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=100)
-    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    gen.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        help="0 = greedy; default: 0, or with --model what the model's files suggest",
+    )
     gen.add_argument("--top-k", type=positive_int, default=None)
     gen.add_argument("--top-p", type=probability, default=None)
+    gen.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        help="a token already in the text has its logit divided by this (multiplied where "
+        "negative); default: with --model what the model's files suggest, else 1 (none)",
+    )
+    gen.set_defaults(default_repetition_penalty=1.0)
     gen.add_argument("--eos-id", type=int, default=None, help="stop at this token id")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
     gen.add_argument(

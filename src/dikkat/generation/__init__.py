@@ -24,14 +24,14 @@ from dikkat.generation.lookup import (
     lookup_generate,
 )
 from dikkat.generation.protocol import CacheLayout, DecoderLM
-from dikkat.generation.sampling import (
+from dikkat.generation.sampler import (
     NonFiniteLogitsError,
     Sampler,
-    SamplingParams,
     TokenLogprob,
     check_finite,
     token_logprobs,
 )
+from dikkat.generation.sampling import SamplingParams
 from dikkat.layers.kv_cache import KVCache
 from dikkat.weights.formats import WEIGHT_FORMATS, WeightFormat
 from dikkat.weights.inference import inference_model

@@ -23,15 +23,8 @@ from typing_extensions import Unpack
 from dikkat.core.masks import causal, padding
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import (
-    Sampler,
-    Sampling,
-    SamplingParams,
-    as_params,
-    check_finite,
-    draw,
-    largest,
-)
+from dikkat.generation.sampler import Sampler, check_finite, draw, largest
+from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.kv_cache import KVCache
 from dikkat.weights.formats import WeightFormat
 from dikkat.weights.inference import inference_model
@@ -120,6 +113,8 @@ def sample_loop(
     start: Callable[[], Tensor],
     step: Step,
     params: SamplingParams,
+    prompt: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> Iterator[Tensor]:
     """The decoding loop of every model: yields the new tokens (B,), one step at a time.
 
@@ -130,7 +125,9 @@ def sample_loop(
     logits checked first: NaN or +inf in them raises
     :class:`~dikkat.generation.NonFiniteLogitsError` rather than pick a token from them; a
     row that has produced one of ``params.stop_ids`` keeps yielding it; the loop stops when
-    every row has (checked once a step) or after ``params.max_new_tokens``. The functions run
+    every row has (checked once a step) or after ``params.max_new_tokens``. ``prompt`` (B, T)
+    ids and ``valid`` (B, T), False at padding, are the tokens a repetition penalty counts as
+    seen before the first pick (None: none). The functions run
     whichever model they were built over: build them over an inference copy
     (:func:`~dikkat.weights.inference_model`) to decode in its weight format. ``params.n`` is the
     caller's (each prompt a row per choice); the models' own checks (the vocabulary, the
@@ -139,19 +136,19 @@ def sample_loop(
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.refuse("the decoding loop", *TOKEN_LEVEL)
-    return _loop(start, step, params)
+    return _loop(start, step, params, Sampler(params, prompt, valid))
 
 
 def _loop(
     start: Callable[[], Tensor],
     step: Step,
     params: SamplingParams,
+    sampler: Sampler,
 ) -> Iterator[Tensor]:
     if params.max_new_tokens == 0:
         return
     stops = params.stop_ids
     logits = start()
-    sampler = Sampler(params)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     last = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=logits.device) if stops else None
@@ -240,7 +237,7 @@ def iter_generate(
             raise ValueError("compile=True needs no padding: prompts of one length")
         compiled = model.static_step(cache, compile=True) if max_new else None
         step = lambda token, i: compiled(token, T + i)  # noqa: E731
-    return sample_loop(lambda: prefill(model, ids, cache, full_valid), step, params)
+    return sample_loop(lambda: prefill(model, ids, cache, full_valid), step, params, ids, valid)
 
 
 def generate(

@@ -36,7 +36,8 @@ from dikkat.core.masks import causal
 from dikkat.generation.generate import TOKEN_LEVEL, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import Sampling, SamplingParams, as_params, check_finite
+from dikkat.generation.sampler import check_finite
+from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.layers.kv_cache import KVCache
 from dikkat.validate import check_int
 from dikkat.weights.formats import WeightFormat
@@ -110,7 +111,8 @@ class NgramIndex:
 # lookup decoding checks guesses against the model's greedy tokens, one choice per prompt
 GREEDY_ONLY = (
     "temperature", "top_k", "top_p", "seed", "n",
-    "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens", *TOKEN_LEVEL,
+    "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens", "repetition_penalty",
+    *TOKEN_LEVEL,
 )  # fmt: skip
 
 

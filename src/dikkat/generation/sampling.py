@@ -1,22 +1,7 @@
 """How a sequence is decoded: :class:`SamplingParams`, one frozen object that every entry point
 takes (``generate``, ``iter_generate``, ``lookup_generate``, the models' ``generate``, the
-pretrained wrapper, the serving engine), and the :class:`Sampler` that applies it to logits.
-
-Notation: ``B`` rows, ``V`` vocabulary.
-
-A token is picked in four stages, the order of OpenAI's and vLLM's samplers:
-
-1. the model's logits, in fp32; their ``log_softmax`` is what log-probabilities report (the
-   model's own distribution, before anything below: vLLM's default "raw" log-probabilities);
-2. penalties over the tokens this row has generated so far (OpenAI's definition,
-   https://platform.openai.com/docs/advanced-usage/frequency-and-presence-penalties):
-   ``logit[j] −= count[j] · frequency_penalty + (count[j] > 0) · presence_penalty``, then
-   ``logit_bias`` added, and the stop tokens' logits set to −inf while the row has made fewer
-   than ``min_new_tokens`` (vLLM's ``min_tokens``);
-3. greedy (``temperature = 0``): the largest adjusted logit;
-4. otherwise the adjusted logits divided by the temperature, cut to the ``top_k`` largest and to
-   the nucleus of mass ``top_p`` (Holtzman et al., "The Curious Case of Neural Text
-   Degeneration", ICLR 2020), and one draw from their softmax.
+pretrained wrapper, the serving engine), checked when it is made, and its keyword form
+(:class:`Sampling`, :func:`as_params`). :mod:`dikkat.generation.sampler` applies it to logits.
 """
 
 from __future__ import annotations
@@ -26,58 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-import torch
-from torch import Tensor
-
-from dikkat.kernels import argmax_op
 from dikkat.validate import check_bool, check_float, check_int, is_int
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's limit for chat
-
-
-class NonFiniteLogitsError(ValueError):
-    """A model's logits hold NaN or +inf (or a row is all −inf): no token can be picked from
-    them, and picking one anyway (argmax takes a NaN as the largest: token 0, or EOS) would end
-    in an empty or meaningless answer. The model's weights or inputs hold non-finite values — a
-    damaged file, or weights that overflowed. A ``ValueError``: the command line reports it in
-    one line, as it does a damaged file."""
-
-
-def check_finite(logits: Tensor, step: int) -> None:
-    """Raise :class:`NonFiniteLogitsError` unless every row of ``logits`` (B, V), those of the
-    ``step``-th new token (from 0), has a finite largest value. One reduction per row: a NaN
-    anywhere makes the row's ``amax`` NaN."""
-    bad = ~torch.isfinite(logits.amax(dim=-1))
-    if not bool(bad.any()):
-        return
-    rows = bad.nonzero().flatten().tolist()
-    kind = "NaN" if bool(logits[rows].isnan().any()) else "infinite"
-    shown = ", ".join(map(str, rows[:8])) + (", …" if len(rows) > 8 else "")
-    raise NonFiniteLogitsError(
-        f"the model's output (its logits) is {kind} at step {step} (new token {step + 1}), "
-        f"row{'s' if len(rows) > 1 else ''} {shown}: the model's weights or inputs hold "
-        "non-finite values (NaN or Inf), as a damaged model file does"
-    )
-
-
-def largest(logits: Tensor) -> Tensor:
-    """``logits.argmax(dim=-1)`` of (B, V) logits: the first of equal values, a NaN as the
-    largest. fp32 logits on the CPU go through dikkat's native kernel where it is loaded (a
-    model with packed weights loads it): PyTorch's CPU argmax reads a row of 50 000 logits a
-    value at a time, a share of a small model's decode step."""
-    op = argmax_op()
-    fits = logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_cpu
-    if op is not None and fits and logits.shape[1] > 0:
-        return op(logits)
-    return logits.argmax(dim=-1)
-
-
-def largest_finite(logits: Tensor) -> tuple[list[int], list[bool]]:
-    """:func:`largest` of each row of (B, V) logits, and whether the row is finite (no NaN or
-    infinity anywhere in it), read back in one host sync: what a batch of rows, each of its
-    own request, needs before it picks or fails each row alone."""
-    picks, finite = torch.stack((largest(logits), torch.isfinite(logits).all(dim=-1).long()))
-    return picks.tolist(), [bool(f) for f in finite.tolist()]
 
 
 @dataclass(frozen=True)
@@ -107,6 +43,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # once a token occurs in the generated text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
     min_new_tokens: int = 0  # new tokens made before a stop token may be picked
+    repetition_penalty: float = 1.0  # a seen token's logit: > 0 divided by it, < 0 multiplied
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, at_least=0)
@@ -128,6 +65,7 @@ class SamplingParams:
         check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _set(self, "logit_bias", _biases(self.logit_bias))
         check_int("min_new_tokens", self.min_new_tokens, at_least=0)
+        check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}"
@@ -142,7 +80,9 @@ class SamplingParams:
         """Whether penalties, biases or a ban of the stop tokens change the logits before the
         pick."""
         banned = self.min_new_tokens > 0 and bool(self.stop_ids)
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or banned)
+        repeats = self.repetition_penalty != 1.0
+        penalties = self.frequency_penalty or self.presence_penalty or repeats
+        return bool(penalties or self.logit_bias or banned)
 
     def choices(self) -> list[SamplingParams]:
         """``n`` single-choice copies: choice i is seeded ``seed + i`` (None stays None), so
@@ -193,6 +133,7 @@ _WHY = {
     "presence_penalty": "it checks guessed drafts against the model's greedy tokens",
     "logit_bias": "it checks guessed drafts against the model's greedy tokens",
     "min_new_tokens": "it checks guessed drafts against the model's greedy tokens",
+    "repetition_penalty": "it checks guessed drafts against the model's greedy tokens",
 }
 
 
@@ -257,6 +198,7 @@ class Sampling(TypedDict, total=False):
     presence_penalty: float
     logit_bias: Mapping[int, float]
     min_new_tokens: int
+    repetition_penalty: float
 
 
 def as_params(params: SamplingParams | int | None, keywords: Mapping[str, Any]) -> SamplingParams:
@@ -291,102 +233,3 @@ def as_params(params: SamplingParams | int | None, keywords: Mapping[str, Any]) 
             raise TypeError("give eos_id or stop_ids, not both")
         fields["stop_ids"] = (eos_id,)
     return SamplingParams(**fields)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's log-probability under the model, and the most likely tokens at its place."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
-
-
-def token_logprobs(logits: Tensor, tokens: Tensor, top: int) -> list[TokenLogprob]:
-    """For each row of logits (R, V): the log-probability of ``tokens[r]`` and the ``top``
-    most likely (id, log-probability), from ``log_softmax`` in fp32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, tokens.view(-1, 1).to(logp.device)).squeeze(-1).tolist()
-    if top:
-        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-        pairs = zip(ids.tolist(), values.tolist(), strict=True)
-        tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
-    else:
-        tops = [()] * len(chosen)
-    return [
-        TokenLogprob(int(t), float(lp), tp)
-        for t, lp, tp in zip(tokens.tolist(), chosen, tops, strict=True)
-    ]
-
-
-class Sampler:
-    """Picks the next token of B rows that share :class:`SamplingParams`, keeping what the
-    picks need between steps: the generator (seeded on the logits' device at the first pick)
-    and, with penalties, each row's counts of the tokens it generated."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.generator: torch.Generator | None = None
-        self.counts: Tensor | None = None  # (B, V) generated-token counts, with penalties
-        self._bias: Tensor | None = None
-        self.made = 0  # picks so far: tokens each row has generated
-
-    def pick(self, logits: Tensor) -> Tensor:
-        """Next tokens (B,) from logits (B, V); they count as generated for the penalties."""
-        p = self.params
-        if self.generator is None and p.seed is not None and not p.greedy:
-            self.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
-        if p.adjusts_logits:
-            logits = self._adjust(logits.float())
-        if p.greedy:
-            token = largest(logits)
-        else:
-            token = draw(logits, p.temperature, p.top_k, p.top_p, self.generator)
-        if p.frequency_penalty or p.presence_penalty:
-            if self.counts is None:
-                self.counts = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-            self.counts.scatter_add_(
-                -1, token.view(-1, 1), torch.ones(token.numel(), 1, device=logits.device)
-            )
-        self.made += 1
-        return token
-
-    def _adjust(self, logits: Tensor) -> Tensor:
-        p = self.params
-        if self.counts is not None:
-            logits = logits - self.counts * p.frequency_penalty
-            logits = logits - (self.counts > 0).float() * p.presence_penalty
-        if p.logit_bias:
-            if self._bias is None:
-                ids, values = zip(*p.logit_bias, strict=True)
-                self._bias = torch.zeros(logits.shape[-1], device=logits.device)
-                self._bias[list(ids)] = torch.tensor(values, device=logits.device)
-            logits = logits + self._bias
-        if self.made < p.min_new_tokens and p.stop_ids:
-            logits = logits.index_fill(
-                -1, torch.tensor(p.stop_ids, device=logits.device), -torch.inf
-            )
-        return logits
-
-
-def draw(
-    logits: Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """One draw per row from the softmax of logits / temperature, cut to top-k and top-p."""
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -38,6 +38,7 @@ from dikkat.pretrained.families import Family, by_gguf_architecture, by_hf_model
 from dikkat.pretrained.gguf_checks import check_shape
 from dikkat.pretrained.gguf_file import GGUFFile
 from dikkat.pretrained.packed_cache import PackedCache
+from dikkat.pretrained.sampling_defaults import from_gguf_metadata, from_hf_folder
 from dikkat.pretrained.session import Pretrained
 from dikkat.pretrained.sources import resolve
 from dikkat.pretrained.tokenizer import Tokenizer
@@ -84,9 +85,12 @@ def load(
         # 16-bit matrices are kept so where the model runs on the CPU in fp32 (else read as fp32)
         fp32_cpu = torch.device(device).type == "cpu" and dtype in (None, torch.float32)
         kept = weights is None
-        model, tokenizer, template = _from_gguf(found.path, packed=kept, half=kept and fp32_cpu)
+        model, tokenizer, template, suggested = _from_gguf(
+            found.path, packed=kept, half=kept and fp32_cpu
+        )
     else:
         model, tokenizer, template = _from_hf(found.path)
+        suggested = from_hf_folder(found.path)
     if any(isinstance(m, (PackedLinear, HalfLinear)) for m in model.modules()):
         if torch.device(device).type != "cpu" or dtype not in (None, torch.float32):
             raise ValueError(
@@ -100,7 +104,7 @@ def load(
         if weights not in (None, "fp32"):
             model = inference_model(model, weights)
     _give_back_freed_memory()
-    return Pretrained(model, tokenizer, template, found.name, found.path)
+    return Pretrained(model, tokenizer, template, found.name, found.path, suggested)
 
 
 def _give_back_freed_memory() -> None:
@@ -116,7 +120,8 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
     ``general.architecture`` names (:mod:`dikkat.pretrained.families`): the header's sizes are
     held to the tensors before the model is built (on the meta device), and every tensor is
     read once and handed to the model (:meth:`~dikkat.models.holding.HoldsWeights.hold`),
-    quantised matrices packed if ``packed``, 16-bit ones in 16 bits if ``half``."""
+    quantised matrices packed if ``packed``, 16-bit ones in 16 bits if ``half``; and the
+    sampling settings its header suggests."""
     file, source = GGUFFile(path), str(path)  # the header's own rules (gguf_file.py)
     family = by_gguf_architecture(file.metadata.get("general.architecture"), source)
     assert family.config_from_gguf is not None  # by_gguf_architecture: only such families
@@ -164,7 +169,8 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
     model.hold(weights, source)
     if cache is not None and cached is not None:
         cache.let_go()
-    return model, tokenizer, file.metadata.get("tokenizer.chat_template")
+    suggested = from_gguf_metadata(file.metadata, source)
+    return model, tokenizer, file.metadata.get("tokenizer.chat_template"), suggested
 
 
 def _tokenizer(file: GGUFFile) -> Tokenizer:

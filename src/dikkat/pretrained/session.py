@@ -47,9 +47,13 @@ class Pretrained:
         chat_template: str | None,
         name: str,
         path: Path,
+        sampling_defaults: Sampling | None = None,
     ) -> None:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.name, self.path = name, path
+        # what the model's files suggest (dikkat.pretrained.sampling_defaults): the keywords a
+        # call's own keywords are laid over (a SamplingParams given is used as it is)
+        self.sampling_defaults: Sampling = dict(sampling_defaults or {})  # type: ignore[assignment]
         # True: one prompt at a time decodes through the model's compiled step, built on a
         # machine's first run of the model and kept on disk (dikkat.models.aot_step); False: the
         # eager steps. Default: True unless the environment sets DIKKAT_COMPILE=0
@@ -81,7 +85,8 @@ class Pretrained:
 
         ``params`` is a :class:`~dikkat.generation.SamplingParams`, or an int
         ``max_new_tokens`` (default 128; 256 for chat) with the other fields as keywords
-        (``temperature=0.7, seed=0``); its ``stop`` strings end a text (cut before them)."""
+        (``temperature=0.7, seed=0``), laid over :attr:`sampling_defaults` (the settings the
+        model's files suggest, if any); its ``stop`` strings end a text (cut before them)."""
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError("text must be a str or a non-empty list of str")
@@ -172,10 +177,11 @@ class Pretrained:
         params = self._params(params, sampling, default=256)
         yield from self._stream_ids(self.chat_ids(messages), params, weights)
 
-    @staticmethod
     def _params(
-        params: SamplingParams | int | None, sampling: Sampling, default: int = 128
+        self, params: SamplingParams | int | None, sampling: Sampling, default: int = 128
     ) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            sampling = {**self.sampling_defaults, **sampling}  # type: ignore[typeddict-item]
         if params is None and "max_new_tokens" not in sampling:
             sampling = {**sampling, "max_new_tokens": default}
         params = as_params(params, sampling)

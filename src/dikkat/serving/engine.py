@@ -34,7 +34,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from dikkat.generation.protocol import CacheLayout, DecoderLM
-from dikkat.generation.sampling import Sampler, SamplingParams
+from dikkat.generation.sampler import Sampler
+from dikkat.generation.sampling import SamplingParams
 from dikkat.serving.failures import StepWork, decode_each, prefill_each
 from dikkat.serving.forward import decode_rows
 from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
@@ -187,7 +188,7 @@ class Engine:
         tokens = check_request(
             prompt, params, self.vocab_size, self.max_len, self.block_size, self.num_blocks
         )
-        n, sampler = len(tokens), Sampler(params)
+        n, sampler = len(tokens), Sampler(params, [tokens])
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineFull(

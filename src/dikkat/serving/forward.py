@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dikkat.core.masks import dense
 from dikkat.generation.protocol import DecoderLM
-from dikkat.generation.sampling import TokenLogprob, largest_finite, token_logprobs
+from dikkat.generation.sampler import TokenLogprob, largest_finite, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
 from dikkat.serving.requests import EngineSequence, TokenEvent, describe
 
@@ -172,7 +172,7 @@ def _next(
     prompt: tuple[TokenLogprob | None, ...] | None,
 ) -> TokenEvent:
     """The sequence's next token from its ``row`` (1, V) of logits: ``greedy`` (the row's
-    :func:`~dikkat.generation.sampling.largest`, the sampler's own greedy pick) for a plain
+    :func:`~dikkat.generation.sampler.largest`, the sampler's own greedy pick) for a plain
     greedy request, else its own sampler's draw, the one :func:`dikkat.generation.generate`
     makes for one prompt."""
     p = seq.params

@@ -82,6 +82,8 @@ class Sampling(Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string) → bias in [-100, 100]
     ignore_eos: bool = False  # vLLM's and llama-server's: the stop tokens end nothing
     min_tokens: int = Field(default=0, ge=0)  # vLLM's: no stop token before this many tokens
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's: seen tokens' logits scaled
+    repeat_penalty: float | None = Field(default=None, gt=0.0)  # llama-server's name for it
     user: Ignored = None  # an end user's id for the caller's own logs
 
     @property
@@ -104,6 +106,7 @@ class Sampling(Request):
         ``ignore_eos`` drops the stop tokens); stop strings are matched by the server, not the
         engine."""
         bias = token_biases(self.logit_bias, vocab_size)
+        repetition_penalty = self._repetition_penalty()
         if self.min_tokens > max_new_tokens:
             raise RequestError(
                 f"min_tokens={self.min_tokens} exceeds the {max_new_tokens} new tokens this "
@@ -126,9 +129,21 @@ class Sampling(Request):
                 presence_penalty=float(self.presence_penalty),
                 logit_bias=bias,
                 min_new_tokens=self.min_tokens,
+                repetition_penalty=repetition_penalty,
             )
         except (TypeError, ValueError) as e:
             raise RequestError(str(e), param=self._field_named(str(e))) from None
+
+    def _repetition_penalty(self) -> float:
+        """``repetition_penalty`` (vLLM's name) or ``repeat_penalty`` (llama-server's): one, or
+        both alike."""
+        vllm, llama = float(self.repetition_penalty), self.repeat_penalty
+        if llama is not None and "repetition_penalty" in self.model_fields_set and llama != vllm:
+            raise RequestError(
+                f"repetition_penalty={vllm} and repeat_penalty={llama} are one setting: give one",
+                param="repeat_penalty",
+            )
+        return vllm if llama is None else float(llama)
 
     def _field_named(self, message: str) -> str | None:
         """The request's field a refusal of ``SamplingParams`` is about: its messages begin

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dikkat.generation.sampling import Sampler, SamplingParams, TokenLogprob
+from dikkat.generation.sampler import Sampler, TokenLogprob
+from dikkat.generation.sampling import SamplingParams
 from dikkat.validate import is_int
 
 __all__ = ["EngineFull", "EngineStats", "FinishReason", "SamplingParams", "TokenEvent"]
