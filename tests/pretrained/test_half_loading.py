@@ -108,3 +108,28 @@ def test_a_file_cut_short_after_it_is_opened_is_refused(tmp_path):
         f.truncate(last.offset + 10)
     with pytest.raises(ValueError, match=f"{last.name}.*changed while it was read"):
         file.read_half(last.name)
+
+
+def test_a_load_counts_the_bytes_it_reads_on_a_progress_bar(tmp_path, monkeypatch):
+    """On a terminal a bar shows where reading takes more than a second (tqdm's delay)."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **options):
+            self.total, self.done, self.options, self.closed = total, 0, options, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr("dikkat.pretrained.loading.tqdm", Bar)
+    path = tmp_path / "half.gguf"
+    half_file(path, tg.T_F16)
+    dikkat.pretrained.load(path)
+    stored = sum(info.nbytes for info in dikkat.pretrained.GGUFFile(path).tensors.values())
+    (bar,) = bars
+    assert bar.total == bar.done == stored and bar.closed
+    assert bar.options["disable"] is None and bar.options["delay"] == 1.0  # terminals only

@@ -26,11 +26,13 @@ import contextlib
 import ctypes
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from dikkat.models.holding import Stored
 from dikkat.models.io import meta_modules
@@ -158,12 +160,21 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
         _give_back_freed_memory()  # and the heap its repacking used for a moment
         return stored
 
+    # a bar on a terminal where the tensors take more than a second (a first load repacks)
+    total = sum(file.tensors[theirs].nbytes for theirs in names)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"dikkat: reading {path.name}",
+               disable=None, delay=1.0, leave=False, file=sys.stderr)  # fmt: skip
     try:
-        weights = {ours: read(theirs, ours) for theirs, ours in names.items()}
+        weights = {}
+        for theirs, ours in names.items():
+            weights[ours] = read(theirs, ours)
+            bar.update(file.tensors[theirs].nbytes)
     except BaseException:
         if writer is not None:
             writer.discard()
         raise
+    finally:
+        bar.close()
     if writer is not None:
         writer.commit()
     model.hold(weights, source)
