@@ -160,3 +160,31 @@ def test_the_report_opens_on_the_token_and_one_head(gpt_run, tmp_path, capsys):
     assert data["queries"][data["open"]["focus"]] == "p" and data["open"]["focus"] == 2
     assert data["open"]["heads"] == [0] and len(data["heads"]) == 2  # both heads are in the page
     assert data["layers"] == ["layer 1"] and data["open"]["layer"] == 0
+
+
+def test_a_deep_wide_model_s_grid_draws_a_spread_of_layers_and_says_so(capsys):
+    """30 layers × 9 heads: the grid keeps six layers from the first to the last and eight heads,
+    and says on stderr which; --layer or --head given are kept as they are."""
+    import argparse
+
+    import numpy as np
+
+    from dikkat.cli.show import _readable
+    from dikkat.viz.maps import AttentionMaps
+
+    w = np.full((30, 9, 2, 2), 0.5, dtype=np.float32)
+    layers = tuple(f"layer {i}" for i in range(30))
+    m = AttentionMaps(queries=("a", "b"), keys=("a", "b"), weights=w, layers=layers,
+                      heads=tuple(range(9)))  # fmt: skip
+    grid = _readable(m, argparse.Namespace(layer=None, head=None))
+    assert grid.layers == tuple(f"layer {i}" for i in (0, 6, 12, 17, 23, 29))
+    assert grid.heads == tuple(range(8))
+    assert "of 30 layers and 8 of 9 heads; --layer and --head" in capsys.readouterr().err
+    chosen = m.pick([0, 1], [0])
+    assert _readable(chosen, argparse.Namespace(layer=[0, 1], head=[0])).weights.shape == (
+        2,
+        1,
+        2,
+        2,
+    )
+    assert capsys.readouterr().err == ""

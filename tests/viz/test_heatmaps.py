@@ -71,6 +71,22 @@ def test_focus_has_a_line_per_head_in_each_layer():
     plt.close("all")
 
 
+def test_a_deep_model_s_focus_wraps_its_layers_into_rows():
+    """30 layers: rows of six panels (not a strip 30 panels long), each layer's in order."""
+    m = _maps(L=30, H=2)
+    fig = draw_focus(m, 1)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in shown] == list(m.layers)
+    width, height = fig.get_size_inches()
+    assert width < 20 and height > 5
+    np.testing.assert_array_equal(shown[29].images[0].get_array(), m.weights[29, :, 1])
+    assert _labels(shown[6].get_yticklabels()) == ["head 0", "head 1"]  # a row's first panel
+    assert shown[7].get_yticklabels() == []
+    fig7 = draw_focus(_maps(L=7, H=2), 0)  # a second row of one panel: the rest hidden
+    assert sum(ax.get_visible() for ax in fig7.axes) == 7 and len(fig7.axes) == 12
+    plt.close("all")
+
+
 def test_alignment_is_target_by_source_mean_of_heads():
     m = _maps(kind="cross", tokens=("4", "7"), queries=("four", "thousand", "seven"))
     fig = draw_alignment(m)

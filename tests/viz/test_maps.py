@@ -36,3 +36,19 @@ def test_positions_default_to_the_rows() -> None:
 def test_inconsistent_maps_are_refused(change: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _maps(**change)
+
+
+def test_pick_keeps_the_layers_and_heads_asked_for_and_spread_takes_the_ends() -> None:
+    from dikkat.viz.maps import spread
+
+    w = np.random.default_rng(0).random((5, 3, 2, 2)).astype(np.float32)
+    m = AttentionMaps(queries=("a", "b"), keys=("a", "b"), weights=w / w.sum(-1, keepdims=True),
+                      layers=tuple(f"layer {i}" for i in range(5)), heads=(0, 1, 2))  # fmt: skip
+    p = m.pick([0, -1], [2])
+    assert p.layers == ("layer 0", "layer 4") and p.heads == (2,)
+    np.testing.assert_array_equal(p.weights, m.weights[[0, 4]][:, [2]])
+    assert m.pick().weights.shape == m.weights.shape
+    with pytest.raises(IndexError):
+        m.pick([5])
+    assert spread(30, 6) == [0, 6, 12, 17, 23, 29]
+    assert spread(4, 6) == [0, 1, 2, 3] and spread(2, 2) == [0, 1]

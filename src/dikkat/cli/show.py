@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from dikkat.text.number_words import BOS_ID, EOS_ID
 from dikkat.vision.vit import ViT
 from dikkat.viz.figure import save_png
 from dikkat.viz.heatmaps import draw_alignment, draw_focus, draw_grid
-from dikkat.viz.maps import AttentionMaps
+from dikkat.viz.maps import AttentionMaps, spread
 from dikkat.viz.overlay import draw_image_attention, draw_importance
 from dikkat.viz.report import write_html
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from dikkat.maps import Faithfulness, TextModel
 
 FULL_ROWS = 256  # up to this many tokens the grid keeps every query row; past it, the focus only
+GRID_LAYERS = 6  # layers the grid draws of a deeper model where --layer does not choose
+GRID_HEADS = 8  # heads the grid draws of a wider model where --head does not choose
 
 
 def _indices(text: str) -> list[int]:
@@ -98,6 +101,21 @@ def _focus_summary(m: AttentionMaps, row: int) -> str:
     return "\n".join(lines)
 
 
+def _readable(m: AttentionMaps, args: argparse.Namespace) -> AttentionMaps:
+    """The maps the grid draws: a deep or wide model's, where --layer or --head does not choose,
+    cut to :data:`GRID_LAYERS` layers spread from the first to the last and its first
+    :data:`GRID_HEADS` heads (30 layers × 9 heads of maps is no picture), said on stderr; the
+    focus picture and the report keep them all."""
+    layers = spread(len(m.layers), GRID_LAYERS) if args.layer is None else None
+    heads = list(range(min(len(m.heads), GRID_HEADS))) if args.head is None else None
+    picked = m.pick(layers, heads)
+    if picked.weights.shape[:2] != m.weights.shape[:2]:
+        print(f"dikkat: the grid draws {', '.join(picked.layers)} of {len(m.layers)} layers and "
+              f"{len(picked.heads)} of {len(m.heads)} heads; --layer and --head choose others",
+              file=sys.stderr)  # fmt: skip
+    return picked
+
+
 def _checked(args: argparse.Namespace, n_tokens: int) -> None:
     from dikkat.maps.faithfulness import MAX_TOKENS  # loaded when a command runs (see dikkat.cli)
 
@@ -127,7 +145,8 @@ def _show_text(args: argparse.Namespace, tm: TextModel, figures: Figures) -> Fai
     else:
         m = maps.text_maps(tm, args.text, layers=args.layer, heads=args.head, rows=rows)
     row = m.query_positions.index(focus)
-    figures.save(draw_grid(m), "", f"{len(m.layers)} layers × {len(m.heads)} heads")
+    grid = _readable(m, args)
+    figures.save(draw_grid(grid), "", f"{len(grid.layers)} layers × {len(grid.heads)} heads")
     figures.save(draw_focus(m, row), "focus", f"where {labels[focus]!r} looks, per head")
     figures.report(m, row)
     print(_focus_summary(m, row))

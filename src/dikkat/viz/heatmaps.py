@@ -25,6 +25,7 @@ __all__ = ["draw_alignment", "draw_focus", "draw_grid", "label_size", "tick_step
 CMAP = "magma"
 POINTS_PER_INCH = 72
 MIN_WIDTH = 4.0  # inches: a grid of one column (a rollout) still has room for its title
+FOCUS_COLUMNS = 6  # layers a row of the focus picture holds
 
 
 def pyplot() -> Any:
@@ -126,19 +127,27 @@ def _row(maps: AttentionMaps, row: int) -> int:
 
 
 def draw_focus(maps: AttentionMaps, row: int = 0, *, panel: float = 2.6) -> Any:
-    """Where query row ``row`` (an index into ``maps.queries``) looks: one panel per kept layer,
-    in it one line per head — that head's weights over the keys."""
+    """Where query row ``row`` (an index into ``maps.queries``) looks: one panel per kept layer
+    (:data:`FOCUS_COLUMNS` a row), in it one line per head — that head's weights over the
+    keys."""
     plt = pyplot()
     i = _row(maps, row)
     L, H = maps.weights.shape[:2]
     height = min(max(0.16 * H, 0.5), 3.0)
-    fig, axes = plt.subplots(1, L, figsize=(L * panel + 0.9, height + 1.4), dpi=100, squeeze=False)
+    cols = min(L, FOCUS_COLUMNS)  # a deep model's layers in rows of panels, not one long strip
+    rows = -(-L // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(cols * panel + 0.9, rows * (height + 1.0) + 0.4), dpi=100,
+        squeeze=False,
+    )  # fmt: skip
+    for ax in axes.flat[L:]:
+        ax.set_visible(False)
     for li in range(L):
-        ax = axes[0, li]
+        ax = axes[li // cols, li % cols]
         _panel(ax, maps.weights[li, :, i, :])  # (H, Tk)
         ax.set_title(maps.layers[li], fontsize=8, pad=2)
         label_axis(ax, "x", maps.keys, panel)
-        if li == 0:
+        if li % cols == 0:
             label_axis(ax, "y", maps.head_labels, height)
         else:
             _no_ticks(ax, "y")

@@ -8,11 +8,13 @@ these; the heat-map figures and the HTML report only read it, so drawing never n
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MEAN_OF_HEADS", "AttentionMaps"]
+__all__ = ["MEAN_OF_HEADS", "AttentionMaps", "spread"]
 
 KINDS = ("self", "cross", "image")
 
@@ -64,6 +66,20 @@ class AttentionMaps:
         if not np.isfinite(w).all() or (w < 0).any():
             raise ValueError("weights must be finite and non-negative")
 
+    def pick(self, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None
+             ) -> AttentionMaps:  # fmt: skip
+        """These maps with only the kept layers and heads at the indices ``layers`` and
+        ``heads`` (indices into :attr:`layers` and :attr:`heads`; None keeps all)."""
+        L, H = self.weights.shape[:2]
+        li = list(range(L)) if layers is None else [range(L)[i] for i in layers]
+        hi = list(range(H)) if heads is None else [range(H)[i] for i in heads]
+        return dataclasses.replace(
+            self,
+            layers=tuple(self.layers[i] for i in li),
+            heads=tuple(self.heads[i] for i in hi),
+            weights=self.weights[li][:, hi],
+        )
+
     @property
     def query_positions(self) -> tuple[int, ...]:
         """The input position of each query row."""
@@ -73,3 +89,11 @@ class AttentionMaps:
     def head_labels(self) -> tuple[str, ...]:
         """A label per kept head: ``"head 3"``, or ``"mean of heads"`` for :data:`MEAN_OF_HEADS`."""
         return tuple("mean of heads" if h == MEAN_OF_HEADS else f"head {h}" for h in self.heads)
+
+
+def spread(n: int, k: int) -> list[int]:
+    """``k`` indices of ``range(n)`` spread evenly, the first and the last among them (all of
+    them where ``n <= k``): the layers a picture of a deep model shows by default."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
