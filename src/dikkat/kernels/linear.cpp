@@ -4,9 +4,9 @@
 // x and w contiguous; a 16-bit weight is widened to fp32 as it is read (exactly: every fp16 and
 // bf16 value is an fp32 value) and the arithmetic is fp32's. Decoding one sequence multiplies
 // one row by every weight matrix of the model, so a step is as fast as the weights are read from
-// memory. Each thread takes a contiguous span of w's rows and reads four rows at a time, 32
-// values of each per step: eight 64-byte loads (four 32-byte ones for 16-bit values) from four
-// streams in flight, which the hardware prefetchers follow. Each output is a sum of 32 fp32
+// memory. Each thread takes a contiguous span of w's rows and reads four fp32 rows at a time,
+// 32 values of each per step: eight 64-byte loads from four streams in flight, which the
+// hardware prefetchers follow (a 16-bit row is read alone, 64 values a step: one_row). Each output is a sum of 32 fp32
 // partial sums (two registers of 16 lanes), added in a tree at the end; in AVX2, 16 values a
 // step and 16 partial sums (two registers of 8 lanes). It is made for one row: further rows
 // of x are each multiplied with the four rows of w from cache, one after the other, which is
@@ -147,11 +147,48 @@ void rows_times(const Product<W>& p, int64_t n) {
   }
 }
 
+#if defined(__AVX512F__)
+// out[m, n] for every row m of x: row n of a 16-bit w alone, 64 values a step in four sums of
+// 16 lanes. Rows read one after another are one stream through memory; for 16-bit weights it
+// reads faster than four rows side by side (for fp32 ones slower: BENCHMARKS.md, "16-bit files")
+template <typename W>
+void one_row(const Product<W>& p, int64_t n) {
+  const W* w = p.w + n * p.w_stride;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.x_stride;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 64 <= p.K; k += 64) {
+      a0 = _mm512_fmadd_ps(lanes16(w + k), _mm512_loadu_ps(x + k), a0);
+      a1 = _mm512_fmadd_ps(lanes16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+      a2 = _mm512_fmadd_ps(lanes16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+      a3 = _mm512_fmadd_ps(lanes16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k < p.K; k += 16) {  // the last K % 64 values, 16 at a time
+      const int64_t r = std::min<int64_t>(16, p.K - k);
+      const __m512 x0 = _mm512_maskz_loadu_ps(r == 16 ? 0xFFFF : (1u << r) - 1, x + k);
+      a0 = _mm512_fmadd_ps(tail16(w + k, r), x0, a0);
+    }
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    p.out[m * p.N + n] = p.bias ? s + p.bias[n] : s;
+  }
+}
+#endif
+
 template <typename W>
 void by_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const Product<W> p{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<W>(), w.stride(0),
                      bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+#if defined(__AVX512F__)
+  if constexpr (sizeof(W) == 2) {
+    const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(W))));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) one_row<W>(p, n);
+    });
+    return;
+  }
+#endif
   const int64_t groups = N / kRows;
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kRows * K * int64_t(sizeof(W))));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
