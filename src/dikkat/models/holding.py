@@ -90,7 +90,7 @@ class HoldsWeights:
             elif isinstance(m, GatedMLP):
                 _hold_gate_up(m, at, left)
         for name in [n for n, w in left.items() if kept(w)]:
-            layer = self._kept_layer(name, left[name])
+            layer = self._layer_for(name, left[name])
             if layer is None:  # not multiplied: expanded, as the file's reader would
                 left[name] = _expanded(left[name])
                 continue
@@ -109,7 +109,7 @@ class HoldsWeights:
         ):
             self.lm_head.weight = self.tok_emb.weight  # assign=True replaced the shared one
 
-    def _kept_layer(self, name: str, w: Stored) -> nn.Module | None:
+    def _layer_for(self, name: str, w: Stored) -> nn.Module | None:
         """The layer that holds ``w`` (kept as the file holds it) in place of the module
         ``name`` is the weight of: a linear layer for a linear one (its bias, still to load,
         kept), an embedding for the token table; None for any other."""
