@@ -231,20 +231,58 @@ def test_submit_raises_engine_full_at_max_queue():
     assert engine.stats().waiting == 2
 
 
-def test_a_request_that_finds_no_blocks_waits_for_them():
+def test_requests_take_blocks_as_they_grow_and_the_last_admitted_is_preempted():
+    """6 blocks of 4 slots: the first request will fill 5 (8 + 12 − 1 slots), the second 4 (6 +
+    9 − 1). Both are admitted (their prompts fit); when a block runs out, the one admitted last
+    goes back to the queue, and when it is admitted again it goes on where it stopped: each
+    request's tokens are its tokens alone, a seeded draw's included."""
     model = make_gpt(seed=7)
-    # 6 blocks of 4 slots: the first request needs 5 (8 + 12 − 1 slots), the second 3
     engine = Engine(model, block_size=4, num_blocks=6, max_batch=4)
     first = (prompt(8, 17), SamplingParams(max_new_tokens=12, temperature=1.0, seed=2))
-    second = (prompt(6, 18), SamplingParams(max_new_tokens=5))
+    second = (prompt(6, 18), SamplingParams(max_new_tokens=9, temperature=1.0, seed=3))
     r1, r2 = engine.submit(*first), engine.submit(*second)
-    streams: dict[int, list[TokenEvent]] = {r1: engine.step()}
-    assert (engine.stats().running, engine.stats().waiting) == (1, 1)
+    streams: dict[int, list[TokenEvent]] = {}
+    for event in engine.step():
+        streams.setdefault(event.request_id, []).append(event)
+    assert (engine.stats().running, engine.stats().waiting) == (2, 0)
     most = drain(engine, streams)
-    assert most == 1
+    assert most == 2
+    assert engine.stats().preempted >= 1
     assert tokens_of(streams[r1]) == alone(model, *first)
     assert tokens_of(streams[r2]) == alone(model, *second)
     assert engine.stats().free_blocks == 6
+    assert engine.stats().prompt_tokens == 8 + 6  # a preempted prompt is counted once
+
+
+def test_requests_that_may_run_to_the_context_s_end_run_together():
+    """What a chat without max_tokens asks: each may fill 10 of the 16 blocks, yet all four run
+    at once (each holds what it has written), and each makes its tokens alone."""
+    model = make_gpt(seed=11)
+    engine = Engine(model, block_size=4, num_blocks=16, max_batch=4)
+    room = model.config.max_len - 3
+    requests = [(prompt(3, 40 + i), SamplingParams(max_new_tokens=room)) for i in range(4)]
+    ids = [engine.submit(*r) for r in requests]
+    streams: dict[int, list[TokenEvent]] = {}
+    for event in engine.step():
+        streams.setdefault(event.request_id, []).append(event)
+    assert engine.stats().running == 4
+    drain(engine, streams)
+    for rid, r in zip(ids, requests, strict=True):
+        assert tokens_of(streams[rid]) == alone(model, *r)
+
+
+def test_a_lone_request_never_preempts_itself_and_a_full_pool_admits_none():
+    """The one request that fills the pool runs alone to its end; a second waits for it."""
+    model = make_gpt(seed=9)
+    engine = Engine(model, block_size=4, num_blocks=4, max_batch=4)
+    whole = (prompt(5, 30), SamplingParams(max_new_tokens=12))  # 16 slots: every block
+    other = (prompt(3, 31), SamplingParams(max_new_tokens=4))
+    r1, r2 = engine.submit(*whole), engine.submit(*other)
+    streams: dict[int, list[TokenEvent]] = {}
+    drain(engine, streams)
+    assert tokens_of(streams[r1]) == alone(model, *whole)
+    assert tokens_of(streams[r2]) == alone(model, *other)
+    assert engine.stats().free_blocks == 4
 
 
 def test_submit_from_another_thread_while_stepping():

@@ -21,10 +21,12 @@ the positions are each row's own), each request picks its tokens with its own
 :func:`dikkat.generation.generate` for its prompt alone, up to rounding (a batched product may
 round differently from a one-row product).
 
-Memory: a request is admitted only when the blocks for its whole length (prompt + ``max_tokens``
-− 1 slots, less the prefix blocks it shares) can be promised to it; it takes them as it grows and
-gives them back when it ends. So a running request never waits for memory and is never
-preempted; a request that does not fit waits in the queue, first come first served.
+Memory: a request is admitted when the blocks its prompt fills (less the prefix blocks it
+shares) are free, and takes one more each time its last block fills, as vLLM does; it gives them
+back when it ends. Where a running request's next token finds no free block, the request
+admitted last is preempted: back to the front of the queue, its blocks given back, its prompt
+and tokens prefilled again when it is admitted again, its tokens unchanged (docs/engine.md,
+"Preemption"). A request that does not fit waits in the queue, first come first served.
 """
 
 from __future__ import annotations
@@ -160,10 +162,10 @@ class Engine:
         self._step_lock = threading.Lock()  # one step at a time
         self._waiting: deque[EngineSequence] = deque()
         self._running: list[EngineSequence] = []
-        self._reserved = 0  # blocks promised to running sequences, not yet taken
         self._in_step = False
         self._next_id = 0
         counts = "prompt_tokens generated_tokens finished aborted failed prefix_hit_tokens"
+        counts += " preempted"
         self._counts = dict.fromkeys(counts.split(), 0)
 
     @property
@@ -279,35 +281,41 @@ class Engine:
 
     def _admit(self) -> list[EngineSequence]:
         """Move the waiting requests that fit (in order, stopping at the first that does not)
-        to the running batch, with their prompt blocks: shared prefix blocks, then new ones."""
+        to the running batch, with the blocks of what their prefill writes — shared prefix
+        blocks, then new ones — leaving a block for the next token of every running request
+        that has filled its last one (so that admitting a request never preempts one at once).
+        A request's later tokens take blocks as they come (:meth:`_make_room`)."""
         admitted = []
         P, alloc = self.block_size, self._blocks
+        spare = sum(s.cached == len(s.blocks) * P for s in self._running)
         while self._waiting and len(self._running) < self.max_batch:
             seq = self._waiting[0]
-            keys = prefix_hashes(seq.tokens, P)
+            fed = seq.fed
+            keys = prefix_hashes(seq.tokens[:fed], P)
             shared = []
-            # the last token is always computed; every one, when its log-probability is asked
-            reusable = 0 if seq.params.prompt_logprobs else (seq.prompt_len - 1) // P
+            # the last token fed is always computed; every one, when its log-probability is asked
+            every = seq.params.prompt_logprobs and not seq.generated
+            reusable = 0 if every else (fed - 1) // P
             for key in keys[:reusable]:
                 block = alloc.lookup(key)
                 if block is None:
                     break
                 shared.append(block)
-            total = self._blocks_for(seq.slots)
+            fresh = self._blocks_for(fed) - len(shared)
+            full = fed % P == 0  # its first decoded token's keys start a block
             revived = sum(alloc.is_evictable(b) for b in shared)  # they stop counting as free
-            if alloc.free_count - revived - self._reserved < total - len(shared):
+            if alloc.free_count - revived < fresh + spare + full:
                 break
             self._waiting.popleft()
             for block in shared:
                 alloc.share(block)
-            fresh = self._blocks_for(seq.prompt_len) - len(shared)
             seq.blocks = shared + [alloc.allocate() for _ in range(fresh)]
             for block, key in zip(seq.blocks, keys, strict=False):
                 alloc.register(block, key)  # written by the prefill below, before any reader
             seq.cached = len(shared) * P
-            seq.reserved = total - len(seq.blocks)
-            self._reserved += seq.reserved
-            self._counts["prompt_tokens"] += seq.prompt_len
+            spare += full
+            if not seq.generated:  # (a preempted request's prompt was counted when it came)
+                self._counts["prompt_tokens"] += seq.prompt_len
             self._counts["prefix_hit_tokens"] += seq.cached
             self._running.append(seq)
             admitted.append(seq)
@@ -329,19 +337,38 @@ class Engine:
         decoding = [s for s in running if s.finish is None and not s.aborted]
         if decoding:
             with self._lock:
-                for seq in decoding:
-                    self._take_block_for(seq)
+                decoding = self._make_room(decoding)
             model, step, pool = self._inference, self._decode_step, self._pool
             decode_each(lambda rows: decode_rows(model, step, pool, rows), decoding, work)
         return work.events
 
-    def _take_block_for(self, seq: EngineSequence) -> None:
-        """A block for the slot the next token's keys go to, if the table has none (taken from
-        the sequence's promised blocks)."""
-        if seq.cached == len(seq.blocks) * self.block_size:
-            seq.blocks.append(self._blocks.allocate())
-            seq.reserved -= 1
-            self._reserved -= 1
+    def _make_room(self, decoding: list[EngineSequence]) -> list[EngineSequence]:
+        """A block for the slot each request's next token goes to, where its table has none,
+        in the order they were admitted; where none is left, the request admitted last is
+        preempted (:meth:`_preempt`) until one is. Returns the requests that decode now."""
+        P, kept = self.block_size, list(decoding)
+        for seq in decoding:
+            if seq not in kept or seq.cached < len(seq.blocks) * P:
+                continue
+            while self._blocks.free_count == 0 and seq in kept:
+                victim = kept.pop()  # the last admitted (it may be seq itself)
+                self._preempt(victim)
+            if seq in kept:
+                seq.blocks.append(self._blocks.allocate())
+        return kept
+
+    def _preempt(self, seq: EngineSequence) -> None:
+        """Take a running request back to the front of the queue, its blocks given back (its
+        full prefix blocks stay in the prefix index, evictable): when it is admitted again, its
+        prompt and the tokens it made are prefilled anew (what is still cached, shared) and it
+        goes on where it stopped — its sampler, and so its draws, untouched (vLLM's
+        preemption by recomputation)."""
+        self._running.remove(seq)
+        for block in reversed(seq.blocks):
+            self._blocks.release(block)
+        seq.blocks, seq.cached = [], 0
+        self._waiting.appendleft(seq)
+        self._counts["preempted"] += 1
 
     def _finish_step(self, events: list[TokenEvent]) -> list[TokenEvent]:
         """Under the lock: end what finished, failed or was aborted, drop the aborted's events."""
@@ -362,8 +389,7 @@ class Engine:
         self._running.remove(seq)
         for block in reversed(seq.blocks):
             self._blocks.release(block)
-        self._reserved -= seq.reserved
-        seq.blocks, seq.reserved = [], 0
+        seq.blocks = []
 
     def _drop_everything(self) -> None:
         """After a failed step: every request is dropped and the prefix index forgotten (a block
@@ -372,7 +398,6 @@ class Engine:
         self._waiting.clear()
         self._running.clear()
         self._blocks = BlockAllocator(self.num_blocks)
-        self._reserved = 0
         self._in_step = False
 
 

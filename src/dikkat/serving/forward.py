@@ -117,7 +117,12 @@ def decode_rows(
 
 def first_events(model: DecoderLM, pool: PagedKVPool, seq: EngineSequence) -> list[TokenEvent]:
     """Run a new request's prompt (after its shared prefix); its first event (its last, with an
-    error, when the prompt's logits are not finite)."""
+    error, when the prompt's logits are not finite). A preempted request admitted again has
+    its tokens but the last run instead, and no event: the next decode step goes on."""
+    if seq.generated:  # a preempted request, admitted again: its keys and values, no event
+        prefill(model, pool, seq.tokens[: seq.fed], seq.blocks, seq.cached)
+        seq.cached = seq.fed
+        return []
     every = seq.params.prompt_logprobs  # then nothing was shared: seq.cached == 0
     logits = prefill(model, pool, seq.tokens, seq.blocks, seq.cached, every=every)
     seq.cached = seq.prompt_len

@@ -25,6 +25,7 @@ ENGINE_METRICS = (
     ("aborted", "requests_aborted_total", "counter", "requests aborted (the client left)"),
     ("failed", "requests_failed_total", "counter", "requests ended alone by their own error"),
     ("prefix_hit_tokens", "prefix_hit_tokens_total", "counter", "prompt tokens reused"),
+    ("preempted", "requests_preempted_total", "counter", "requests preempted for KV blocks"),
 )
 
 

@@ -68,6 +68,7 @@ class EngineStats:
     aborted: int
     failed: int
     prefix_hit_tokens: int
+    preempted: int
 
 
 @dataclass(eq=False)
@@ -81,7 +82,6 @@ class EngineSequence:
     sampler: Sampler
     blocks: list[int] = field(default_factory=list)  # block table
     cached: int = 0  # tokens whose keys and values are in the blocks
-    reserved: int = 0  # blocks promised for later tokens, not yet taken
     finish: FinishReason | None = None
     aborted: bool = False
 
@@ -93,6 +93,12 @@ class EngineSequence:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def fed(self) -> int:
+        """The tokens a prefill writes: the prompt; for a request preempted after it made
+        tokens, every token but its last (which the next decode step feeds)."""
+        return len(self.tokens) - 1 if self.generated else self.prompt_len
 
     @property
     def slots(self) -> int:

@@ -81,8 +81,8 @@ def create_app(
     which tokenises the contents as text; None: the model has no chat template and
     ``/v1/chat/completions`` answers 400). The engine is stepped by a worker thread from the
     app's startup to its shutdown. ``max_model_len`` caps the context a request may use (prompt
-    and answer; default: the model's, ``engine.max_len``), as vLLM's flag does: the engine
-    promises a request the blocks of its whole length. ``executor``: where the engine's loop
+    and answer; default: the model's, ``engine.max_len``), as vLLM's flag does: how many
+    blocks one request may grow to hold. ``executor``: where the engine's loop
     runs (:class:`~dikkat.serving.runner.EngineRunner`); None: a thread of its own. ``limits``
     bound a request's body (default :class:`~dikkat.serving.limits.Limits`);
     ``allowed_hosts`` are names a request's ``Host`` may give besides the loopback names and
