@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dikkat.serving.engine
+import dikkat.serving.paged
 from dikkat.generation import DecoderLM, SamplingParams, generate
 from dikkat.models import GPT, Decoder, DecoderConfig, GPTConfig
 from dikkat.models.decoder import gemma3_layer_kinds
@@ -175,6 +175,6 @@ def test_the_engine_refuses_what_it_leaves_to_others():
 def test_the_default_pool_fits_its_memory_budget(monkeypatch):
     model = make("llama")  # 2 layers · 2 kv heads · head dim 8, fp32: 256 bytes a slot
     assert Engine(model, block_size=4, max_batch=2).num_blocks == 2 * 48 // 4  # whole contexts
-    monkeypatch.setattr(dikkat.serving.engine, "DEFAULT_CACHE_BYTES", 4 * 1024)
+    monkeypatch.setattr(dikkat.serving.paged, "DEFAULT_CACHE_BYTES", 4 * 1024)
     engine = Engine(model, block_size=4, max_batch=2)
     assert engine.num_blocks == 4 and engine._pool.nbytes == 4 * 1024

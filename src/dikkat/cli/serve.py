@@ -37,8 +37,8 @@ def build_app(args: argparse.Namespace, executor: Executor | None = None) -> Any
     check_source(args)
     require_extra("serve", "serve")  # before the model is loaded: fastapi and uvicorn
     from dikkat.serving import Engine  # loaded when a command runs (see dikkat.cli)
-    from dikkat.serving.engine import default_num_blocks
     from dikkat.serving.limits import LOOPBACK_NAMES, MIB, WILDCARD_HOSTS, Limits
+    from dikkat.serving.paged import default_num_blocks
 
     device = device_of(args)
     chat_ids = None

@@ -35,12 +35,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from dikkat.generation.protocol import CacheLayout, DecoderLM
+from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampler import Sampler
 from dikkat.generation.sampling import SamplingParams
 from dikkat.serving.failures import StepWork, decode_each, prefill_each
 from dikkat.serving.forward import decode_rows
-from dikkat.serving.paged import BlockAllocator, PagedKVPool, prefix_hashes
+from dikkat.serving.paged import BlockAllocator, PagedKVPool, default_num_blocks, prefix_hashes
 from dikkat.serving.requests import (
     EngineFull,
     EngineSequence,
@@ -53,16 +53,6 @@ from dikkat.validate import check_bool, check_int
 from dikkat.weights import InferenceLinear, inference_model
 from dikkat.weights.formats import WeightFormat, check_weights
 
-DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
-
-
-def default_num_blocks(layout: CacheLayout, block_size: int, max_batch: int, max_len: int) -> int:
-    """Blocks for ``max_batch`` sequences of ``max_len`` tokens, or as many as fit in
-    :data:`DEFAULT_CACHE_BYTES` if that is fewer (at least one)."""
-    slot_bytes = 2 * layout.n_layers * layout.kv_heads * layout.head_dim * layout.dtype.itemsize
-    fits = DEFAULT_CACHE_BYTES // (slot_bytes * block_size)
-    return max(1, min(max_batch * -(-max_len // block_size), fits))
-
 
 class Engine:
     """Serves many generation requests on one decoder at once.
@@ -74,8 +64,9 @@ class Engine:
             changes to the model afterwards (training, ``load_state_dict``) do not reach it.
         block_size: slots per cache block.
         num_blocks: blocks in the pool; None: enough for ``max_batch`` sequences of the model's
-            whole context, or what fits in :data:`DEFAULT_CACHE_BYTES` if that is less (a real
-            model's context of thousands of tokens would otherwise take many GiB).
+            whole context, or what fits in :data:`~dikkat.serving.paged.DEFAULT_CACHE_BYTES`
+            if that is less (a real model's context of thousands of tokens would otherwise take
+            many GiB).
         max_batch: sequences running at once.
         max_queue: requests waiting at once; :meth:`submit` raises :class:`EngineFull` past it.
         weights: the format the copy's linear layers hold their weights in, "fp32", "bf16",

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dikkat.generation.protocol import CacheLayout
 from dikkat.validate import check_int
 
 
@@ -225,3 +226,14 @@ class PagedLayerCache:
         k_all = self.k_pool.index_select(0, read).view(B, S, G, D).transpose(1, 2)
         v_all = self.v_pool.index_select(0, read).view(B, S, G, D).transpose(1, 2)
         return k_all, v_all  # (B, G, S, D)
+
+
+DEFAULT_CACHE_BYTES = 2**30  # the keys and values of every layer, when num_blocks is not given
+
+
+def default_num_blocks(layout: CacheLayout, block_size: int, max_batch: int, max_len: int) -> int:
+    """Blocks for ``max_batch`` sequences of ``max_len`` tokens, or as many as fit in
+    :data:`DEFAULT_CACHE_BYTES` if that is fewer (at least one)."""
+    slot_bytes = 2 * layout.n_layers * layout.kv_heads * layout.head_dim * layout.dtype.itemsize
+    fits = DEFAULT_CACHE_BYTES // (slot_bytes * block_size)
+    return max(1, min(max_batch * -(-max_len // block_size), fits))
