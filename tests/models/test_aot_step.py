@@ -19,7 +19,7 @@ from step_models import build, build_half
 
 from dikkat.cli.common import compiles
 from dikkat.generation.generate import decode_step, prefill
-from dikkat.models import Decoder, DecoderConfig, aot_package
+from dikkat.models import Decoder, DecoderConfig, aot_cache, aot_package
 from dikkat.models.aot_step import (
     AotPoolStep,
     AotStep,
@@ -190,13 +190,39 @@ def test_a_build_removes_the_packages_it_makes_useless(tmp_path):
     layout = plant("step-v1", {"version": v - 1, "package": {}})
     other = plant("step-other", {"version": v, "lineage": "L2"})
     (tmp_path / "notes.json").write_text("not json")
-    freed = aot_package.prune(tmp_path, "L1", mine)
+    freed = aot_cache.prune(tmp_path, "L1", mine)
     gone = [older, failed, layout]
     assert not [p for p in gone if p.exists() or p.with_suffix(".json").exists()]
     assert mine.exists() and other.exists() and (tmp_path / "notes.json").exists()
     assert freed == sum(1000 + len(json.dumps(e)) for e in (
         {"version": v, "lineage": "L1"}, {"version": v, "lineage": "L1", "failed": "no compiler"},
         {"version": v - 1, "package": {}}))  # fmt: skip
+
+
+def test_a_process_that_finds_the_package_being_built_waits_and_loads_it(monkeypatch, capsys):
+    """Another process holds the package's lock (here another open file, as flock sees it): the
+    step says it waits, and once the lock is let go loads what was built, compiling nothing."""
+    fcntl = pytest.importorskip("fcntl")
+    import threading
+
+    first = build("llama")
+    built = AotStep(first, first.new_cache(1, 12)).package  # built or loaded: it is there
+    model = build("llama", seed=1)  # another model object of the same key: not loaded yet
+    calls: list[str] = []
+    real_load = aot_package.Package.load
+
+    def load(self):
+        calls.append("load")
+        return None if len(calls) == 1 else real_load(self)  # first: not there yet
+
+    monkeypatch.setattr(aot_package.Package, "load", load)
+    monkeypatch.setattr(aot_package.Package, "_compile", lambda self: calls.append("compile"))
+    with built.with_suffix(".lock").open("a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        threading.Timer(0.5, fcntl.flock, (other, fcntl.LOCK_UN)).start()
+        step = AotStep(model, model.new_cache(1, 12))
+    assert calls == ["load", "load"] and step.package == built and not step.built
+    assert "another process is compiling this step; waiting" in capsys.readouterr().err
 
 
 def test_where_nothing_compiles_it_decodes_eagerly_and_says_why(monkeypatch, tmp_path, capsys):

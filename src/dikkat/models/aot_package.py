@@ -19,10 +19,11 @@ shapes, dtypes and strides (and the values of the smallest, which inductor may w
 code), the sliding windows, what of the inputs is fixed, dikkat's own source, the PyTorch
 version and the CPU. A package is written under a temporary name and renamed into place with its
 record (size and SHA-256) after it, and checked against that record before it is loaded: a
-damaged one is rebuilt. A build that fails is recorded too, so that the next process does not
-spend its minute again (deleting the record tries again). A build removes the packages it makes
-useless: those of an older layout, and those of the same model built by another dikkat or
-PyTorch (:func:`prune`).
+damaged one is rebuilt; two processes wanting one package build it once
+(:mod:`dikkat.models.aot_cache`). A build that fails is recorded too, so that the next process
+does not spend its minute again (deleting the record tries again). A build removes the packages
+it makes useless: those of an older layout, and those of the same model built by another dikkat
+or PyTorch (:func:`dikkat.models.aot_cache.prune`).
 """
 
 from __future__ import annotations
@@ -47,19 +48,19 @@ from torch import Tensor, nn
 
 from dikkat.files import atomic_write, cache_dir, record, verify, write_text
 from dikkat.kernels import cpu_identity, paged_attention_op
+from dikkat.models.aot_cache import LAYOUT, one_build, prune
 
 __all__ = [
     "Bound",
     "Package",
     "StepCompileError",
     "compiled_dir",
-    "prune",
     "step_key",
     "step_lineage",
     "tensors_of",
 ]
 
-VERSION = 2  # the package's layout and its record's; a change needs a new one
+VERSION = LAYOUT  # the package's layout and its record's (one number, in aot_cache)
 _INLINED = 16  # tensors of at most this many numbers may be written into the code: keyed by value
 
 
@@ -135,8 +136,8 @@ def step_lineage(model: nn.Module, windows: tuple[int | None, ...], inputs: str 
     """What ``model``'s compiled step is for, without what builds it (dikkat's source, PyTorch,
     the package's layout): packages of one lineage under other keys were built for the same
     model on this machine by another dikkat or PyTorch, and a new build removes them
-    (:func:`prune`). ``inputs`` says what of the step's inputs is fixed in it (a pool's
-    slots)."""
+    (:func:`dikkat.models.aot_cache.prune`). ``inputs`` says what of the step's inputs is fixed
+    in it (a pool's slots)."""
     digest = hashlib.sha256()
     for part in (cpu_identity(), repr(model), repr(windows), inputs):
         digest.update(str(part).encode() + b"\0")
@@ -156,32 +157,6 @@ def _key(lineage: str) -> str:
     digest = hashlib.sha256(f"{VERSION}\0{torch.__version__}\0{lineage}\0".encode())
     digest.update(_source_digest())
     return digest.hexdigest()[:24]
-
-
-def prune(folder: Path, lineage: str, keep: Path) -> int:
-    """Remove from ``folder`` the packages (and records) of an older layout, and those of
-    ``lineage`` other than ``keep``: what a build of ``keep`` makes useless. Returns the bytes
-    freed; a file that cannot be read or removed is left (another process may be writing
-    it)."""
-    freed = 0
-    for entry_path in folder.glob("*.json"):
-        package = entry_path.with_suffix(".pt2")
-        if package == keep:
-            continue
-        try:
-            entry = json.loads(entry_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(entry, dict) or (
-            entry.get("version") == VERSION and entry.get("lineage") != lineage
-        ):
-            continue
-        for path in (package, entry_path):  # the package first: a record alone is rebuilt
-            with contextlib.suppress(OSError):
-                size = path.stat().st_size
-                path.unlink()
-                freed += size
-    return freed
 
 
 class _StepModule(nn.Module):
@@ -248,8 +223,11 @@ class Package:
         if bound is None or not bound.current(model):  # its tensors replaced: bound again
             bound = self.load()
         if bound is None:
-            self._compile()
-            bound = self.load()
+            with one_build(self.package):  # another process building it: wait, then load it
+                bound = self.load()
+                if bound is None:
+                    self._compile()
+                    bound = self.load()
             if bound is None:
                 raise StepCompileError(f"the package just built at {self.package} fails to load")
         self.bound = loaded[self.package] = bound
