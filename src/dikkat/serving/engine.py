@@ -181,7 +181,7 @@ class Engine:
         tokens = check_request(
             prompt, params, self.vocab_size, self.max_len, self.block_size, self.num_blocks
         )
-        n, sampler = len(tokens), Sampler(params, [tokens])
+        n, sampler = len(tokens), Sampler(params, [tuple(tokens)])  # (tokens grows later)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise EngineFull(
