@@ -19,9 +19,11 @@ from helpers import run_cli
 SMALL = {"d_model": 16, "n_heads": 2, "n_layers": 1, "max_len": 32}
 
 
-def run_of(path: Path, **spec: object) -> Path:
-    """A real lm run at step 0 (what export reads needs no trained weights)."""
-    task = TaskSpec(task="lm", seq_len=16, data=json.__file__, model_overrides=SMALL, **spec)
+def run_of(path: Path, model: dict | None = None, **spec: object) -> Path:
+    """A real lm run at step 0 (what export reads needs no trained weights), its GPT ``SMALL``
+    with ``model``'s fields changed."""
+    overrides = {**SMALL, **(model or {})}
+    task = TaskSpec(task="lm", seq_len=16, data=json.__file__, model_overrides=overrides, **spec)
     Trainer(build_task(task), TrainConfig(steps=1, batch_size=2), path).save()
     return path
 
@@ -72,13 +74,34 @@ def test_an_existing_file_needs_overwrite(run, tmp_path, capsys):
     assert out.read_bytes()[:4] == b"GGUF"
 
 
+def test_the_demo_s_rope_gpt_is_a_starcoder2_file(tmp_path, capsys):
+    """The demo trains a GPT with RoPE (``model_overrides`` in ``dikkat.cli.demo``)."""
+    run = run_of(tmp_path / "demo", {"position": "rope"})
+    out = tmp_path / "demo.gguf"
+    code, stdout, err = run_cli(["export", str(run), "--gguf", str(out)], capsys)
+    assert (code, err) == (0, "")
+    assert "starcoder2, 1 layers, width 16" in stdout
+    model = GPT.load(run).eval()
+    assert model.config.position == "rope"
+    lm = dikkat.pretrained.load(out)
+    assert lm.model.config == model.config
+    ids = torch.tensor([lm.tokenizer.encode("import os\n")])
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids), model(ids))
+    code, stdout, err = run_cli(
+        ["generate", "--model", str(out), "import", "-n", "8", "--eager"], capsys
+    )
+    code2, stdout2, _ = run_cli(["generate", str(run), "import", "-n", "8"], capsys)
+    assert code == code2 == 0 and stdout == stdout2  # greedy: the run's own tokens
+
+
 def test_what_has_no_gguf_is_refused_in_one_line(run, tmp_path, capsys):
-    rope = tmp_path / "rope"
-    GPT(GPTConfig(vocab_size=256, max_len=16, d_model=16, n_heads=2, position="rope")).save(rope)
+    gelu = tmp_path / "gelu"
+    GPT(GPTConfig(vocab_size=256, max_len=16, d_model=16, n_heads=2, activation="gelu")).save(gelu)
     bert = tmp_path / "bert"
     BERT(BERTConfig(vocab_size=256, max_len=16, d_model=16, n_heads=2, n_layers=1)).save(bert)
     for folder, words in [
-        (rope, "position='rope'"),
+        (gelu, "activation='gelu'"),
         (bert, "holds a saved BERT, not a GPT"),
         (tmp_path / "nowhere", "does not exist"),
     ]:

@@ -208,6 +208,14 @@ FOLDERS: dict[Path, Callable[[Path], None]] = {
             model_overrides={**SMALL, "n_layers": 1, "max_len": 128},  # room for -n 100
         )
     ),
+    Path("runs/demo"): step_zero_run(  # the demo's GPT places tokens with RoPE
+        TaskSpec(
+            task="lm",
+            seq_len=16,
+            data=corpus(),
+            model_overrides={**SMALL, "n_layers": 1, "position": "rope"},
+        )
+    ),
     Path("runs/mlm"): step_zero_run(
         TaskSpec(
             task="mlm",

@@ -4,7 +4,7 @@ Hugging Face GPT-2 checkpoint: a tiny random ``GPT2LMHeadModel`` is converted he
 ``MODEL_ARCH.GPT2``, the Conv1D weights transposed, the causal-mask buffers and the tied
 ``lm_head`` left out, the header keys it writes — and the model it is loaded into is compared with
 the transformers model itself in fp64. The write path (``dikkat export``) is tested in
-tests/interop/test_gguf_gpt2.py."""
+tests/interop/test_gguf_gpt.py."""
 
 from __future__ import annotations
 

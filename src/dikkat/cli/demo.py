@@ -116,6 +116,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print(f"\nDone in {time.perf_counter() - t0:.0f} s. Checkpoint, log.jsonl and loss.png: {out}/")
     print(f"Continue the text yourself:  dikkat generate {out} 'import ' -n 200 --temperature 0.8")
+    print(f"As a GGUF file llama.cpp runs:  dikkat export {out} --gguf {out}.gguf")
     print("Every number of docs/contract.md, computed:  dikkat seeds")
     return 0
 

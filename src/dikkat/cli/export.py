@@ -1,5 +1,6 @@
 """``dikkat export RUN --gguf OUT.gguf``: a GPT run or model folder as a GGUF file that
-llama.cpp runs (its ``gpt2`` architecture) and ``dikkat.pretrained.load`` reads back."""
+llama.cpp runs (its ``gpt2`` architecture, or ``starcoder2`` for a GPT with RoPE) and
+``dikkat.pretrained.load`` reads back."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from dikkat.models import GPT
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dikkat.interop.gguf_gpt2 import check_writable, write_gguf  # see dikkat.cli
+    from dikkat.interop.gguf_gpt import (  # see dikkat.cli
+        architecture_of,
+        check_writable,
+        write_gguf,
+    )
 
     out = Path(args.gguf)
     if out.exists() and not args.overwrite:  # before the model is read
@@ -31,7 +36,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     c, size = model.config, out.stat().st_size
     shown = f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 2**10:,.1f} KiB"
     print(
-        f"wrote {out} ({shown}): gpt2, {c.n_layers} layers, "
+        f"wrote {out} ({shown}): {architecture_of(c)}, {c.n_layers} layers, "
         f"width {c.d_model}, {c.n_heads} heads, context {c.max_len}, vocabulary {c.vocab_size:,}, "
         f"{args.dtype}"
     )
@@ -46,11 +51,13 @@ def add_commands(sub: Any) -> None:
         help="write a GPT run as a GGUF file for llama.cpp",
         description="Write the GPT of a run or model folder (dikkat train --task lm, save) and its "
         "tokenizer as one GGUF file of llama.cpp's gpt2 architecture, laid out as llama.cpp's own "
-        "converter writes GPT-2. dikkat.pretrained.load and dikkat generate --model read it back. "
-        "A GPT with RoPE or another activation than the tanh GELU, and a tokenizer other than "
-        "bytes or a byte-level BPE, have no such file: they are refused.",
+        "converter writes GPT-2; a GPT with RoPE (the demo's) as llama.cpp's starcoder2 "
+        "architecture, whose graph is a RoPE GPT's. dikkat.pretrained.load and dikkat generate "
+        "--model read it back. A GPT with another activation than the tanh GELU, and a tokenizer "
+        "other than bytes or a byte-level BPE, have no such file: they are refused.",
         examples=[
             ("dikkat export runs/gpt --gguf runs/gpt.gguf", "fp32 weights, as trained"),
+            ("dikkat export runs/demo --gguf runs/demo.gguf", "the demo's RoPE GPT (starcoder2)"),
             ("dikkat export runs/gpt --gguf runs/gpt-f16.gguf --dtype f16", "matrices in fp16"),
         ],
         notes="The file is written under a temporary name and renamed into place when complete.",

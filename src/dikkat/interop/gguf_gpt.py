@@ -1,25 +1,36 @@
-"""A dikkat :class:`~dikkat.models.GPT` as a GPT-2-architecture GGUF file, laid out as
-llama.cpp's converter writes GPT-2 (``convert_hf_to_gguf.py``, class ``GPT2Model``) and as
-llama.cpp's ``gpt2`` model reads it (``src/models/gpt2.cpp``). The name table
-(:data:`GPT2_TENSORS`, :data:`GPT2_BLOCK_TENSORS`) is the one :mod:`dikkat.pretrained` reads
-such files with (``dikkat/pretrained/families/gpt2.py``).
+"""A dikkat :class:`~dikkat.models.GPT` as a GGUF file that llama.cpp runs, in one of two
+architectures chosen by how the GPT places tokens:
 
-Header: ``general.architecture = "gpt2"``, ``gpt2.context_length``, ``.embedding_length``,
-``.feed_forward_length``, ``.block_count``, ``.attention.head_count`` (and
-``.attention.head_count_kv`` when key/value heads are shared), ``.attention.layer_norm_epsilon``,
+- learned positions: ``gpt2``, laid out as llama.cpp's converter writes GPT-2
+  (``convert_hf_to_gguf.py``, class ``GPT2Model``) and as llama.cpp's ``gpt2`` model reads it
+  (``src/models/gpt2.cpp``);
+- RoPE: ``starcoder2`` (``src/models/starcoder2.cpp``), whose graph is a RoPE GPT's: pre-norm
+  blocks of LayerNorm with bias, q/k/v and output projections with biases, RoPE over whole heads
+  rotating halves (GGML's "NeoX" rope, as dikkat's :func:`~dikkat.layers.positional.rotate_half`),
+  a tanh-GELU MLP of up and down with biases, a final LayerNorm, and ``token_embd`` as the output
+  layer when ``output.weight`` is not stored.
+
+The name tables (:data:`TENSORS`, :data:`BLOCK_TENSORS`) are the ones :mod:`dikkat.pretrained`
+reads such files with (``dikkat/pretrained/families/gpt2.py`` and ``starcoder2.py``).
+
+Header, under the architecture's name: ``context_length``, ``embedding_length``,
+``feed_forward_length``, ``block_count``, ``attention.head_count``, ``attention.head_count_kv``,
+``attention.layer_norm_epsilon``;
+for ``starcoder2`` also ``rope.freq_base`` and ``rope.dimension_count`` (the head dimension);
 and a ``gpt2`` tokenizer (:mod:`dikkat.interop.gguf_vocab`).
 
-Tensors (gguf-py's table for ``MODEL_ARCH.GPT2``), each ``.weight`` and ``.bias``:
-``token_embd`` and ``position_embd`` (weights only), ``output_norm``, then per block
-``blk.N.attn_norm``, ``blk.N.attn_qkv`` (q, k, v rows stacked: the fused projection llama.cpp
-splits), ``attn_output``, ``ffn_norm``, ``ffn_up``, ``ffn_down``; ``output.weight`` only when the
-output embedding is not tied, since llama.cpp reuses ``token_embd`` when there is none, as in
-the converter's files of Hugging Face's GPT-2. A weight of ``nn.Linear``'s shape (out, in) is
-stored as is: GGUF lists dimensions fastest first, {in, out}, which is what llama.cpp expects.
+Tensors (gguf-py's tables for ``MODEL_ARCH.GPT2`` and ``MODEL_ARCH.STARCODER2``), each ``.weight``
+and ``.bias``: ``token_embd`` (and, for ``gpt2``, ``position_embd``) (weights only),
+``output_norm``, then per block ``blk.N.attn_norm``, the attention's input projections,
+``attn_output``, ``ffn_norm``, ``ffn_up``, ``ffn_down``; ``output.weight`` only when the output
+embedding is not tied. ``gpt2`` stores q, k and v as one ``attn_qkv`` (rows stacked, which
+llama.cpp splits), ``starcoder2`` as ``attn_q``, ``attn_k``, ``attn_v``, as its converter does. A
+weight of ``nn.Linear``'s shape (out, in) is stored as is: GGUF lists dimensions fastest first,
+{in, out}, which is what llama.cpp expects.
 
-llama.cpp's graph is fixed: LayerNorms and projections with biases, learned positions, the tanh
-GELU. A GPT with RoPE, or with another activation, cannot be written (``ValueError`` naming the
-difference); a GPT without biases is written with zero biases, which compute the same.
+Both graphs are fixed otherwise: a GPT with another activation than the tanh GELU cannot be
+written (``ValueError`` naming it); a GPT without biases is written with zero biases, which compute
+the same.
 """
 
 from __future__ import annotations
@@ -38,51 +49,65 @@ from dikkat.models.gpt import GPT, GPTConfig
 from dikkat.validate import check_choice
 
 __all__ = [
-    "ARCHITECTURE",
-    "GPT2_BLOCK_TENSORS",
-    "GPT2_TENSORS",
+    "ARCHITECTURES",
+    "BLOCK_TENSORS",
     "NO_BIAS",
+    "TENSORS",
+    "architecture_of",
     "check_writable",
     "gguf_tensors",
     "write_gguf",
 ]
 
-ARCHITECTURE = "gpt2"
 GGUFType = Literal["f32", "f16"]
 
-# A gpt2 file's tensors (gguf-py's table for MODEL_ARCH.GPT2): GGUF name → the GPT module that
-# holds it, outside the blocks and in block N (``blk.N.``); each is a ``.weight``, with a
-# ``.bias`` beside it unless it is in NO_BIAS. ``attn_qkv`` is the fused q/k/v projection's rows
-# [q | k | v], which llama.cpp splits; ``output`` is stored only when the output embedding is
-# not tied.
-GPT2_TENSORS = {
-    "token_embd": "tok_emb",
-    "position_embd": "pos_emb",
-    "output_norm": "norm_f",
-    "output": "lm_head",
+# The GGUF architecture of a GPT, by its position setting
+ARCHITECTURES = {"learned": "gpt2", "rope": "starcoder2"}
+
+# Each architecture's tensors: GGUF name → the GPT module that holds it, outside the blocks and
+# in block N (``blk.N.``); each is a ``.weight``, with a ``.bias`` beside it unless it is in
+# NO_BIAS. ``attn_qkv`` is the fused q/k/v projection's rows [q | k | v], which llama.cpp
+# splits; ``output`` is stored only when the output embedding is not tied.
+TENSORS = {
+    "gpt2": {
+        "token_embd": "tok_emb",
+        "position_embd": "pos_emb",
+        "output_norm": "norm_f",
+        "output": "lm_head",
+    },
+    "starcoder2": {"token_embd": "tok_emb", "output_norm": "norm_f", "output": "lm_head"},
 }
-GPT2_BLOCK_TENSORS = {
+_AROUND = {  # the block's tensors but the attention's input projections
     "attn_norm": "norm1",
     "attn_output": "attn.out_proj",
     "ffn_norm": "norm2",
     "ffn_up": "mlp.up",
     "ffn_down": "mlp.down",
-    "attn_qkv": "attn.qkv_proj",
+}
+BLOCK_TENSORS = {
+    "gpt2": {**_AROUND, "attn_qkv": "attn.qkv_proj"},
+    "starcoder2": {
+        **_AROUND,
+        "attn_q": "attn.q_proj",
+        "attn_k": "attn.k_proj",
+        "attn_v": "attn.v_proj",
+    },
 }
 NO_BIAS = frozenset({"token_embd", "position_embd", "output"})
 
 
+def architecture_of(config: GPTConfig) -> str:
+    """The GGUF architecture a GPT of ``config`` is written as (``gpt2`` or ``starcoder2``)."""
+    return ARCHITECTURES[config.position]
+
+
 def check_writable(config: GPTConfig) -> None:
-    """Refuse (``ValueError``) a GPT that llama.cpp's ``gpt2`` graph cannot compute."""
-    if config.position != "learned":
-        raise ValueError(
-            f"this GPT has position={config.position!r}: a GGUF 'gpt2' model adds learned "
-            "positions (llama.cpp's gpt2 graph has no RoPE)"
-        )
+    """Refuse (``ValueError``) a GPT that neither llama.cpp graph computes."""
     if config.activation != "gelu_tanh":
         raise ValueError(
-            f"this GPT's MLP uses activation={config.activation!r}: a GGUF 'gpt2' model uses "
-            "the tanh GELU (llama.cpp's gpt2 graph has no other)"
+            f"this GPT's MLP uses activation={config.activation!r}: a GGUF "
+            f"'{architecture_of(config)}' model uses the tanh GELU (llama.cpp's graph has no "
+            "other)"
         )
 
 
@@ -90,6 +115,7 @@ def gguf_tensors(model: GPT) -> dict[str, Tensor]:
     """``model``'s weights under their GGUF names, in torch order, fp32 (zeros for the biases of
     a GPT without them)."""
     check_writable(model.config)
+    arch = architecture_of(model.config)
     # the state dict, and the fused q/k/v projections it lists as q_proj, k_proj and v_proj
     state = {**model.state_dict(), **dict(model.named_parameters())}
     state = {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
@@ -103,11 +129,11 @@ def gguf_tensors(model: GPT) -> dict[str, Tensor]:
         out[f"{theirs}.bias"] = state.get(f"{ours}.bias", torch.zeros(w.shape[0]))
 
     out: dict[str, Tensor] = {}
-    for theirs, ours in GPT2_TENSORS.items():
+    for theirs, ours in TENSORS[arch].items():
         if theirs != "output" or not model.config.tie_embeddings:
             add(theirs, ours)
     for i in range(model.config.n_layers):
-        for theirs, ours in GPT2_BLOCK_TENSORS.items():
+        for theirs, ours in BLOCK_TENSORS[arch].items():
             add(f"blk.{i}.{theirs}", f"blocks.{i}.{ours}")
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -121,8 +147,9 @@ def write_gguf(
     name: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` and its ``tokenizer`` as a GPT-2-architecture GGUF file at ``path``,
-    atomically (a failure leaves what was there); returns the path.
+    """Write ``model`` and its ``tokenizer`` as a GGUF file at ``path`` (architecture ``gpt2``
+    for learned positions, ``starcoder2`` for RoPE), atomically (a failure leaves what was
+    there); returns the path.
 
     ``dtype`` ``"f16"`` stores the matrices (embeddings included) in fp16 and the norms and
     biases in fp32, as llama.cpp's converter does with ``--outtype f16``. ``name`` is
@@ -158,7 +185,7 @@ def _write(
 ) -> None:
     import gguf  # the format's own library; a fifth of a second to import: only when writing
 
-    writer = _writer_class()(tmp, ARCHITECTURE)
+    writer = _writer_class()(tmp, architecture_of(config))
     file_type = gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name or "dikkat GPT")
@@ -167,10 +194,13 @@ def _write(
     writer.add_embedding_length(config.d_model)
     writer.add_feed_forward_length(config.block().d_ff or 4 * config.d_model)
     writer.add_head_count(config.n_heads)
-    kv_heads = config.block().kv_heads
-    if kv_heads != config.n_heads:  # llama.cpp reads it for every architecture; 1 key per head
-        writer.add_head_count_kv(kv_heads)
+    # always, as llama.cpp's converter writes it: llama.cpp takes the head count where it is
+    # missing, but transformers' reader of starcoder2 files takes its config's default (2)
+    writer.add_head_count_kv(config.block().kv_heads)
     writer.add_layer_norm_eps(config.norm_eps)
+    if config.position == "rope":  # over whole heads
+        writer.add_rope_freq_base(config.rope_base)
+        writer.add_rope_dimension_count(config.d_model // config.n_heads)
     writer.add_file_type(file_type)
     _add_vocab(writer, vocab)
     for tensor_name, t in tensors.items():

@@ -1,7 +1,7 @@
-"""A dikkat GPT written as a GPT-2 GGUF file (``dikkat.interop.write_gguf``): the file as
-llama.cpp's converter lays GPT-2 out (read by gguf's own ``GGUFReader``), read back by
-``dikkat.pretrained.load`` and by transformers (an independent reader of the same layout), and the
-models and paths it refuses."""
+"""A dikkat GPT written as a GGUF file (``dikkat.interop.write_gguf``): ``gpt2`` as llama.cpp's
+converter lays GPT-2 out, ``starcoder2`` for a GPT with RoPE (both read by gguf's own
+``GGUFReader``), read back by ``dikkat.pretrained.load`` and by transformers (an independent
+reader of the same layouts), and the models and paths it refuses."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ CONFIGS = {
     "untied": GPTConfig(**SMALL, tie_embeddings=False),
     "gqa, d_ff 40": GPTConfig(**SMALL, n_kv_heads=2, d_ff=40),
     "no biases": GPTConfig(**SMALL, bias=False, norm_eps=1e-6),
+    "rope": GPTConfig(**SMALL, position="rope", rope_base=500.0),
+    "rope, untied, gqa": GPTConfig(
+        **SMALL, position="rope", tie_embeddings=False, n_kv_heads=2, d_ff=40
+    ),
 }
 
 
@@ -95,6 +99,48 @@ def test_the_file_has_llama_cpp_s_keys_and_tensors(tmp_path):
     got = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
     assert got == expected  # tied: no output.weight, llama.cpp takes token_embd
     assert {t.tensor_type.name for t in reader.tensors} == {"F32"}
+
+
+def test_a_rope_gpt_is_a_starcoder2_file(tmp_path):
+    from gguf import GGUFReader
+
+    path = write_gguf(tiny_gpt(CONFIGS["rope, untied, gqa"]), ByteTokenizer(), tmp_path / "m.gguf")
+    reader = GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert fields["general.architecture"] == "starcoder2"
+    for key, value in {
+        "context_length": 48,
+        "embedding_length": 32,
+        "feed_forward_length": 40,
+        "block_count": 2,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "rope.dimension_count": 8,  # whole heads
+        "rope.freq_base": 10000.0,
+    }.items():
+        assert fields[f"starcoder2.{key}"] == value, key
+    # GGUF dims fastest first: llama.cpp's create_tensor shapes for LLM_ARCH_STARCODER2
+    C, V, ff, kv = 32, 256, 40, 2 * 8
+    expected = {
+        "token_embd.weight": [C, V],
+        "output.weight": [C, V],
+        "output_norm.weight": [C],
+        "output_norm.bias": [C],
+    }
+    for i in range(2):
+        for name, shape in {
+            "attn_norm": [C],
+            "attn_q": [C, C],
+            "attn_k": [C, kv],
+            "attn_v": [C, kv],
+            "attn_output": [C, C],
+            "ffn_norm": [C],
+            "ffn_up": [C, ff],
+            "ffn_down": [ff, C],
+        }.items():
+            expected[f"blk.{i}.{name}.weight"] = shape
+            expected[f"blk.{i}.{name}.bias"] = [shape[-1]]
+    assert {t.name: [int(n) for n in t.shape] for t in reader.tensors} == expected
 
 
 def test_an_untied_output_is_written(tmp_path):
@@ -181,10 +227,30 @@ def test_transformers_reads_the_file_as_gpt2(name, tmp_path):
     assert want.abs().max() > 0.1  # logits worth comparing
 
 
+@pytest.mark.parametrize("name", ["rope", "rope, untied, gqa"])
+def test_transformers_reads_a_rope_file_as_starcoder2(name, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = CONFIGS[name]
+    model = tiny_gpt(config)
+    path = write_gguf(model, ByteTokenizer(), tmp_path / "m.gguf")
+    # transformers' GGUF reader does not map rope.freq_base for starcoder2: given here
+    theta = {"rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base}}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float64, **theta
+    ).eval()
+    assert type(hf).__name__ == "Starcoder2ForCausalLM"
+    ids = ids_of()
+    with torch.no_grad():
+        want, got = model.double()(ids), hf(ids).logits
+    assert (got - want).abs().max() < 1e-9
+    assert want.abs().max() > 0.1
+
+
 @pytest.mark.parametrize(
     ("change", "word"),
     [
-        (dict(position="rope"), "position='rope'"),
+        (dict(position="rope", activation="gelu"), "'starcoder2' model uses the tanh GELU"),
         (dict(activation="gelu"), "activation='gelu'"),
         (dict(activation="relu"), "activation='relu'"),
     ],
@@ -231,6 +297,32 @@ def test_a_failed_write_leaves_the_previous_file(tmp_path, monkeypatch):
         write_gguf(tiny_gpt(CONFIGS["tied"], seed=1), ByteTokenizer(), path, overwrite=True)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("method", "change", "word"),
+    [
+        ("add_rope_freq_base", "scaling", r"RoPE scaling \('yarn'\) is not implemented"),
+        ("add_rope_dimension_count", "half", r"rope.dimension_count = 4: RoPE over part"),
+    ],
+)
+def test_a_starcoder2_file_with_what_a_gpt_lacks_is_refused(method, change, word, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    from gguf import GGUFWriter
+
+    original = getattr(GGUFWriter, method)
+
+    def changed(self: GGUFWriter, value: float) -> None:  # the writer's key, altered
+        if change == "half":
+            value //= 2
+        original(self, value)
+        if change == "scaling":
+            self.add_string("starcoder2.rope.scaling.type", "yarn")
+
+    monkeypatch.setattr(GGUFWriter, method, changed)
+    path = write_gguf(tiny_gpt(CONFIGS["rope"]), ByteTokenizer(), tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=word):
+        dikkat.pretrained.load(path)
 
 
 def test_the_written_file_is_read_by_gguf_file(tmp_path):
