@@ -247,6 +247,30 @@ def test_an_old_style_state_dict_loads_into_a_layer_built_on_meta_with_assign():
     assert all(torch.equal(t, old[k]) for k, t in layer.state_dict().items())
 
 
+def test_q_k_v_lying_one_after_another_load_with_assign_as_one_view():
+    """Blocks of one tensor (a file that stores q/k/v whole, mapped): assigned as that tensor's
+    view, nothing copied; blocks from apart are joined into a copy."""
+    C, H, G = 24, 6, 2
+    old = _old_style_state(C, H, G, seed=5)
+    names = ("q_proj", "k_proj", "v_proj")
+    for kind in ("weight", "bias"):
+        whole = torch.cat([old[f"{n}.{kind}"] for n in names])
+        sizes = [old[f"{n}.{kind}"].shape[0] for n in names]
+        old |= {f"{n}.{kind}": t for n, t in zip(names, whole.split(sizes), strict=True)}
+    with torch.device("meta"):
+        layer = MultiHeadAttention(C, H, n_kv_heads=G).double()
+    layer.load_state_dict(old, assign=True)
+    w = layer.qkv_proj.weight
+    assert w.data_ptr() == old["q_proj.weight"].data_ptr() and w.shape == (C + 2 * 8, C)
+    assert torch.equal(w[C : C + 8], old["k_proj.weight"])
+    apart = _old_style_state(C, H, G, seed=5)  # separate tensors: a copy of the three
+    with torch.device("meta"):
+        layer = MultiHeadAttention(C, H, n_kv_heads=G).double()
+    layer.load_state_dict(apart, assign=True)
+    assert layer.qkv_proj.weight.data_ptr() != apart["q_proj.weight"].data_ptr()
+    assert all(torch.equal(t, apart[k]) for k, t in layer.state_dict().items())
+
+
 def test_a_state_dict_with_the_fused_name_loads_as_it_is():
     a, b = layer_for("gqa", seed=1), layer_for("gqa", seed=2)
     b.load_state_dict({n: p.detach() for n, p in a.named_parameters()})  # qkv_proj.weight, …

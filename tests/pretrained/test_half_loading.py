@@ -4,6 +4,8 @@ size, and the logits and greedy tokens of the file read as fp32 (transformers' r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import tiny_gguf as tg
 import torch
@@ -25,9 +27,8 @@ def half_file(path, kind: int, **changes: int) -> None:
 
 
 def held_bytes(model: torch.nn.Module) -> int:
-    tables = {
-        id(m.table): m.table for m in model.modules() if isinstance(m, HalfEmbedding | HalfLinear)
-    }
+    tables = {id(m.table): m.table for m in model.modules() if isinstance(m, HalfEmbedding)}
+    tables |= {id(t): t for m in model.modules() if isinstance(m, HalfLinear) for t in m.parts}
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + sum(t.numel() * t.element_size() for t in tables.values())
 
@@ -86,16 +87,55 @@ def test_a_16_bit_file_asked_for_in_another_dtype_is_read_as_fp32_and_cast(tmp_p
     assert torch.equal(model.blocks[0].mlp.down.weight, want.blocks[0].mlp.down.weight.to(dtype))
 
 
-def test_the_bytes_are_read_alike_with_and_without_the_system_s_vector_reads(tmp_path, monkeypatch):
+def test_the_bytes_are_read_alike_in_the_map_and_by_reads(tmp_path, monkeypatch):
+    """A tensor is used where it lies in the map; one at an offset its dtype's size does not
+    divide is read into memory, by the system's vector reads or, without them, from the map."""
     path = tmp_path / "half.gguf"
     half_file(path, tg.T_BF16)
     file = dikkat.pretrained.GGUFFile(path)
     read = file.read_half("blk.1.ffn_down.weight")
+    assert file.lies_in_map(read)
     assert torch.equal(read.float(), file.read("blk.1.ffn_down.weight"))
-    monkeypatch.delattr("os.preadv")
-    assert torch.equal(file.read_half("blk.1.ffn_down.weight"), read)
+    info = file.tensors["blk.1.ffn_down.weight"]
+    for vector_reads in (True, False):
+        if not vector_reads:
+            monkeypatch.delattr("os.preadv")
+        copy = torch.empty(info.shape, dtype=torch.bfloat16)
+        file._read_into(copy, info)
+        assert torch.equal(copy, read) and not file.lies_in_map(copy)
     with pytest.raises(ValueError, match="stored as F32, not in 16 bits"):
         file.read_half("output_norm.weight")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_the_model_s_16_bit_tables_lie_where_the_file_is(tmp_path):
+    """Every 16-bit table is the file's bytes where they lie (its private map, not a copy), but
+    q and k, whose rows llama.cpp reordered (put back by a copy); a write changes the model's
+    copy of a page, never the file."""
+    path = tmp_path / "half.gguf"
+    half_file(path, tg.T_F16)
+    model = dikkat.pretrained.load(path).model
+    spans = [
+        tuple(int(a, 16) for a in line.split()[0].split("-"))
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.endswith(str(path))
+    ]
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(a <= t.data_ptr() < b for a, b in spans)
+
+    assert mapped(model.tok_emb.table)
+    for block in model.blocks:
+        q, k, v = block.attn.qkv_proj.parts
+        assert not mapped(q) and not mapped(k) and mapped(v)
+        assert all(map(mapped, (*block.mlp.gate_up.parts, *block.attn.out_proj.parts)))
+    before = path.read_bytes()
+    down = model.blocks[0].mlp.down.parts[0]
+    down.add_(1.0)
+    assert path.read_bytes() == before
+    assert torch.equal(
+        down, dikkat.pretrained.GGUFFile(path).read_half("blk.0.ffn_down.weight") + 1
+    )
 
 
 def test_a_file_cut_short_after_it_is_opened_is_refused(tmp_path):

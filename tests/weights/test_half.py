@@ -37,6 +37,31 @@ def test_the_product_is_the_widened_weight_s(dtype, native, shape):
     close(lin.forward_rows(x, 8, 40), want[..., 8:40], 80)
 
 
+@DTYPES
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "pytorch"])
+def test_a_weight_held_in_parts_is_the_stacked_weight(dtype, native):
+    """q, k and v (or gate and up) held apart, each where it lies: the product of the stacked
+    rows, and any block of rows, across the parts' edges too."""
+    g = torch.Generator().manual_seed(2)
+    tables = [torch.randn(n, 80, generator=g).to(dtype) for n in (32, 8, 8)]
+    bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)
+    lin = HalfLinear(tables, bias)
+    lin._native = native and lin._native
+    assert all(a is b for a, b in zip(lin.parts, tables, strict=True))  # not copied
+    x = torch.randn(3, 80, generator=g)
+    want = F.linear(x.double(), torch.cat(tables).double(), bias.double())
+    close(lin(x), want, 80)
+    for start, stop in [(0, 32), (30, 42), (33, 35), (40, 48)]:
+        close(lin.forward_rows(x, start, stop), want[:, start:stop], 80)
+    assert lin.nbytes == 48 * 80 * 2 + 48 * 4
+    with pytest.raises(ValueError, match="held in 3 parts"):
+        _ = lin.table
+    with pytest.raises(ValueError, match="share one dtype and their columns"):
+        HalfLinear([tables[0], tables[1][:, :40]], None)
+    with pytest.raises(ValueError, match="at least one table"):
+        HalfLinear([], None)
+
+
 def test_the_pytorch_product_widens_in_slices(monkeypatch):
     """Without the kernel, a weight larger than a slice is widened a slice at a time."""
     monkeypatch.setattr("dikkat.weights.half._SLICE_BYTES", 16 * 4 * 80)  # 16 rows a slice
@@ -84,5 +109,7 @@ def test_the_embedding_looks_up_widened_rows(dtype):
 )
 def test_a_table_that_is_not_a_16_bit_matrix_is_refused(table):
     for make in (lambda t: HalfLinear(t, None), HalfEmbedding):
-        with pytest.raises(ValueError, match=r"table must be a 2-D fp16 or bf16 tensor.*got"):
+        with pytest.raises(
+            ValueError, match=r"(table|parts\[0\]) must be a 2-D fp16 or bf16 tensor.*got"
+        ):
             make(table)

@@ -115,7 +115,9 @@ class LearnedPositionalEmbedding(nn.Module):
         check_int("max_len", max_len)
         check_int("d_model", d_model)
         self.max_len = max_len
-        self.weight = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
+        # the draws of torch.randn(...) * 0.02, as an init that a model built on the meta
+        # device skips (dikkat.models.io.meta_modules)
+        self.weight = nn.Parameter(nn.init.normal_(torch.empty(max_len, d_model), std=0.02))
 
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         pos = resolve_positions(x.shape[1], offset, positions, x.device)

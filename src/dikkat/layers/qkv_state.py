@@ -7,6 +7,7 @@ way, with a state-dict hook), so checkpoints and ported weights load unchanged.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -110,4 +111,22 @@ def fuse_qkv_state(
                 parts.append(torch.empty(block.shape, dtype=like.dtype, device=like.device))
             else:
                 parts.append(block.to(like))
-        state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat(parts)
+        state_dict[f"{prefix}qkv_proj.{kind}"] = _joined(parts)
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """``parts`` stacked by rows: where they lie one after another in one storage (the blocks of
+    one fused tensor, as a file that stores q/k/v whole is read) the view of them all, which
+    copies nothing; else their concatenation."""
+    first = parts[0]
+    adjacent = all(p.is_contiguous() and not p.is_meta for p in parts) and all(
+        b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and b.dtype == first.dtype
+        and b.shape[1:] == first.shape[1:]
+        and a.data_ptr() + a.nbytes == b.data_ptr()
+        for a, b in itertools.pairwise(parts)
+    )
+    if not adjacent:
+        return torch.cat(parts)
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())

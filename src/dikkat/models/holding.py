@@ -47,12 +47,12 @@ def _expanded(w: Stored) -> Tensor:
 
 def _kept_layer(parts: Sequence[Stored], bias: nn.Parameter | None) -> nn.Module | None:
     """The layer multiplying ``parts`` stacked by rows as they are kept: packed blocks (of any
-    kinds), or 16-bit tensors of one dtype (joined); None for parts kept in neither one way."""
+    kinds), or 16-bit tensors of one dtype (each where it is, not joined: a file's map); None
+    for parts kept in neither one way."""
     if all(isinstance(p, PackedWeight) for p in parts):
         return PackedLinear(list(parts), bias, False)  # type: ignore[arg-type]
     if all(is_half(p) for p in parts) and len({p.dtype for p in parts}) == 1:
-        table = parts[0] if len(parts) == 1 else torch.cat(list(parts))  # type: ignore[arg-type]
-        return HalfLinear(table, bias)  # type: ignore[arg-type]
+        return HalfLinear(list(parts), bias)  # type: ignore[arg-type]  # each where it lies
     return None
 
 

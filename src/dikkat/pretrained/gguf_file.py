@@ -8,8 +8,14 @@ The header is parsed here, in bulk (:mod:`dikkat.pretrained.gguf_header`): ``ggu
 builds a Python object for every element of every array, which takes tens of seconds on a
 262 144-token vocabulary. The tensor data stays in a read-only memory map; a quantised tensor is
 dequantised from it by the ``gguf`` package (``gguf.quants.dequantize``), the format's own
-reference implementation, and an F32, F16 or BF16 one is read by the system's reads straight
-into its tensor (:meth:`GGUFFile.read_half` keeps 16 bits).
+reference implementation. An F32, F16 or BF16 tensor is used where it lies: a tensor over a
+private (copy-on-write) map of the file, so that its bytes are the system's page cache, shared
+with every process that maps the file, read in large pieces as they are first touched, and
+written nowhere (a write makes the process its own copy of the page); it reads faster than the
+same bytes copied into fresh memory (BENCHMARKS.md, "Weights where the file lies"), as llama.cpp
+maps its files (``llama_mmap``). :meth:`GGUFFile.read_half` keeps 16 bits. A file changed in
+place while a model uses it (not replaced by a rename, as dikkat writes files) changes or, cut
+short, kills the process (``SIGBUS``), as it does llama.cpp.
 
 Nothing in the file is trusted (docs/models.md, "What a load checks"). Every length and count is
 held against the bytes left before anything sized by it is built; arrays nest at most
@@ -93,6 +99,7 @@ class GGUFFile:
             # the same file (not whatever its path names later), for reads into a tensor
             self._fd = os.dup(file.fileno())
         weakref.finalize(self, os.close, self._fd)
+        self._private: mmap.mmap | None = None  # where F32/F16/BF16 tensors lie (_whole)
         cursor = Cursor(memoryview(self._map), self.path)
         if bytes(cursor.take(4, "the magic")) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')")
@@ -150,12 +157,25 @@ class GGUFFile:
         """The header's bytes (keys, values, the tensors' directory): all before the data."""
         return self._map[: self.data_start]
 
-    def let_go(self, name: str, rows: tuple[int, int] | None = None) -> None:
+    def lies_in_map(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` lies in the file's private map (as :meth:`read` and
+        :meth:`read_half` give F32, F16 and BF16 tensors)."""
+        if self._private is None:
+            return False
+        start = torch.frombuffer(self._private, dtype=torch.uint8, count=1).data_ptr()
+        return start <= tensor.data_ptr() < start + len(self._private)
+
+    def let_go(
+        self, name: str, rows: tuple[int, int] | None = None, *, mapped: bool = False
+    ) -> None:
         """Drop the pages of tensor ``name``'s bytes (of its ``rows`` [start, stop) of
         :meth:`raw`, default all) from this process's resident memory: a loader that has made
         its own copy calls it, so that the file's pages do not stay resident beside the copies
         (the file stays mapped and in the system's page cache; a later read faults the pages in
-        again). A no-op where ``madvise`` is missing."""
+        again). ``mapped``: the pages of the private map that :meth:`read` and
+        :meth:`read_half` give tensors in, only those wholly within the tensor's bytes — which
+        must then be used no more (a page written to is dropped with what was written). A
+        no-op where ``madvise`` is missing."""
         info = self._info(name)
         n = max(1, int(np.prod(info.shape[:-1])))
         if rows is not None and not 0 <= rows[0] <= rows[1] <= n:
@@ -164,13 +184,22 @@ class GGUFFile:
         first, stop = (
             (0, info.nbytes) if rows is None else (rows[0] * row_bytes, rows[1] * row_bytes)
         )
-        start = (info.offset + first) // mmap.PAGESIZE * mmap.PAGESIZE
-        if hasattr(mmap, "MADV_DONTNEED") and stop > first:
-            self._map.madvise(mmap.MADV_DONTNEED, start, info.offset + stop - start)
+        if not hasattr(mmap, "MADV_DONTNEED") or stop <= first:
+            return
+        page = mmap.PAGESIZE
+        if mapped:  # inward: a page shared with a neighbour in use stays
+            start = -(-(info.offset + first) // page) * page
+            end = (info.offset + stop) // page * page
+            if self._private is not None and end > start:
+                self._private.madvise(mmap.MADV_DONTNEED, start, end - start)
+            return
+        start = (info.offset + first) // page * page
+        self._map.madvise(mmap.MADV_DONTNEED, start, info.offset + stop - start)
 
     def read(self, name: str) -> Tensor:
-        """Tensor ``name`` dequantised to fp32, in torch order (a new, writable tensor); a
-        ``ValueError`` where it holds NaN or ±Inf, or integers (I8 … I64: no weights)."""
+        """Tensor ``name`` dequantised to fp32, in torch order (writable; an F32 one lies in the
+        file's private map, see the module doc); a ``ValueError`` where it holds NaN or ±Inf, or
+        integers (I8 … I64: no weights)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -181,10 +210,12 @@ class GGUFFile:
                 "which no model reads as weights (a damaged type id?)"
             )
         if info.kind_name in _WHOLE:  # fp32 as stored, or 16 bits widened: no dequantising
-            tensor = torch.empty(info.shape, dtype=_WHOLE[info.kind_name])
-            self._read_into(tensor, info)
-            self._check_finite(tensor, info)
-            return tensor.float()
+            stored = self._whole(info, _WHOLE[info.kind_name])
+            if stored.dtype == torch.float32:
+                return stored
+            widened = stored.float()
+            self.let_go(name, mapped=True)  # copied: the map's pages need not stay resident
+            return widened
         try:
             with np.errstate(invalid="ignore", over="ignore"):  # NaN is refused just below
                 values = dequantize(self.raw(name), GGMLQuantizationType(info.kind))
@@ -199,8 +230,8 @@ class GGUFFile:
 
     def read_half(self, name: str) -> Tensor:
         """Tensor ``name``, stored as F16 or BF16, as it is stored: fp16 or bf16 in torch order
-        (a new, writable tensor); a ``ValueError`` where it holds NaN or ±Inf or is stored as
-        another kind."""
+        (writable, in the file's private map); a ``ValueError`` where it holds NaN or ±Inf or is
+        stored as another kind."""
         info = self._info(name)
         dtype = HALF_KINDS.get(info.kind_name)
         if dtype is None:
@@ -208,16 +239,32 @@ class GGUFFile:
                 f"{self.path}: tensor {shown(name)} is stored as {info.kind_name}, not in 16 bits "
                 f"({', '.join(HALF_KINDS)})"
             )
-        tensor = torch.empty(info.shape, dtype=dtype)
-        self._read_into(tensor, info)
+        return self._whole(info, dtype)
+
+    def _whole(self, info: TensorInfo, dtype: torch.dtype) -> Tensor:
+        """``info``'s bytes, stored as ``dtype``, as a tensor over the file's private map (read
+        into a new tensor where its offset is not a multiple of the dtype's size), checked for
+        NaN and Inf."""
+        if os.fstat(self._fd).st_size < info.offset + info.nbytes:
+            raise ValueError(
+                f"{self.path}: tensor {shown(info.name)} ends past the end of the file, which "
+                "changed while it was read"
+            )
+        if info.offset % dtype.itemsize == 0:
+            if self._private is None:  # copy-on-write: writes reach neither the file nor others
+                self._private = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            count = info.nbytes // dtype.itemsize
+            tensor = torch.frombuffer(self._private, dtype=dtype, count=count, offset=info.offset)
+            tensor = tensor.view(info.shape)
+        else:
+            tensor = torch.empty(info.shape, dtype=dtype)
+            self._read_into(tensor, info)
         self._check_finite(tensor, info)
         return tensor
 
     def _read_into(self, tensor: Tensor, info: TensorInfo) -> None:
         """``info``'s bytes into ``tensor`` (contiguous, as many bytes), read from the file by
-        the system's reads, in slices: no page of the map is touched (faulting in a large
-        tensor's pages one by one is several times slower than reading them; BENCHMARKS.md,
-        "16-bit files")."""
+        the system's reads, in slices."""
         out = memoryview(tensor.view(-1).view(torch.uint8).numpy())
         if not hasattr(os, "preadv"):  # (not on every system): a copy from the map
             out[:] = memoryview(self._map)[info.offset : info.offset + info.nbytes]

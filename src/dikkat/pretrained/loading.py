@@ -143,10 +143,19 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
     cached = cache.read() if cache is not None else None
     writer = cache.writer() if cache is not None and cached is None else None
 
+    in_map: dict[str, int] = {}  # tensors handed to the model where they lie in the file
+
     def read(theirs: str, ours: str) -> Stored:
         info = file.tensors[theirs]
-        if half and len(info.shape) == 2 and info.kind_name in HALF_KINDS:
-            stored: Stored = family.gguf_fix(ours, file.read_half(theirs), config)
+        if info.kind_name in ("F32", *HALF_KINDS):  # F32, and F16/BF16 kept 16-bit, lie in the map
+            keep = half and len(info.shape) == 2 and info.kind_name in HALF_KINDS
+            whole = file.read_half(theirs) if keep else file.read(theirs)
+            stored: Stored = family.gguf_fix(ours, whole, config)
+            if file.lies_in_map(stored):
+                in_map[theirs] = stored.untyped_storage().data_ptr()  # type: ignore[union-attr]
+            elif file.lies_in_map(whole):  # the fix-up copied it (llama's q/k rows)
+                file.let_go(theirs, mapped=True)
+            return stored
         elif packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
             if cached is not None and theirs in cached:
                 return cached[theirs]
@@ -178,10 +187,29 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
     if writer is not None:
         writer.commit()
     model.hold(weights, source)
+    held = _held_storages(model)
+    for theirs in [t for t, at in in_map.items() if at not in held]:  # joined into a copy
+        file.let_go(theirs, mapped=True)
     if cache is not None and cached is not None:
         cache.let_go()
     suggested = from_gguf_metadata(file.metadata, source)
     return model, tokenizer, file.metadata.get("tokenizer.chat_template"), suggested
+
+
+def _held_storages(model: nn.Module) -> set[int]:
+    """Where the storages of every tensor ``model`` holds begin: its parameters and buffers,
+    and the tensors its modules keep as attributes (a 16-bit layer's ``parts``)."""
+    found = set()
+    for module in model.modules():
+        for value in [
+            *module._parameters.values(),
+            *module._buffers.values(),
+            *vars(module).values(),
+        ]:
+            for t in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(t, Tensor) and not t.is_meta:
+                    found.add(t.untyped_storage().data_ptr())
+    return found
 
 
 def _tokenizer(file: GGUFFile) -> Tokenizer:

@@ -13,6 +13,7 @@ weight at a time for ATen's fp32 matrix product; without the kernel, PyTorch wid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,39 +45,70 @@ def _checked(name: str, table: Tensor) -> Tensor:
 
 class HalfLinear(InferenceLinear):
     """A linear layer whose weight (N, K) is held in fp16 or bf16, as the file held it, and
-    multiplied in fp32 (see the module's notes); inputs and outputs are fp32. Its
-    ``weights_format`` is "gguf": as a GGUF file held it."""
+    multiplied in fp32 (see the module's notes); inputs and outputs are fp32. The weight may be
+    held in ``parts`` stacked by rows (q, k and v; gate and up), each where it lies (the file's
+    map: nothing is copied to join them), multiplied one after another. Its ``weights_format``
+    is "gguf": as a GGUF file held it."""
 
     weights_format = "gguf"
 
-    def __init__(self, table: Tensor, bias: nn.Parameter | None, batched: bool = False) -> None:
-        table = _checked("table", table)
-        super().__init__(torch.empty(table.shape, device="meta"), bias, batched)
-        self._device = table.device
-        self.table = table
+    def __init__(
+        self, parts: Tensor | Sequence[Tensor], bias: nn.Parameter | None, batched: bool = False
+    ) -> None:
+        given = [parts] if isinstance(parts, Tensor) else list(parts)
+        if not given:
+            raise ValueError("a 16-bit layer needs at least one table")
+        tables = [_checked(f"parts[{i}]", t) for i, t in enumerate(given)]
+        kinds = {(t.dtype, t.shape[1]) for t in tables}
+        if len(kinds) > 1:
+            shown = [f"{t.dtype} {tuple(t.shape)}" for t in tables]
+            raise ValueError(f"parts must share one dtype and their columns, got {shown}")
+        rows = sum(t.shape[0] for t in tables)
+        super().__init__(torch.empty(rows, tables[0].shape[1], device="meta"), bias, batched)
+        self._device = tables[0].device
+        self.parts = tuple(tables)
+        ends = torch.tensor([t.shape[0] for t in tables]).cumsum(0).tolist()
+        self._spans = list(zip([0, *ends[:-1]], ends, strict=True))
         self._native = linear_rows_op() is not None
 
     @property
+    def table(self) -> Tensor:
+        """The weight, where it is held in one part (a tied output layer's: the token table)."""
+        if len(self.parts) != 1:
+            raise ValueError(f"this layer's weight is held in {len(self.parts)} parts")
+        return self.parts[0]
+
+    @property
     def weight(self) -> HeldWeight:
-        return HeldWeight(self.weights_format, self.table.shape, torch.float32, self._device)
+        shape = torch.Size((self.out_features, self.in_features))
+        return HeldWeight(self.weights_format, shape, torch.float32, self._device)
 
     @property
     def nbytes(self) -> int:
         b = self.bias
-        return self.table.numel() * 2 + (0 if b is None else b.numel() * b.element_size())
+        held = sum(t.numel() * 2 for t in self.parts)
+        return held + (0 if b is None else b.numel() * b.element_size())
 
     def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        whole = (start, stop) == (0, self.out_features)
-        w = self.table if whole else self.table[start:stop]
-        bias = self._bias(start, stop)
         autograd = x.requires_grad and torch.is_grad_enabled()  # the kernel has no backward
-        if self._native and x.dtype == torch.float32 and not autograd:
-            y = torch.ops.dikkat_native.linear_rows(x.reshape(-1, self.in_features), w, bias)
-            return y.view(*x.shape[:-1], stop - start)
-        return _widened(x, w, bias)
+        native = self._native and x.dtype == torch.float32 and not autograd
+        flat = x.reshape(-1, self.in_features)
+        outs = []
+        for (a, b), table in zip(self._spans, self.parts, strict=True):
+            lo, hi = max(a, start), min(b, stop)
+            if lo >= hi:
+                continue
+            w = table if (lo, hi) == (a, b) else table[lo - a : hi - a]
+            bias = None if self.bias is None else self.bias[lo:hi]
+            if native:
+                outs.append(torch.ops.dikkat_native.linear_rows(flat, w, bias))
+            else:
+                outs.append(_widened(flat, w, bias))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y.view(*x.shape[:-1], stop - start)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kind={_kind(self.table)!r}"
+        return f"{super().extra_repr()}, kind={_kind(self.parts[0])!r}, parts={len(self.parts)}"
 
 
 def _widened(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
