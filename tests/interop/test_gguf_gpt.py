@@ -336,3 +336,23 @@ def test_the_written_file_is_read_by_gguf_file(tmp_path):
     rows = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
     assert torch.equal(qkv, torch.cat([w.detach() for w in rows]))
     assert Path(path).stat().st_size > 0
+
+
+def test_generation_keeps_its_inference_copy_until_the_weights_change(tmp_path):
+    """An fp32 model's inference copy (with its reordered weights, made at the first prompt) is
+    made once for every call, and again after the model's weights are written to."""
+    model = tiny_gpt(CONFIGS["tied"])
+    lm = dikkat.pretrained.load(write_gguf(model, ByteTokenizer(), tmp_path / "m.gguf"))
+    lm.compile_steps = False
+    first = lm.generate("the quick", 8)
+    copy = lm._runnable(None)
+    assert lm.generate("the quick", 8) == first and lm._runnable(None) is copy
+    with torch.no_grad():
+        lm.model.blocks[0].mlp.up.weight.mul_(-3.0)
+        model.blocks[0].mlp.up.weight.mul_(-3.0)
+    fresh = lm._runnable(None)
+    assert fresh is not copy
+    ids = ids_of()
+    with torch.no_grad():  # a prompt's rows: the products of the reordered copies
+        assert torch.equal(fresh(ids), model(ids))
+        assert not torch.equal(copy(ids), model(ids))

@@ -13,10 +13,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 from typing_extensions import Unpack
 
 from dikkat.generation.generate import iter_generate
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
+from dikkat.interop.gguf_gpt import architecture_of
 from dikkat.models.aot_step import compile_by_default
 from dikkat.models.decoder import Decoder
 from dikkat.models.gpt import GPT, GPTConfig
@@ -26,6 +28,7 @@ from dikkat.pretrained.tokenizer import Tokenizer
 from dikkat.text.stream import TextStream
 from dikkat.validate import check_bool
 from dikkat.weights.formats import WeightFormat
+from dikkat.weights.inference import inference_model
 
 __all__ = ["Pretrained"]
 
@@ -60,11 +63,13 @@ class Pretrained:
         self.compile_steps = compile_by_default()
         self._text = _TextOf(tokenizer)
         self._chat_tokens = ChatTokens(tokenizer)
+        # the inference copy generation runs, kept between calls (see _runnable)
+        self._copy: tuple[tuple[object, ...], nn.Module] | None = None
 
     def __repr__(self) -> str:
         c = self.model.config
-        if isinstance(c, GPTConfig):  # a GPT-2 GGUF file's
-            family, kv_heads = "gpt2", c.block().kv_heads
+        if isinstance(c, GPTConfig):  # a GPT-2 or StarCoder2 GGUF file's
+            family, kv_heads = architecture_of(c), c.block().kv_heads
         else:
             family, kv_heads = c.family, c.kv_heads
         return (
@@ -215,8 +220,21 @@ class Pretrained:
         )
         compile = self.compile_steps and len(prompts) == 1
         return iter_generate(
-            self.model, prompts, params, pad_id=pad, weights=weights, compile=compile
+            self._runnable(weights), prompts, params, pad_id=pad, weights=weights, compile=compile
         )
+
+    def _runnable(self, weights: WeightFormat | None) -> nn.Module:
+        """The inference copy of the model in format ``weights`` (``inference_model``), made once
+        and kept while the model's parameters are the same tensors, unchanged (their version
+        counters): its products' copies (oneDNN's reordered weights, a whole copy of an fp32
+        model's matrices) are made at the first prompt and not again at every call. A model
+        that holds its weights as a file does (packed, 16-bit) is its own copy."""
+        params = list(self.model.parameters())
+        key = (weights, id(self.model), *((id(p), p._version) for p in params))
+        if self._copy is None or self._copy[0] != key:
+            self._copy = None  # the old copy's memory goes before the new one is made
+            self._copy = (key, inference_model(self.model, weights))
+        return self._copy[1]
 
 
 class _TextOf:
