@@ -47,24 +47,32 @@ def ids_of(text: str = TEXT) -> torch.Tensor:
     return torch.tensor([ByteTokenizer().encode(text)])
 
 
+# the sizes of a GQA GPT of SMALL with d_ff 40, as the header keys llama.cpp reads
+SIZES = {
+    "context_length": 48,
+    "embedding_length": 32,
+    "feed_forward_length": 40,
+    "block_count": 2,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+}
+
+
+def header_of(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
 def test_the_file_has_llama_cpp_s_keys_and_tensors(tmp_path):
     from gguf import GGUFReader
 
     config = CONFIGS["gqa, d_ff 40"]
     path = write_gguf(tiny_gpt(config), ByteTokenizer(), tmp_path / "m.gguf", name="tiny")
     reader = GGUFReader(path)
-    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    fields = header_of(reader)
     assert fields["general.architecture"] == "gpt2"
     assert fields["general.name"] == "tiny"
     assert fields["general.file_type"] == 0  # ALL_F32
-    for key, value in {
-        "context_length": 48,
-        "embedding_length": 32,
-        "feed_forward_length": 40,
-        "block_count": 2,
-        "attention.head_count": 4,
-        "attention.head_count_kv": 2,
-    }.items():
+    for key, value in SIZES.items():
         assert fields[f"gpt2.{key}"] == value, key
     assert fields["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5, rel=1e-6)
     assert fields["tokenizer.ggml.model"] == "gpt2"
@@ -106,18 +114,10 @@ def test_a_rope_gpt_is_a_starcoder2_file(tmp_path):
 
     path = write_gguf(tiny_gpt(CONFIGS["rope, untied, gqa"]), ByteTokenizer(), tmp_path / "m.gguf")
     reader = GGUFReader(path)
-    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    fields = header_of(reader)
     assert fields["general.architecture"] == "starcoder2"
-    for key, value in {
-        "context_length": 48,
-        "embedding_length": 32,
-        "feed_forward_length": 40,
-        "block_count": 2,
-        "attention.head_count": 4,
-        "attention.head_count_kv": 2,
-        "rope.dimension_count": 8,  # whole heads
-        "rope.freq_base": 10000.0,
-    }.items():
+    rope = {"rope.dimension_count": 8, "rope.freq_base": 10000.0}  # whole heads
+    for key, value in (SIZES | rope).items():
         assert fields[f"starcoder2.{key}"] == value, key
     # GGUF dims fastest first: llama.cpp's create_tensor shapes for LLM_ARCH_STARCODER2
     C, V, ff, kv = 32, 256, 40, 2 * 8

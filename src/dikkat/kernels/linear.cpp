@@ -4,13 +4,13 @@
 // x and w contiguous; a 16-bit weight is widened to fp32 as it is read (exactly: every fp16 and
 // bf16 value is an fp32 value) and the arithmetic is fp32's. Decoding one sequence multiplies
 // one row by every weight matrix of the model, so a step is as fast as the weights are read from
-// memory. Each thread takes a contiguous span of w's rows and reads four fp32 rows at a time,
-// 32 values of each per step: eight 64-byte loads from four streams in flight, which the
-// hardware prefetchers follow (a 16-bit row is read alone, 64 values a step: one_row). Each output is a sum of 32 fp32
-// partial sums (two registers of 16 lanes), added in a tree at the end; in AVX2, 16 values a
-// step and 16 partial sums (two registers of 8 lanes). It is made for one row: further rows
-// of x are each multiplied with the four rows of w from cache, one after the other, which is
-// slower than a matrix product's kernel from two rows on (benchmarks/decode_parts.py). So from
+// memory. Each thread takes a contiguous span of w's rows and, in AVX-512, reads one row after
+// another, 64 values a step in four sums of 16 lanes (one_row): one stream through memory, which
+// the hardware prefetchers follow; in AVX2 four rows side by side, 16 values of each a step, 16
+// partial sums each (two registers of 8 lanes; rows_times). The partial sums are added in a tree
+// at the end. It is made for one row: further rows of x are each multiplied with the rows of w
+// from cache, one after the other, which is slower than a matrix product's kernel from two rows
+// on (benchmarks/decode_parts.py). So from
 // kBlasRows rows on (a prompt's prefill, a batch) a 16-bit weight is widened a slice of rows at
 // a time and multiplied by ATen's fp32 matrix product; an fp32 weight's caller chooses that
 // product itself (dikkat.weights.dense.Fp32Linear).
@@ -82,7 +82,7 @@ inline __m256 lanes8(const c10::BFloat16* w) {
 #endif
 
 // out[m, n .. n + R) for every row m of x: R rows of w from row n, read from memory for the
-// first row of x and from cache for the others
+// first row of x and from cache for the others (without AVX-512; with it, one_row)
 template <int R, typename W>
 void rows_times(const Product<W>& p, int64_t n) {
   const W* w[R];
@@ -90,28 +90,7 @@ void rows_times(const Product<W>& p, int64_t n) {
   for (int64_t m = 0; m < p.M; ++m) {
     const float* x = p.x + m * p.x_stride;
     float sums[R];
-#if defined(__AVX512F__)
-    __m512 a[R], b[R];  // values k % 32 < 16 and ≥ 16 of each row
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= p.K; k += 32) {
-      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-      #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        a[r] = _mm512_fmadd_ps(lanes16(w[r] + k), x0, a[r]);
-        b[r] = _mm512_fmadd_ps(lanes16(w[r] + k + 16), x1, b[r]);
-      }
-    }
-    for (; k < p.K; k += 16) {  // the last K % 32 values, 16 at a time
-      const int64_t n = std::min<int64_t>(16, p.K - k);
-      const __m512 x0 = _mm512_maskz_loadu_ps(n == 16 ? 0xFFFF : (1u << n) - 1, x + k);
-      #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(tail16(w[r] + k, n), x0, a[r]);
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r], b[r]));
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     __m256 a[R], b[R];  // values k % 16 < 8 and ≥ 8 of each row: 16 partial sums
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_ps();
@@ -148,9 +127,10 @@ void rows_times(const Product<W>& p, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// out[m, n] for every row m of x: row n of a 16-bit w alone, 64 values a step in four sums of
-// 16 lanes. Rows read one after another are one stream through memory; for 16-bit weights it
-// reads faster than four rows side by side (for fp32 ones slower: BENCHMARKS.md, "16-bit files")
+// out[m, n] for every row m of x: row n of w alone, 64 values a step in four sums of 16 lanes.
+// Rows read one after another are one stream through memory: faster than four rows side by side
+// for 16-bit weights, and for fp32 ones lying in a file's map (BENCHMARKS.md, "16-bit files" and
+// "Weights where the file lies")
 template <typename W>
 void one_row(const Product<W>& p, int64_t n) {
   const W* w = p.w + n * p.w_stride;
@@ -181,20 +161,18 @@ void by_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, a
   const Product<W> p{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<W>(), w.stride(0),
                      bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
 #if defined(__AVX512F__)
-  if constexpr (sizeof(W) == 2) {
-    const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(W))));
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) one_row<W>(p, n);
-    });
-    return;
-  }
-#endif
+  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(W))));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) one_row<W>(p, n);
+  });
+#else
   const int64_t groups = N / kRows;
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kRows * K * int64_t(sizeof(W))));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) rows_times<kRows>(p, g * kRows);
   });
   for (int64_t n = groups * kRows; n < N; ++n) rows_times<1>(p, n);
+#endif
 }
 
 // many rows of x times a 16-bit w: w widened to fp32 a slice of rows at a time (a few MB, not a
