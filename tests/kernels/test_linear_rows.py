@@ -74,6 +74,23 @@ def test_strided_inputs_give_the_contiguous_products(op):
     within_fp32(want, F.linear(x.double(), w.double(), b.double()), 80)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 12])  # rows read one by one; from 8, widened slices
+def test_into_writes_its_columns_of_a_wider_output_and_nothing_else(op, dtype, M):
+    """``linear_rows_into`` gives what ``linear_rows`` gives, in a block of columns of a wider
+    matrix (a layer held in parts writes each part's columns), leaving the others as they were."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 40, generator=g)
+    w = torch.randn(30, 40, generator=g).to(dtype)
+    b = torch.randn(30, generator=g)
+    wide = torch.full((M, 50), 7.0)
+    torch.ops.dikkat_native.linear_rows_into(x, w, b, wide[:, 11:41])
+    assert torch.equal(wide[:, 11:41], op(x, w, b))
+    assert (wide[:, :11] == 7).all() and (wide[:, 41:] == 7).all()
+    with pytest.raises(RuntimeError, match=r"out must be \(M, N\) fp32, each row contiguous"):
+        torch.ops.dikkat_native.linear_rows_into(x, w, b, wide[:, :30].t())
+
+
 def test_empty_shapes_are_what_f_linear_gives(op):
     b = torch.randn(5)
     assert torch.equal(op(torch.zeros(2, 0), torch.zeros(5, 0), b), b.expand(2, 5))

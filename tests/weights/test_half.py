@@ -48,11 +48,12 @@ def test_a_weight_held_in_parts_is_the_stacked_weight(dtype, native):
     lin = HalfLinear(tables, bias)
     lin._native = native and lin._native
     assert all(a is b for a, b in zip(lin.parts, tables, strict=True))  # not copied
-    x = torch.randn(3, 80, generator=g)
-    want = F.linear(x.double(), torch.cat(tables).double(), bias.double())
-    close(lin(x), want, 80)
-    for start, stop in [(0, 32), (30, 42), (33, 35), (40, 48)]:
-        close(lin.forward_rows(x, start, stop), want[:, start:stop], 80)
+    for shape in [(3, 80), (2, 6, 80)]:  # a decode's few rows; a prompt's, widened slices
+        x = torch.randn(shape, generator=g)
+        want = F.linear(x.double(), torch.cat(tables).double(), bias.double())
+        close(lin(x), want, 80)
+        for start, stop in [(0, 32), (30, 42), (33, 35), (40, 48)]:
+            close(lin.forward_rows(x, start, stop), want[..., start:stop], 80)
     assert lin.nbytes == 48 * 80 * 2 + 48 * 4
     with pytest.raises(ValueError, match="held in 3 parts"):
         _ = lin.table

@@ -43,7 +43,7 @@ struct Product {
   int64_t w_stride;
   const float* bias;  // or nullptr
   float* out;
-  int64_t N;
+  int64_t out_stride, N;
 };
 
 #if defined(__AVX512F__)
@@ -121,7 +121,7 @@ void rows_times(const Product<W>& p, int64_t n) {
       sums[r] = s;
     }
 #endif
-    float* o = p.out + m * p.N + n;
+    float* o = p.out + m * p.out_stride + n;
     for (int r = 0; r < R; ++r) o[r] = p.bias ? sums[r] + p.bias[n + r] : sums[r];
   }
 }
@@ -150,7 +150,7 @@ void one_row(const Product<W>& p, int64_t n) {
       a0 = _mm512_fmadd_ps(tail16(w + k, r), x0, a0);
     }
     const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    p.out[m * p.N + n] = p.bias ? s + p.bias[n] : s;
+    p.out[m * p.out_stride + n] = p.bias ? s + p.bias[n] : s;
   }
 }
 #endif
@@ -159,7 +159,7 @@ template <typename W>
 void by_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const Product<W> p{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<W>(), w.stride(0),
-                     bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
+                     bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0), N};
 #if defined(__AVX512F__)
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(W))));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -176,19 +176,24 @@ void by_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, a
 }
 
 // many rows of x times a 16-bit w: w widened to fp32 a slice of rows at a time (a few MB, not a
-// copy of the whole weight), each slice multiplied by ATen's matrix product
+// copy of the whole weight), each slice multiplied by ATen's matrix product straight into its
+// columns of out (BLAS writes a block of a wider matrix in place: no copy, no temporary)
 void by_widened_slices(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t slice = std::max<int64_t>(16, kWidenedBytes / (4 * K));
   for (int64_t n = 0; n < N; n += slice) {
     const int64_t rows = std::min(slice, N - n);
     const at::Tensor wide = w.narrow(0, n, rows).to(at::kFloat);
-    at::Tensor part = bias.defined() ? at::addmm(bias.narrow(0, n, rows), x, wide.t()) : at::mm(x, wide.t());
-    out.narrow(1, n, rows).copy_(part);
+    at::Tensor part = out.narrow(1, n, rows);
+    if (bias.defined()) {
+      at::addmm_out(part, bias.narrow(0, n, rows), x, wide.t());
+    } else {
+      at::mm_out(part, x, wide.t());
+    }
   }
 }
 
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+void check_operands(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   const auto kind = w.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
   TORCH_CHECK(w.dim() == 2 && (kind == at::kFloat || kind == at::kHalf || kind == at::kBFloat16),
@@ -196,13 +201,20 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::opti
   TORCH_CHECK(w.size(1) == x.size(1), "x (M, K) and w (N, K) must share K");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == w.size(0) && bias->scalar_type() == at::kFloat),
               "bias must be (N,) fp32");
+}
+
+// x wᵀ + bias written into out (M, N), whose rows may be a block of a wider matrix's rows
+void product_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor wc = w.stride(1) == 1 ? w : w.contiguous();
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return bias ? out.copy_(bc.expand({M, N})) : out.zero_();
+  const auto kind = w.scalar_type();
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (bias) out.copy_(bc.expand({M, N})); else out.zero_();
+    return;
+  }
   if (kind == at::kFloat) {
     by_rows<float>(xc, wc, bc, out);
   } else if (M >= kBlasRows) {
@@ -212,13 +224,33 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::opti
   } else {
     by_rows<c10::BFloat16>(xc, wc, bc, out);
   }
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_operands(x, w, bias);
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  product_into(x, w, bias, out);
   return out;
+}
+
+void linear_rows_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      at::Tensor out) {
+  check_operands(x, w, bias);
+  const int64_t M = x.size(0), N = w.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kFloat &&
+                  (N <= 1 || out.stride(1) == 1) && (M <= 1 || out.stride(0) >= N),
+              "out must be (M, N) fp32, each row contiguous");
+  product_into(x, w, bias, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dikkat_native, m) {
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_rows_into(Tensor x, Tensor w, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) { m.impl("linear_rows", &linear_rows); }
+TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) {
+  m.impl("linear_rows", &linear_rows);
+  m.impl("linear_rows_into", &linear_rows_into);
+}

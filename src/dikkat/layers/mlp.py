@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
 from dikkat.layers.inputs import check_meets
@@ -86,8 +87,12 @@ class GatedMLP(nn.Module):
         check_meets("x", x, self.up.weight, "GatedMLP")
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(self.act(gate) * up)
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        else:
+            gate, up = self.gate(x), self.up(x)
+        h = self.act(gate)
+        if torch.is_grad_enabled() and (h.requires_grad or up.requires_grad):
+            return self.down(h * up)
+        return self.down(h.mul_(up))  # into act's fresh output: one prompt-sized buffer less
 
     def hold_gate_up(self, layer: nn.Module) -> None:
         """Make ``layer`` (gate's rows, then up's: e.g. a packed layer a loader built from a

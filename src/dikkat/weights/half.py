@@ -93,19 +93,27 @@ class HalfLinear(InferenceLinear):
         autograd = x.requires_grad and torch.is_grad_enabled()  # the kernel has no backward
         native = self._native and x.dtype == torch.float32 and not autograd
         flat = x.reshape(-1, self.in_features)
-        outs = []
-        for (a, b), table in zip(self._spans, self.parts, strict=True):
-            lo, hi = max(a, start), min(b, stop)
-            if lo >= hi:
-                continue
-            w = table if (lo, hi) == (a, b) else table[lo - a : hi - a]
-            bias = None if self.bias is None else self.bias[lo:hi]
-            if native:
-                outs.append(torch.ops.dikkat_native.linear_rows(flat, w, bias))
-            else:
-                outs.append(_widened(flat, w, bias))
+        blocks = self._blocks(start, stop)
+        if native and len(blocks) > 1 and not torch.compiler.is_compiling():
+            # each part's product written into its columns of one output: no joining copy
+            y = flat.new_empty(flat.shape[0], stop - start)
+            for lo, hi, w, bias in blocks:
+                torch.ops.dikkat_native.linear_rows_into(flat, w, bias, y[:, lo - start : hi - start])
+            return y.view(*x.shape[:-1], stop - start)
+        product = torch.ops.dikkat_native.linear_rows if native else _widened
+        outs = [product(flat, w, bias) for _, _, w, bias in blocks]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y.view(*x.shape[:-1], stop - start)
+
+    def _blocks(self, start: int, stop: int) -> list[tuple[int, int, Tensor, Tensor | None]]:
+        """The output features [lo, hi) each part gives of [start, stop), its rows and bias."""
+        blocks = []
+        for (a, b), table in zip(self._spans, self.parts, strict=True):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                w = table if (lo, hi) == (a, b) else table[lo - a : hi - a]
+                blocks.append((lo, hi, w, None if self.bias is None else self.bias[lo:hi]))
+        return blocks
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kind={_kind(self.parts[0])!r}, parts={len(self.parts)}"
