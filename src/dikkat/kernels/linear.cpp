@@ -12,10 +12,12 @@
 // from cache, one after the other, which is slower than a matrix product's kernel from two rows
 // on (benchmarks/decode_parts.py). So from
 // kBlasRows rows on (a prompt's prefill, a batch) a 16-bit weight is widened a slice of rows at
-// a time and multiplied by ATen's fp32 matrix product; an fp32 weight's caller chooses that
-// product itself (dikkat.weights.dense.Fp32Linear).
+// a time and multiplied by oneDNN's fp32 product (ATen's where PyTorch has no oneDNN); an fp32
+// weight's caller chooses that product itself (dikkat.weights.dense.Fp32Linear).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -175,18 +177,40 @@ void by_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, a
 #endif
 }
 
+// oneDNN's fp32 product (the op dikkat.weights.dense.Fp32Linear uses), or nothing in a PyTorch
+// built without oneDNN: on a weight in ATen's plain layout it was measured faster than ATen's
+// matrix product for a prompt's rows (BENCHMARKS.md, "Weights where the file lies")
+const std::optional<c10::OperatorHandle>& onednn_linear() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  return op;
+}
+
+// x wᵀ + bias by oneDNN, called boxed (its C++ signature is PyTorch's own business)
+at::Tensor by_onednn(const c10::OperatorHandle& op, const at::Tensor& x, const at::Tensor& w,
+                     const at::Tensor& bias) {
+  torch::jit::Stack stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 // many rows of x times a 16-bit w: w widened to fp32 a slice of rows at a time (a few MB, not a
-// copy of the whole weight), each slice multiplied by ATen's matrix product straight into its
-// columns of out (BLAS writes a block of a wider matrix in place: no copy, no temporary)
+// copy of the whole weight), each slice multiplied by oneDNN (then copied into its columns of
+// out) or else by ATen's matrix product (straight into them: BLAS writes a block in place)
 void by_widened_slices(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t slice = std::max<int64_t>(16, kWidenedBytes / (4 * K));
+  const auto& onednn = onednn_linear();
   for (int64_t n = 0; n < N; n += slice) {
     const int64_t rows = std::min(slice, N - n);
     const at::Tensor wide = w.narrow(0, n, rows).to(at::kFloat);
+    const at::Tensor b = bias.defined() ? bias.narrow(0, n, rows) : at::Tensor();
     at::Tensor part = out.narrow(1, n, rows);
-    if (bias.defined()) {
-      at::addmm_out(part, bias.narrow(0, n, rows), x, wide.t());
+    if (onednn) {
+      part.copy_(by_onednn(*onednn, x, wide, b));
+    } else if (b.defined()) {
+      at::addmm_out(part, b, x, wide.t());
     } else {
       at::mm_out(part, x, wide.t());
     }

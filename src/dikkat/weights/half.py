@@ -7,7 +7,7 @@ transformers' reading of the file) gives, up to the order of the sums. What chan
 decode step reads: two bytes a weight instead of four, and a model held in its file's size.
 The product is dikkat's native kernel (``linear_rows``, :mod:`dikkat.kernels`), which reads the
 16-bit rows for a few rows of input and, for more (a prompt's prefill), widens a slice of the
-weight at a time for ATen's fp32 matrix product; without the kernel, PyTorch widens slices for
+weight at a time for oneDNN's fp32 product; without the kernel, PyTorch widens slices for
 ``F.linear``.
 """
 
