@@ -14,7 +14,7 @@ from dikkat.pretrained.families.llama import unpermute_rope_rows
 
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "gemma3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -38,12 +38,15 @@ def test_logits_equal_transformers_past_the_window(pair):
 def test_the_family_is_built_as_its_config_says(pair):
     family, _, ours, _ = pair
     c = ours.model.config
-    assert c.family == family and c.n_layers == 3 and c.kv_heads == 2
+    assert c.family == family.removesuffix("3" * (family == "llama3")) and c.n_layers == 3
+    assert c.kv_heads == 2 and (c.rope_factors is not None) == (family == "llama3")
     sliding = [b.window for b in ours.model.blocks]
     expected = {
         "llama": [None] * 3,
+        "llama3": [None] * 3,
         "mistral": [WINDOW] * 3,
         "qwen2": [None, WINDOW, WINDOW],
+        "qwen3": [None] * 3,
         "gemma3": [WINDOW, None, WINDOW],
     }[family]
     assert sliding == expected
@@ -77,7 +80,9 @@ def test_the_text_interface_runs(pair):
 def test_a_config_with_what_dikkat_lacks_is_refused(tmp_path):
     base = save_tiny("llama", tmp_path).config.to_dict()
     for key, value, word in (
-        ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "RoPE scaling 'yarn'"),
+        ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "RoPE scaling 'dynamic'"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
         ("mlp_bias", True, "mlp_bias"),
         ("hidden_act", "gelu", "activation"),
         ("model_type", "gpt2", "model_type"),

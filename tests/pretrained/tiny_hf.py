@@ -25,20 +25,35 @@ COMMON = dict(
     pad_token_id=None,
 )
 WINDOW = 6
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500.0,
+    factor=4.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
 
 
 def hf_config(family: str):
-    """transformers' config of a tiny model of ``family`` (llama, mistral, qwen2, gemma3)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
+    RoPE scaling —, mistral, qwen2, qwen3, gemma3)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if family == "llama":
         return LlamaConfig(**COMMON, rope_theta=500.0, tie_word_embeddings=False)
+    if family == "llama3":  # Llama 3.1's RoPE scaling: of the 4 frequencies (heads of 8), with
+        # wavelengths 6.3, 30, 140 and 660 against 32 / 4 and 32 / 1: one kept, one blended, two
+        # divided
+        return LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
     if family == "mistral":
         return MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False)
     if family == "qwen2":  # sliding from layer 1 on
         return Qwen2Config(
             **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
         )
+    if family == "qwen3":  # heads of 16, not 32 / 4; q/k norms
+        return Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
     if family == "gemma3":  # head dim 16 ≠ 32 / 4, the 6-layer pattern cut to 3: all sliding
         config = Gemma3TextConfig(
             **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16

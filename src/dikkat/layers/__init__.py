@@ -16,6 +16,7 @@ from dikkat.layers.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_slopes,
+    llama3_rope_factors,
 )
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
     "linear_cross_entropy",
+    "llama3_rope_factors",
 ]

@@ -12,7 +12,9 @@ cache) or an explicit integer tensor ``positions`` of shape (T,) or (B, T).
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -27,6 +29,8 @@ __all__ = [
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "alibi_slopes",
+    "as_rope_factors",
+    "llama3_rope_factors",
     "resolve_positions",
     "rotate_half",
     "sinusoidal_table",
@@ -137,7 +141,14 @@ class RotaryEmbedding(nn.Module):
     # the layer leaves it out (dikkat.models.aot_step)
     made_on_use: ClassVar[tuple[str, ...]] = ("_table",)
 
-    def __init__(self, head_dim: int, *, base: float = 10000.0, max_len: int = 4096) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        base: float = 10000.0,
+        max_len: int = 4096,
+        factors: Sequence[float] | None = None,
+    ) -> None:
         super().__init__()
         check_int("head_dim", head_dim)
         if head_dim % 2:
@@ -152,6 +163,13 @@ class RotaryEmbedding(nn.Module):
         # with assign=True keeps working frequencies); moved to the positions' device per call.
         steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
         self.inv_freq = base ** (-steps / head_dim)
+        # RoPE scaling: frequency i divided by factors[i] (llama.cpp's rope_freqs tensor,
+        # ggml_rope_ext's freq_factors; linear scaling divides each by one factor)
+        self.factors = None if factors is None else as_rope_factors(factors, head_dim)
+        if self.factors is not None:
+            self.inv_freq = self.inv_freq / torch.tensor(
+                self.factors, dtype=torch.float64, device="cpu"
+            )
         # the last positions' cos and sin: the layers of one forward pass share one positions
         # tensor (a model that passes it to every layer computes the table once, not per layer)
         self._table: tuple[Tensor, int | None, torch.dtype, Tensor, Tensor] | None = None
@@ -200,6 +218,74 @@ class RotaryEmbedding(nn.Module):
     def forget(self) -> None:
         """Drop the kept table (a new forward pass begins)."""
         self._table = None
+
+    def extra_repr(self) -> str:
+        scaled = "" if self.factors is None else f", factors={_shown_factors(self.factors)}"
+        return f"head_dim={self.head_dim}, base={self.base}, max_len={self.max_len}{scaled}"
+
+
+def as_rope_factors(factors: Sequence[float], head_dim: int) -> tuple[float, ...]:
+    """RoPE scaling's ``factors`` (one divisor per frequency) as a tuple of D/2 positive finite
+    floats, or a ValueError naming them."""
+    values = tuple(float(f) for f in factors)
+    if len(values) != head_dim // 2:
+        raise ValueError(
+            f"factors must give one divisor per frequency, {head_dim // 2} for head_dim "
+            f"{head_dim}; got {len(values)}"
+        )
+    bad = [f for f in values if not (math.isfinite(f) and f > 0)]
+    if bad:
+        raise ValueError(f"factors must be positive and finite, got {bad[:4]}")
+    return values
+
+
+def _shown_factors(factors: tuple[float, ...]) -> str:
+    """A short, exact name of a factor list: one value, or its range and a digest of all."""
+    if len(set(factors)) == 1:
+        return f"{factors[0]}"
+    digest = hashlib.sha256(repr(factors).encode()).hexdigest()[:8]
+    return f"{min(factors)}..{max(factors)} (#{digest})"
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    base: float,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_len: int,
+) -> tuple[float, ...]:
+    """The divisor of each RoPE frequency under Llama 3.1's scaling (Meta's ``apply_scaling`` in
+    llama-models, transformers' ``rope_type="llama3"``): a frequency whose wavelength is under
+    ``original_max_len / high_freq_factor`` is kept, one over ``original_max_len /
+    low_freq_factor`` divided by ``factor``, and those between by a blend that moves smoothly
+    from one to the other — the values llama.cpp's converter writes as the ``rope_freqs`` tensor.
+    """
+    check_int("head_dim", head_dim)
+    check_float("base", base, low=0.0, low_open=True)
+    check_float("factor", factor, low=0.0, low_open=True)
+    check_int("original_max_len", original_max_len)
+    if not 0 < low_freq_factor < high_freq_factor:
+        raise ValueError(
+            f"need 0 < low_freq_factor < high_freq_factor, got {low_freq_factor} and "
+            f"{high_freq_factor}"
+        )
+    low_wavelen = original_max_len / low_freq_factor  # longer waves than this: divided
+    high_wavelen = original_max_len / high_freq_factor  # shorter waves than this: kept
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:  # 1 / the blend of 1/factor and 1 that the reference applies to the frequency
+            smooth = (original_max_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
 
 
 def alibi_slopes(n_heads: int) -> Tensor:

@@ -45,21 +45,21 @@ from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
 from dikkat.layers.norm import RMSNorm
-from dikkat.layers.positional import RotaryEmbedding
+from dikkat.layers.positional import RotaryEmbedding, as_rope_factors
 from dikkat.models.generating import Generates
 from dikkat.models.io import SaveLoad
 from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 LayerKind = Literal["full", "sliding"]
-FAMILIES = ("llama", "mistral", "qwen2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     """Sizes and components of a Llama-family or Gemma 3 decoder."""
 
-    family: str = "llama"  # what the weights came as (llama, mistral, qwen2, gemma3): a label
+    family: str = "llama"  # what the weights came as (one of FAMILIES): a label
     vocab_size: int = 256  # V
     max_len: int = 2048  # longest sequence the positions are built for (context length)
     d_model: int = 64  # width C
@@ -72,12 +72,15 @@ class DecoderConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_base: float = 10000.0  # RoPE base of the full-attention layers
     local_rope_base: float | None = None  # RoPE base of the sliding layers; None = rope_base
+    # RoPE scaling of the full-attention layers: frequency i divided by rope_factors[i] (D/2
+    # values; llama3_rope_factors, or one factor repeated for linear scaling); None: unscaled
+    rope_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None  # keys a sliding layer sees, its own included
     layer_kinds: tuple[LayerKind, ...] | None = None  # "full"/"sliding" per layer; None: all
     # sliding when sliding_window is set, else all full
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     out_bias: bool = False  # a bias on the attention's output projection
-    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3, Qwen 3)
     sandwich_norm: bool = False  # norms after attention and MLP too, before the residual (Gemma)
     embed_scale: bool = False  # multiply the embeddings by √C (Gemma)
     attn_scale: float | None = None  # factor on q·k; None = 1/√D
@@ -100,6 +103,8 @@ class DecoderConfig:
         check_float("norm_eps", self.norm_eps, low=0.0, low_open=True)
         check_float("rope_base", self.rope_base, low=0.0, low_open=True)
         check_float("local_rope_base", self.local_rope_base, low=0.0, low_open=True, optional=True)
+        if self.rope_factors is not None:  # a JSON config gives a list
+            object.__setattr__(self, "rope_factors", as_rope_factors(self.rope_factors, self.dim))
         check_int("sliding_window", self.sliding_window, optional=True)
         if self.layer_kinds is not None:
             kinds = tuple(self.layer_kinds)  # a JSON config gives a list
@@ -277,7 +282,9 @@ class Decoder(Generates, SaveLoad, nn.Module):
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         local_base = c.rope_base if c.local_rope_base is None else c.local_rope_base
         ropes: dict[LayerKind, RotaryEmbedding] = {
-            "full": RotaryEmbedding(c.dim, base=c.rope_base, max_len=c.max_len),
+            "full": RotaryEmbedding(
+                c.dim, base=c.rope_base, max_len=c.max_len, factors=c.rope_factors
+            ),
             "sliding": RotaryEmbedding(c.dim, base=local_base, max_len=c.max_len),
         }
         self.blocks = nn.ModuleList(_block(c, kind, ropes) for kind in c.kinds)

@@ -128,9 +128,15 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
     family = by_gguf_architecture(file.metadata.get("general.architecture"), source)
     assert family.config_from_gguf is not None  # by_gguf_architecture: only such families
     shapes = {name: info.shape for name, info in file.tensors.items()}
-    config = family.config_from_gguf(file.metadata, shapes, source)
+    settings: list[str] = []  # tensors the config read: settings, not weights (rope_freqs)
+
+    def values(name: str) -> Tensor:
+        settings.append(name)
+        return file.read(name)
+
+    config = family.config_from_gguf(file.metadata, shapes, values, source)
     names = family.tensors.gguf(config)
-    _check_names(set(file.tensors), set(names), (), source)
+    _check_names(set(file.tensors), set(names), tuple(settings), source)
     with meta_modules():  # built once, its weights allocated only as they are loaded
         model = family.model(config)
     own = model.weight_shapes()  # every tensor's shape, before any is read or repacked

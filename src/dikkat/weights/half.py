@@ -98,7 +98,8 @@ class HalfLinear(InferenceLinear):
             # each part's product written into its columns of one output: no joining copy
             y = flat.new_empty(flat.shape[0], stop - start)
             for lo, hi, w, bias in blocks:
-                torch.ops.dikkat_native.linear_rows_into(flat, w, bias, y[:, lo - start : hi - start])
+                columns = y[:, lo - start : hi - start]
+                torch.ops.dikkat_native.linear_rows_into(flat, w, bias, columns)
             return y.view(*x.shape[:-1], stop - start)
         product = torch.ops.dikkat_native.linear_rows if native else _widened
         outs = [product(flat, w, bias) for _, _, w, bias in blocks]

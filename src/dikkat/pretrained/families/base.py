@@ -22,6 +22,7 @@ __all__ = [
     "Family",
     "PreSplit",
     "Tensors",
+    "Values",
     "Weight",
     "always",
     "as_stored",
@@ -31,8 +32,10 @@ __all__ = [
 Config = Any  # a DecoderConfig or a GPTConfig: the family's model class takes it
 # (name in dikkat's state dict, tensor, config) → the tensor in dikkat's layout
 FixUp = Callable[[str, Tensor, Config], Tensor]
-# (header, the file's tensors: name → torch shape, source) → config
-FromGGUF = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], Config]
+# a GGUF file's tensor by name, read as stored (a small one that configures the model)
+Values = Callable[[str], Tensor]
+# (header, the file's tensors: name → torch shape, their values, source) → config
+FromGGUF = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], Values, str], Config]
 FromHF = Callable[[dict[str, Any], str], Config]  # (config.json, source) → config
 
 
@@ -135,8 +138,9 @@ class Family:
     in its module-level ``FAMILY`` (docs/models.md, "Adding a family").
 
     ``model`` is the dikkat class built from the config (``Decoder`` or ``GPT``);
-    ``config_from_gguf(metadata, shapes, source)`` and ``config_from_hf(config_json, source)``
-    map a GGUF header (``shapes``: the file's tensors, name → torch shape) or an HF
+    ``config_from_gguf(metadata, shapes, values, source)`` and ``config_from_hf(config_json,
+    source)`` map a GGUF header (``shapes``: the file's tensors, name → torch shape;
+    ``values``: reads one of them, for a tensor that is a setting, RoPE's ``rope_freqs``) or an HF
     ``config.json`` onto its config, refusing by name what dikkat does not implement; None: the
     family is not read from that format. ``gguf_fix`` and ``hf_fix`` put a stored tensor in
     dikkat's layout (called with dikkat's name for it); ``pre_splits`` maps the

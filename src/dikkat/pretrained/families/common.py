@@ -4,8 +4,8 @@ which the others extend.
 
 GGUF names follow llama.cpp's convention (``blk.{i}.attn_q.weight``, gguf-py's
 ``tensor_mapping.py``); HF names follow transformers' modeling files. Anything a file may hold
-that dikkat does not implement (RoPE scaling, logit soft-capping, biases in the MLP) is refused
-by name, never dropped.
+that dikkat does not implement (logit soft-capping, biases in the MLP, kinds of RoPE scaling but
+linear and llama3: ``rope_scaling.py``) is refused by name, never dropped.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dikkat.models.decoder import DecoderConfig, LayerKind
-from dikkat.pretrained.families.base import Config, FromGGUF, FromHF, Tensors, Weight
+from dikkat.pretrained.families.base import Config, FromGGUF, FromHF, Tensors, Values, Weight
+from dikkat.pretrained.families.rope_scaling import gguf_rope_factors, hf_rope_factors, rope_bases
 from dikkat.pretrained.gguf_checks import (
     block_count,
     check_shape,
@@ -22,7 +23,6 @@ from dikkat.pretrained.gguf_checks import (
     header_int,
     vocab_rows,
 )
-from dikkat.pretrained.gguf_file import shown
 
 __all__ = [
     "ATTENTION",
@@ -36,7 +36,6 @@ __all__ = [
     "hf_fields",
     "llama_gguf_config",
     "llama_hf_config",
-    "rope_bases",
 ]
 
 # where a GGUF header gives the head dimension, the first present wins (Gemma 3: key_length)
@@ -87,23 +86,19 @@ def gguf_fields(
     tensors: Tensors,
     meta: Mapping[str, Any],
     shapes: Mapping[str, tuple[int, ...]],
+    values: Values,
     source: str,
 ) -> dict[str, Any]:
     """The :class:`DecoderConfig` fields every Llama-derived GGUF header gives (its keys under
     ``general.architecture``), ``family`` = ``label``; ``tensors`` is the family's table.
-    ``shapes`` (the file's tensors, name → torch shape) tell tying, and hold the header's sizes
+    ``shapes`` (the file's tensors, name → torch shape) tell tying, ``values`` reads a small
+    tensor that configures the model (RoPE's ``rope_freqs``), and ``shapes`` hold the header's sizes
     to the tensors they describe
     (:mod:`dikkat.pretrained.gguf_checks`): the block count, the vocabulary, the widths and
     head counts of the embedding and of block 0 — which bounds every size the model is built
     with by a tensor the file really holds."""
     arch = str(meta.get("general.architecture"))
     key = f"{arch}.{{}}".format
-    scaling = meta.get(key("rope.scaling.type"))
-    if scaling not in (None, "none") or "rope_freqs.weight" in shapes:
-        raise ValueError(
-            f"{source}: RoPE scaling ({shown(scaling or 'rope_freqs')}) is not implemented in "
-            "dikkat; this model's long-context positions would be wrong"
-        )
     if isinstance(meta.get(key("attention.head_count_kv")), list):  # per layer (hybrid models)
         raise ValueError(f"{source}: per-layer key/value head counts are not supported")
     n_layers = block_count(meta, key("block_count"), shapes, source)
@@ -137,6 +132,7 @@ def gguf_fields(
         d_ff=d_ff,
         norm_eps=header_float(meta, key("attention.layer_norm_rms_epsilon"), source),
         rope_base=header_float(meta, key("rope.freq_base"), source, default=10000.0),
+        rope_factors=gguf_rope_factors(meta, shapes, values, D, source),
         tie_embeddings=tensors.gguf_name("lm_head") not in shapes,
     )
     if head_dim is not None and head_dim != d_model // n_heads:
@@ -158,9 +154,9 @@ def llama_gguf_config(label: str, tensors: Tensors) -> FromGGUF:
     with the attention biases that block 0 stores."""
 
     def config_from_gguf(
-        meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+        meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], values: Values, source: str
     ) -> DecoderConfig:
-        fields = gguf_fields(label, tensors, meta, shapes, source)
+        fields = gguf_fields(label, tensors, meta, shapes, values, source)
         return decoder_config(fields | biases(tensors, shapes), source)
 
     return config_from_gguf
@@ -210,6 +206,7 @@ def hf_fields(
     n_heads, d_model = int(need("num_attention_heads")), int(need("hidden_size"))
     n_layers = int(need("num_hidden_layers"))
     head_dim = hf.get("head_dim")
+    D = int(head_dim or d_model // n_heads)
     bases = rope_bases(hf)
     listed = _layer_kinds(hf, n_layers)
     layer_kinds = kinds(hf, n_layers) if listed is None else listed
@@ -226,6 +223,7 @@ def hf_fields(
         d_ff=int(need("intermediate_size")),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_base=bases.get("full_attention", 10000.0),
+        rope_factors=hf_rope_factors(hf, D, source),
         sliding_window=None if window is None else int(window),
         layer_kinds=layer_kinds if "sliding" in layer_kinds else None,
         tie_embeddings=bool(hf.get("tie_word_embeddings", tied)),
@@ -236,32 +234,13 @@ def _refuse_unsupported(hf: dict[str, Any], source: str, expected: str) -> None:
     act = hf.get("hidden_act") or hf.get("hidden_activation")
     if act not in (None, expected):
         raise ValueError(f"{source}: activation {act!r} is not implemented (expected {expected!r})")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling"):
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
             raise ValueError(f"{source}: {key}={hf[key]!r} is not implemented in dikkat")
     if hf.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=True is not implemented in dikkat")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"{source}: use_bidirectional_attention=True is not implemented")
-
-
-def rope_bases(hf: dict[str, Any]) -> dict[str, float]:
-    """RoPE base per layer kind ("full_attention", "sliding_attention") from either layout of
-    transformers' config: ``rope_parameters`` (transformers 5, per kind for Gemma 3) or the older
-    ``rope_theta`` / ``rope_local_base_freq``."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        bases = {"full_attention": float(hf.get("rope_theta", 10000.0))}
-        if "rope_local_base_freq" in hf:
-            bases["sliding_attention"] = float(hf["rope_local_base_freq"])
-        return bases
-    per_kind = params if "rope_theta" not in params else {"full_attention": params}
-    bases = {}
-    for kind, p in per_kind.items():
-        if p.get("rope_type", "default") != "default":
-            raise ValueError(f"RoPE type {p['rope_type']!r} ({kind}) is not implemented in dikkat")
-        bases[kind] = float(p["rope_theta"])
-    return bases
 
 
 def _layer_kinds(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...] | None:

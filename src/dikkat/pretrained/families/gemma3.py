@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dikkat.models.decoder import Decoder, DecoderConfig, LayerKind, gemma3_layer_kinds
-from dikkat.pretrained.families.base import Family, Tensors, Weight
+from dikkat.pretrained.families.base import Family, Tensors, Values, Weight
 from dikkat.pretrained.families.common import (
     ATTENTION,
     MLP,
@@ -25,8 +25,8 @@ from dikkat.pretrained.families.common import (
     decoder_config,
     gguf_fields,
     hf_fields,
-    rope_bases,
 )
+from dikkat.pretrained.families.rope_scaling import rope_bases
 from dikkat.pretrained.gguf_checks import header_int
 
 __all__ = ["FAMILY"]
@@ -52,9 +52,9 @@ TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *_NORMS))
 
 
 def config_from_gguf(
-    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], values: Values, source: str
 ) -> DecoderConfig:
-    f = gguf_fields("gemma3", TENSORS, meta, shapes, source)
+    f = gguf_fields("gemma3", TENSORS, meta, shapes, values, source)
     n_layers, n_heads, d_model = f["n_layers"], f["n_heads"], f["d_model"]
     D = f.get("head_dim") or d_model // n_heads
     # llama.cpp: 1/√(C/H) for the 27B model (query_pre_attn_scalar = C/H), 1/√D else

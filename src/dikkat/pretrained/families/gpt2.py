@@ -24,6 +24,7 @@ from dikkat.pretrained.families.base import (
     Family,
     PreSplit,
     Tensors,
+    Values,
     Weight,
     always,
     never,
@@ -43,7 +44,7 @@ ARCHITECTURE = "gpt2"
 
 
 def gpt_config_from_gguf(
-    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str
+    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], values: Values, source: str
 ) -> GPTConfig:
     """The :class:`GPTConfig` a ``gpt2`` or ``starcoder2`` GGUF header describes (``shapes``:
     the file's tensors, name → torch shape, which tell tying, and which the sizes must agree

@@ -19,13 +19,13 @@ from dikkat.pretrained.families.common import (
     llama_gguf_config,
 )
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "window_layers"]
 
 
 TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS))
 
 
-def _kinds(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
+def window_layers(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
     """Sliding from layer ``max_window_layers`` on, where ``use_sliding_window`` is set."""
     if hf.get("sliding_window") is None or not hf.get("use_sliding_window"):
         return ("full",) * n_layers
@@ -35,7 +35,7 @@ def _kinds(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
 
 def config_from_hf(hf: dict[str, Any], source: str) -> DecoderConfig:
     bias = bool(hf.get("attention_bias", False))
-    fields = hf_fields(hf, source, "qwen2", kinds=_kinds)
+    fields = hf_fields(hf, source, "qwen2", kinds=window_layers)
     return DecoderConfig(**fields, qkv_bias=True, out_bias=bias)  # q/k/v biases always
 
 

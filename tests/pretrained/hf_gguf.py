@@ -1,0 +1,78 @@
+"""A tiny Hugging Face model of a Llama-shaped family written as a GGUF file the way llama.cpp's
+``convert_hf_to_gguf.py`` writes one: gguf-py's own name map for the architecture, the header
+keys the converter writes, q/k rows interleaved for ``llama`` (GGML's adjacent-pair rope), F32
+tensors, and a byte-level vocabulary padded as the converter pads one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def interleaved(w: np.ndarray, heads: int) -> np.ndarray:
+    """The converter's q/k row order: each head's halves interleaved (GGML's adjacent pairs)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_gguf(
+    hf_model,
+    path: Path,
+    arch: str,
+    *,
+    rope_freqs: np.ndarray | None = None,
+    chat_template: str | None = None,
+) -> Path:
+    """A tiny HF model of a Llama-shaped family as a GGUF file of architecture ``arch``, F32
+    tensors, a byte-level vocabulary; for ``llama``, q/k rows interleaved as the converter does."""
+    c = hf_model.config
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in {
+        "block_count": c.num_hidden_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "rope.dimension_count": D,
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    if c.hidden_size // c.num_attention_heads != D:
+        writer.add_uint32(f"{arch}.attention.key_length", D)
+        writer.add_uint32(f"{arch}.attention.value_length", D)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    from tokenizers import pre_tokenizers
+
+    tokens = ["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "ab"]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), c.vocab_size)]  # as the converter pads
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = t.float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            data = interleaved(data, c.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            data = interleaved(data, c.num_key_value_heads)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,52 @@
+"""Each Llama-shaped family with a GGUF architecture, from both of its forms: a tiny random
+Hugging Face model saved by transformers, and the same model written as llama.cpp's converter
+writes it (``hf_gguf.py``), load to the same model — its logits the folder's and transformers'
+— and ``dikkat chat FILE -m`` answers from the file as the library does. (Llama with Llama 3's
+RoPE scaling: ``test_rope_scaling.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_gguf import write_gguf
+from tiny_hf import save_tiny
+
+import dikkat
+from helpers import run_cli
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def both(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, folder)
+    path = write_gguf(hf, folder / "model.gguf", request.param, chat_template=TEMPLATE)
+    return request.param, hf, folder, path
+
+
+def test_the_file_is_the_folder_and_transformers(both):
+    family, hf, folder, path = both
+    from_file, from_folder = dikkat.pretrained.load(path), dikkat.pretrained.load(folder)
+    assert from_file.model.config.family == from_folder.model.config.family == family
+    ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got_file, got_folder = from_file.model(ids), from_folder.model(ids)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got_file, got_folder, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_file, want, atol=1e-4, rtol=0)
+
+
+def test_chat_answers_from_the_file(both, capsys):
+    _, _, _, path = both
+    code, out, err = run_cli(["chat", str(path), "-m", "hello", "-n", "5"], capsys)
+    assert code == 0, err
+    lm = dikkat.pretrained.load(path)
+    assert out == lm.chat([{"role": "user", "content": "hello"}], 5, repetition_penalty=1.1) + "\n"
