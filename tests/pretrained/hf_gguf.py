@@ -10,6 +10,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+INTERLEAVED = ("llama", "smollm3")  # the converter's LlamaModel and its subclasses
+
 
 def interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     """The converter's q/k row order: each head's halves interleaved (GGML's adjacent pairs)."""
@@ -27,7 +29,7 @@ def write_gguf(
     chat_template: str | None = None,
 ) -> Path:
     """A tiny HF model of a Llama-shaped family as a GGUF file of architecture ``arch``, F32
-    tensors, a byte-level vocabulary; for ``llama``, q/k rows interleaved as the converter does."""
+    tensors, a byte-level vocabulary; q/k rows interleaved where the converter interleaves them."""
     c = hf_model.config
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
@@ -64,9 +66,9 @@ def write_gguf(
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = t.float().numpy()
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if arch in INTERLEAVED and name.endswith("q_proj.weight"):
             data = interleaved(data, c.num_attention_heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif arch in INTERLEAVED and name.endswith("k_proj.weight"):
             data = interleaved(data, c.num_key_value_heads)
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
     if rope_freqs is not None:

@@ -14,7 +14,7 @@ from dikkat.pretrained.families.llama import unpermute_rope_rows
 
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -38,7 +38,10 @@ def test_logits_equal_transformers_past_the_window(pair):
 def test_the_family_is_built_as_its_config_says(pair):
     family, _, ours, _ = pair
     c = ours.model.config
-    assert c.family == family.removesuffix("3" * (family == "llama3")) and c.n_layers == 3
+    assert c.family == family.removesuffix("3" * (family == "llama3"))
+    assert c.n_layers == (4 if family == "smollm3" else 3)
+    ropes = [b.attn.rope is not None for b in ours.model.blocks]
+    assert ropes == ([True, True, True, False] if family == "smollm3" else [True] * 3)
     assert c.kv_heads == 2 and (c.rope_factors is not None) == (family == "llama3")
     sliding = [b.window for b in ours.model.blocks]
     expected = {
@@ -47,6 +50,7 @@ def test_the_family_is_built_as_its_config_says(pair):
         "mistral": [WINDOW] * 3,
         "qwen2": [None, WINDOW, WINDOW],
         "qwen3": [None] * 3,
+        "smollm3": [None] * 4,
         "gemma3": [WINDOW, None, WINDOW],
     }[family]
     assert sliding == expected

@@ -136,9 +136,18 @@ def test_without_its_file_the_architecture_is_refused_by_name(registered, tmp_pa
 
 def test_every_family_of_the_package_is_registered_once():
     found = families.families()
-    assert set(found) == {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", "starcoder2"}
+    assert set(found) == {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "smollm3",
+        "gemma3",
+        "gpt2",
+        "starcoder2",
+    }
     archs = [f.gguf_architecture for f in found.values() if f.gguf_architecture]
-    assert sorted(archs) == ["gemma3", "gpt2", "llama", "qwen2", "qwen3", "starcoder2"]
+    assert sorted(archs) == ["gemma3", "gpt2", "llama", "qwen2", "qwen3", "smollm3", "starcoder2"]
     assert families.by_hf_model_type("gemma3_text", "test") is found["gemma3"]
     with pytest.raises(ValueError, match="multimodal Gemma 3"):
         families.by_hf_model_type("gemma3", "test")

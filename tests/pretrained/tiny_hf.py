@@ -37,8 +37,15 @@ LLAMA3_ROPE = dict(
 
 def hf_config(family: str):
     """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
-    RoPE scaling —, mistral, qwen2, qwen3, gemma3)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    RoPE scaling —, mistral, qwen2, qwen3, smollm3, gemma3)."""
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
 
     if family == "llama":
         return LlamaConfig(**COMMON, rope_theta=500.0, tie_word_embeddings=False)
@@ -54,6 +61,8 @@ def hf_config(family: str):
         )
     if family == "qwen3":  # heads of 16, not 32 / 4; q/k norms
         return Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if family == "smollm3":  # 4 layers: the last has no RoPE, as llama.cpp's step of 4 says
+        return SmolLM3Config(**(COMMON | {"num_hidden_layers": 4}), tie_word_embeddings=True)
     if family == "gemma3":  # head dim 16 ≠ 32 / 4, the 6-layer pattern cut to 3: all sliding
         config = Gemma3TextConfig(
             **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16

@@ -52,7 +52,7 @@ from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 LayerKind = Literal["full", "sliding"]
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class DecoderConfig:
     # RoPE scaling of the full-attention layers: frequency i divided by rope_factors[i] (D/2
     # values; llama3_rope_factors, or one factor repeated for linear scaling); None: unscaled
     rope_factors: tuple[float, ...] | None = None
+    nope_layers: tuple[int, ...] = ()  # layers whose attention has no RoPE (SmolLM3: every 4th)
     sliding_window: int | None = None  # keys a sliding layer sees, its own included
     layer_kinds: tuple[LayerKind, ...] | None = None  # "full"/"sliding" per layer; None: all
     # sliding when sliding_window is set, else all full
@@ -103,6 +104,12 @@ class DecoderConfig:
         check_float("norm_eps", self.norm_eps, low=0.0, low_open=True)
         check_float("rope_base", self.rope_base, low=0.0, low_open=True)
         check_float("local_rope_base", self.local_rope_base, low=0.0, low_open=True, optional=True)
+        nope = tuple(self.nope_layers)  # a JSON config gives a list
+        if not all(isinstance(i, int) and 0 <= i < self.n_layers for i in nope):
+            raise ValueError(
+                f"nope_layers must be indices of the {self.n_layers} layers, got {list(nope)}"
+            )
+        object.__setattr__(self, "nope_layers", tuple(sorted(set(nope))))
         if self.rope_factors is not None:  # a JSON config gives a list
             object.__setattr__(self, "rope_factors", as_rope_factors(self.rope_factors, self.dim))
         check_int("sliding_window", self.sliding_window, optional=True)
@@ -241,9 +248,7 @@ class DecoderBlock(nn.Module):
         return x + m
 
 
-def _block(
-    c: DecoderConfig, kind: LayerKind, ropes: dict[LayerKind, RotaryEmbedding]
-) -> DecoderBlock:
+def _block(c: DecoderConfig, kind: LayerKind, rope: RotaryEmbedding | None) -> DecoderBlock:
     def norm(width: int) -> RMSNorm:
         return RMSNorm(width, eps=c.norm_eps)
 
@@ -254,7 +259,7 @@ def _block(
         head_dim=c.dim,
         bias=c.qkv_bias,
         out_bias=c.out_bias,
-        rope=ropes[kind],
+        rope=rope,
         qk_norm=(norm(c.dim), norm(c.dim)) if c.qk_norm else None,
         scale=c.attn_scale,
     )
@@ -287,7 +292,10 @@ class Decoder(Generates, SaveLoad, nn.Module):
             ),
             "sliding": RotaryEmbedding(c.dim, base=local_base, max_len=c.max_len),
         }
-        self.blocks = nn.ModuleList(_block(c, kind, ropes) for kind in c.kinds)
+        self.blocks = nn.ModuleList(
+            _block(c, kind, None if i in c.nope_layers else ropes[kind])
+            for i, kind in enumerate(c.kinds)
+        )
         self._ropes = tuple(ropes.values())  # shared by the blocks: forgotten at each pass
         self.norm_f = RMSNorm(c.d_model, eps=c.norm_eps)
         self.lm_head = Linear(c.d_model, c.vocab_size, bias=False)

@@ -23,7 +23,7 @@ from dikkat.pretrained.families.common import (
     llama_hf_config,
 )
 
-__all__ = ["FAMILY", "LLAMA3_SPLIT", "unpermute_rope_rows"]
+__all__ = ["FAMILY", "LLAMA3_SPLIT", "from_gguf", "unpermute_rope_rows"]
 
 TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS))
 
