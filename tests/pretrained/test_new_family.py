@@ -142,12 +142,22 @@ def test_every_family_of_the_package_is_registered_once():
         "qwen2",
         "qwen3",
         "smollm3",
+        "olmo2",
         "gemma3",
         "gpt2",
         "starcoder2",
     }
     archs = [f.gguf_architecture for f in found.values() if f.gguf_architecture]
-    assert sorted(archs) == ["gemma3", "gpt2", "llama", "qwen2", "qwen3", "smollm3", "starcoder2"]
+    assert sorted(archs) == [
+        "gemma3",
+        "gpt2",
+        "llama",
+        "olmo2",
+        "qwen2",
+        "qwen3",
+        "smollm3",
+        "starcoder2",
+    ]
     assert families.by_hf_model_type("gemma3_text", "test") is found["gemma3"]
     with pytest.raises(ValueError, match="multimodal Gemma 3"):
         families.by_hf_model_type("gemma3", "test")

@@ -37,11 +37,12 @@ LLAMA3_ROPE = dict(
 
 def hf_config(family: str):
     """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
-    RoPE scaling —, mistral, qwen2, qwen3, smollm3, gemma3)."""
+    RoPE scaling —, mistral, qwen2, qwen3, smollm3, olmo2, gemma3)."""
     from transformers import (
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        Olmo2Config,
         Qwen2Config,
         Qwen3Config,
         SmolLM3Config,
@@ -63,6 +64,8 @@ def hf_config(family: str):
         return Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
     if family == "smollm3":  # 4 layers: the last has no RoPE, as llama.cpp's step of 4 says
         return SmolLM3Config(**(COMMON | {"num_hidden_layers": 4}), tie_word_embeddings=True)
+    if family == "olmo2":  # norms after attention and MLP only; q/k norms over the width
+        return Olmo2Config(**COMMON, tie_word_embeddings=False)
     if family == "gemma3":  # head dim 16 ≠ 32 / 4, the 6-layer pattern cut to 3: all sliding
         config = Gemma3TextConfig(
             **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16

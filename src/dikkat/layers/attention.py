@@ -32,7 +32,7 @@ from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.positional import ALiBi, RotaryEmbedding, resolve_positions, rotate_half
 from dikkat.layers.qkv_state import fuse_qkv_state, fused_linear, split_qkv_state
-from dikkat.validate import check_bool, check_float, check_int, check_probability
+from dikkat.validate import check_bool, check_choice, check_float, check_int, check_probability
 
 
 class MultiHeadAttention(nn.Module):
@@ -51,6 +51,9 @@ class MultiHeadAttention(nn.Module):
         rope, alibi: position information acting inside attention (self-attention only).
         qk_norm: a pair of modules applied to each head's queries and keys (B, ·, L, D) before
             RoPE, e.g. ``(RMSNorm(D), RMSNorm(D))`` (Gemma 3, Qwen 3); None: none.
+        qk_norm_scope: "head" (the norms above), or "width": applied to all heads' queries and
+            keys at once (B, L, H·D) before they are split, ``(RMSNorm(H·D), RMSNorm(G·D))``
+            (OLMo 2).
         scale: the factor on q·k; None → 1/√D. (Gemma 3 writes it as 1/√query_pre_attn_scalar.)
         backend: the :func:`dikkat.attention` backend.
 
@@ -80,6 +83,7 @@ class MultiHeadAttention(nn.Module):
         rope: RotaryEmbedding | None = None,
         alibi: ALiBi | None = None,
         qk_norm: tuple[nn.Module, nn.Module] | None = None,
+        qk_norm_scope: str = "head",
         scale: float | None = None,
         backend: str = "auto",
     ) -> None:
@@ -116,6 +120,8 @@ class MultiHeadAttention(nn.Module):
             if not (isinstance(qk_norm, tuple) and len(qk_norm) == 2):
                 raise TypeError("qk_norm must be a pair of modules (for q, for k) or None")
             self.q_norm, self.k_norm = qk_norm
+        check_choice("qk_norm_scope", qk_norm_scope, ("head", "width"))
+        self.qk_norm_scope = qk_norm_scope
         q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
         self.qkv_sizes: tuple[int, int, int] = (q_size, kv_size, kv_size)  # rows of q, k, v
         # Fused: q/k/v_proj are views of qkv_proj's row blocks. Separate: three Linears.
@@ -236,9 +242,11 @@ class MultiHeadAttention(nn.Module):
                 "pass a context (it is cross-attention only)"
             )
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # (B, T, H·D), (B, T, G·D) × 2
+        if self.q_norm is not None and self.qk_norm_scope == "width":
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads' features at once (OLMo 2)
         q, k = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads)
         v = self._heads(v, self.n_kv_heads)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             if positions is None:

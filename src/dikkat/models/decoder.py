@@ -1,5 +1,5 @@
-"""The decoders people run: Llama, Mistral, Qwen2 (and SmolLM, a Llama) and Gemma 3, as one stack
-whose differences are components chosen by a frozen config.
+"""The decoders people run: Llama (SmolLM2 is one), Mistral, Qwen2, Qwen 3, SmolLM3, OLMo 2 and
+Gemma 3, as one stack whose differences are components chosen by a frozen config.
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary, ``D`` head dim.
 
@@ -7,6 +7,7 @@ ids (B, T) → token embedding (× √C for Gemma) → n blocks → RMSNorm → 
 
     a = Attention(attn_norm(x), mask_i)      # RoPE on q and k; q/k RMSNorm first (Gemma 3)
     x = x + post_attn_norm(a)                # post-norm only in Gemma's "sandwich" blocks
+                                             # (and OLMo 2's, which have no attn/mlp_norm)
     m = GatedMLP(mlp_norm(x))                # SwiGLU (Llama, Mistral, Qwen2) or GeGLU (Gemma)
     x = x + post_mlp_norm(m)
 
@@ -21,6 +22,9 @@ family        MLP        q/k bias  q/k norm    norms    sliding layers  embed sc
 llama         SwiGLU     no        no          2        none            1
 mistral       SwiGLU     no        no          2        all (if set)    1
 qwen2         SwiGLU     yes       no          2        per config      1
+qwen3         SwiGLU     no        RMSNorm     2        per config      1
+smollm3       SwiGLU     no        no          2        per config      1  (NoPE every 4th)
+olmo2         SwiGLU     no        over width  2 after  none            1
 gemma3        GeGLU      no        RMSNorm     4        5 of every 6    √C
 ============  =========  ========  ==========  =======  ==============  ============
 
@@ -32,6 +36,7 @@ order of operations, which the tests compare against.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,7 +57,7 @@ from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 LayerKind = Literal["full", "sliding"]
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,10 @@ class DecoderConfig:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     out_bias: bool = False  # a bias on the attention's output projection
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3, Qwen 3)
-    sandwich_norm: bool = False  # norms after attention and MLP too, before the residual (Gemma)
+    qk_norm_scope: str = "head"  # or "width": over all heads' features at once (OLMo 2)
+    pre_norm: bool = True  # norms before attention and MLP (all but OLMo 2)
+    sandwich_norm: bool = False  # norms after attention and MLP, before the residual (Gemma;
+    # OLMo 2's only norms)
     embed_scale: bool = False  # multiply the embeddings by √C (Gemma)
     attn_scale: float | None = None  # factor on q·k; None = 1/√D
     tie_embeddings: bool = True  # output projection = token embedding
@@ -133,6 +141,12 @@ class DecoderConfig:
         ):
             check_bool(name, getattr(self, name))
         check_float("attn_scale", self.attn_scale, low=0.0, low_open=True, optional=True)
+        check_choice("qk_norm_scope", self.qk_norm_scope, ("head", "width"))
+        check_bool("pre_norm", self.pre_norm)
+        if not (self.pre_norm or self.sandwich_norm):
+            raise ValueError(
+                "a block needs norms before (pre_norm) or after (sandwich_norm) its parts"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -205,20 +219,22 @@ DECODER_PRESETS: dict[str, DecoderConfig] = {
 
 class DecoderBlock(nn.Module):
     """One block: attention and a gated MLP, each behind an RMSNorm and a residual (and, in a
-    sandwich block, an RMSNorm after it too). ``window``: the keys a sliding layer sees."""
+    sandwich block, an RMSNorm after it too; OLMo 2's has those after only). ``window``: the
+    keys a sliding layer sees."""
 
     def __init__(
         self,
         attn: MultiHeadAttention,
         mlp: GatedMLP,
-        norms: tuple[RMSNorm, RMSNorm],
+        norms: tuple[RMSNorm, RMSNorm] | None,
         post_norms: tuple[RMSNorm, RMSNorm] | None = None,
         *,
         window: int | None = None,
     ) -> None:
         super().__init__()
         self.attn, self.mlp, self.window = attn, mlp, window
-        self.attn_norm, self.mlp_norm = norms
+        # without norms before (OLMo 2), the parts read x itself
+        self.attn_norm, self.mlp_norm = (nn.Identity(), nn.Identity()) if norms is None else norms
         self.post_attn_norm, self.post_mlp_norm = (None, None) if post_norms is None else post_norms
 
     def forward(
@@ -260,13 +276,22 @@ def _block(c: DecoderConfig, kind: LayerKind, rope: RotaryEmbedding | None) -> D
         bias=c.qkv_bias,
         out_bias=c.out_bias,
         rope=rope,
-        qk_norm=(norm(c.dim), norm(c.dim)) if c.qk_norm else None,
+        qk_norm=_qk_norms(c, norm) if c.qk_norm else None,
+        qk_norm_scope=c.qk_norm_scope,
         scale=c.attn_scale,
     )
     mlp = GatedMLP(c.d_model, c.d_ff, activation=c.activation)
+    pre = (norm(c.d_model), norm(c.d_model)) if c.pre_norm else None
     post = (norm(c.d_model), norm(c.d_model)) if c.sandwich_norm else None
     window = c.sliding_window if kind == "sliding" else None
-    return DecoderBlock(attn, mlp, (norm(c.d_model), norm(c.d_model)), post, window=window)
+    return DecoderBlock(attn, mlp, pre, post, window=window)
+
+
+def _qk_norms(c: DecoderConfig, norm: Callable[[int], RMSNorm]) -> tuple[RMSNorm, RMSNorm]:
+    """The q and k norms: each head's features, or all heads' at once."""
+    if c.qk_norm_scope == "head":
+        return norm(c.dim), norm(c.dim)
+    return norm(c.n_heads * c.dim), norm(c.kv_heads * c.dim)
 
 
 class Decoder(Generates, SaveLoad, nn.Module):
