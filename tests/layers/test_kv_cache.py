@@ -229,7 +229,8 @@ class _SDPASlots(AttendingCache):
     def __init__(self, cache: KVCache, start: int) -> None:
         self.cache, self.start, self.calls = cache, start, 0
 
-    def attend(self, q, k, v, scale):
+    def attend(self, q, k, v, scale, softcap=None):
+        assert softcap is None
         self.calls += 1
         k, v = self.cache.update(self.start, k, v)
         H, G = q.shape[1], k.shape[1]

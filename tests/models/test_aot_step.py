@@ -30,7 +30,7 @@ from dikkat.models.aot_step import (
 )
 from dikkat.models.static_step import PoolStep, StaticStep
 
-FAMILIES = ["llama", "gemma3", "gpt2"]
+FAMILIES = ["llama", "gemma3", "gemma2", "gpt2"]
 
 
 def _matches_eager(model, step_of, slots: int) -> None:

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 
 INTERLEAVED = ("llama", "smollm3")  # the converter's LlamaModel and its subclasses
+ONE_PLUS = ("gemma2", "gemma3")
 
 
 def interleaved(w: np.ndarray, heads: int) -> np.ndarray:
@@ -48,6 +49,11 @@ def write_gguf(
         writer.add_uint32(f"{arch}.attention.value_length", D)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
+        if getattr(c, key, None) is not None:
+            writer.add_float32(f"{arch}.{key}", getattr(c, key))
+    if getattr(c, "sliding_window", None) is not None and arch == "gemma2":
+        writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
     from tokenizers import pre_tokenizers
 
     tokens = ["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "ab"]
@@ -70,6 +76,8 @@ def write_gguf(
             data = interleaved(data, c.num_attention_heads)
         elif arch in INTERLEAVED and name.endswith("k_proj.weight"):
             data = interleaved(data, c.num_key_value_heads)
+        elif arch in ONE_PLUS and name.endswith("norm.weight"):
+            data = data + 1  # Gemma's norms scale by 1 + w: the converter stores 1 + w
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)

@@ -23,7 +23,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "smollm3", "olmo2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "smollm3", "olmo2", "gemma2"])
 def both(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = save_tiny(request.param, folder)

@@ -14,7 +14,7 @@ from dikkat.pretrained.families.llama import unpermute_rope_rows
 
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -52,6 +52,7 @@ def test_the_family_is_built_as_its_config_says(pair):
         "qwen3": [None] * 3,
         "smollm3": [None] * 4,
         "olmo2": [None] * 3,
+        "gemma2": [WINDOW, None, WINDOW],
         "gemma3": [WINDOW, None, WINDOW],
     }[family]
     assert sliding == expected

@@ -143,12 +143,14 @@ def test_every_family_of_the_package_is_registered_once():
         "qwen3",
         "smollm3",
         "olmo2",
+        "gemma2",
         "gemma3",
         "gpt2",
         "starcoder2",
     }
     archs = [f.gguf_architecture for f in found.values() if f.gguf_architecture]
     assert sorted(archs) == [
+        "gemma2",
         "gemma3",
         "gpt2",
         "llama",

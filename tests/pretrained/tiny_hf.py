@@ -37,8 +37,9 @@ LLAMA3_ROPE = dict(
 
 def hf_config(family: str):
     """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
-    RoPE scaling —, mistral, qwen2, qwen3, smollm3, olmo2, gemma3)."""
+    RoPE scaling —, mistral, qwen2, qwen3, smollm3, olmo2, gemma2, gemma3)."""
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -66,6 +67,15 @@ def hf_config(family: str):
         return SmolLM3Config(**(COMMON | {"num_hidden_layers": 4}), tie_word_embeddings=True)
     if family == "olmo2":  # norms after attention and MLP only; q/k norms over the width
         return Olmo2Config(**COMMON, tie_word_embeddings=False)
+    if family == "gemma2":  # caps small enough to bite on random weights' scores and logits
+        return Gemma2Config(
+            **COMMON,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=0.3,
+            final_logit_softcapping=0.5,
+        )
     if family == "gemma3":  # head dim 16 ≠ 32 / 4, the 6-layer pattern cut to 3: all sliding
         config = Gemma3TextConfig(
             **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16

@@ -55,6 +55,7 @@ class MultiHeadAttention(nn.Module):
             keys at once (B, L, H·D) before they are split, ``(RMSNorm(H·D), RMSNorm(G·D))``
             (OLMo 2).
         scale: the factor on q·k; None → 1/√D. (Gemma 3 writes it as 1/√query_pre_attn_scalar.)
+        softcap: logit soft-capping of the scaled scores, c · tanh(s / c) (Gemma 2); None: none.
         backend: the :func:`dikkat.attention` backend.
 
     Parameters (``context_dim == d_model``): ``qkv_proj`` ((H + 2G)·D, C), rows [q | k | v],
@@ -85,6 +86,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm: tuple[nn.Module, nn.Module] | None = None,
         qk_norm_scope: str = "head",
         scale: float | None = None,
+        softcap: float | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -109,6 +111,8 @@ class MultiHeadAttention(nn.Module):
             head_dim = d_model // n_heads
         _check_position_modules(rope, alibi, head_dim, n_heads)
         check_float("scale", scale, low=0.0, low_open=True, optional=True)
+        check_float("softcap", softcap, low=0.0, low_open=True, optional=True)
+        self.softcap = softcap
         context_dim = d_model if context_dim is None else context_dim
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.context_dim = head_dim, context_dim
@@ -203,7 +207,7 @@ class MultiHeadAttention(nn.Module):
                         "an AttendingCache attends without ALiBi's bias and returns no weights"
                     )
                 scale = self.head_dim**-0.5 if self.scale is None else self.scale
-                return self.merge(cache.attend(q, k, v, scale))
+                return self.merge(cache.attend(q, k, v, scale, self.softcap))
             if cache is not None:
                 k, v = cache.update(offset, k, v)  # (B, G, offset + T, D): every filled slot
                 q_offset = offset
@@ -221,6 +225,7 @@ class MultiHeadAttention(nn.Module):
             mask,
             bias=bias,
             scale=self.scale,
+            softcap=self.softcap,
             q_offset=q_offset,
             dropout=self.dropout if self.training else 0.0,
             backend=self.backend,

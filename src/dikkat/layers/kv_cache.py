@@ -47,9 +47,12 @@ class AttendingCache(ABC):
     """
 
     @abstractmethod
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None
+    ) -> Tensor:
         """Store the new keys and values k, v (B, G, T, D), then return softmax(q kᵀ · scale) v
-        (B, H, T, D) for the queries q (B, H, T, D) over the slots each row sees."""
+        (B, H, T, D) for the queries q (B, H, T, D) over the slots each row sees; with
+        ``softcap`` c, the scaled scores s soft-capped to c · tanh(s / c) first (Gemma 2)."""
 
 
 class KVCache(nn.Module):

@@ -1,5 +1,5 @@
-"""The decoders people run: Llama (SmolLM2 is one), Mistral, Qwen2, Qwen 3, SmolLM3, OLMo 2 and
-Gemma 3, as one stack whose differences are components chosen by a frozen config.
+"""The decoders people run: Llama (SmolLM2 is one), Mistral, Qwen2, Qwen 3, SmolLM3, OLMo 2,
+Gemma 2 and Gemma 3, as one stack whose differences are components chosen by a frozen config.
 
 Notation: ``B`` batch, ``T`` tokens, ``C`` width, ``V`` vocabulary, ``D`` head dim.
 
@@ -25,6 +25,7 @@ qwen2         SwiGLU     yes       no          2        per config      1
 qwen3         SwiGLU     no        RMSNorm     2        per config      1
 smollm3       SwiGLU     no        no          2        per config      1  (NoPE every 4th)
 olmo2         SwiGLU     no        over width  2 after  none            1
+gemma2        GeGLU      no        no          4        1 of every 2    √C (soft-capping)
 gemma3        GeGLU      no        RMSNorm     4        5 of every 6    √C
 ============  =========  ========  ==========  =======  ==============  ============
 
@@ -57,7 +58,7 @@ from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 LayerKind = Literal["full", "sliding"]
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class DecoderConfig:
     # OLMo 2's only norms)
     embed_scale: bool = False  # multiply the embeddings by √C (Gemma)
     attn_scale: float | None = None  # factor on q·k; None = 1/√D
+    attn_softcap: float | None = None  # scaled scores s → c · tanh(s / c) (Gemma 2)
+    final_softcap: float | None = None  # logits z → c · tanh(z / c) (Gemma 2)
     tie_embeddings: bool = True  # output projection = token embedding
 
     def __post_init__(self) -> None:
@@ -142,6 +145,8 @@ class DecoderConfig:
             check_bool(name, getattr(self, name))
         check_float("attn_scale", self.attn_scale, low=0.0, low_open=True, optional=True)
         check_choice("qk_norm_scope", self.qk_norm_scope, ("head", "width"))
+        for name in ("attn_softcap", "final_softcap"):
+            check_float(name, getattr(self, name), low=0.0, low_open=True, optional=True)
         check_bool("pre_norm", self.pre_norm)
         if not (self.pre_norm or self.sandwich_norm):
             raise ValueError(
@@ -279,6 +284,7 @@ def _block(c: DecoderConfig, kind: LayerKind, rope: RotaryEmbedding | None) -> D
         qk_norm=_qk_norms(c, norm) if c.qk_norm else None,
         qk_norm_scope=c.qk_norm_scope,
         scale=c.attn_scale,
+        softcap=c.attn_softcap,
     )
     mlp = GatedMLP(c.d_model, c.d_ff, activation=c.activation)
     pre = (norm(c.d_model), norm(c.d_model)) if c.pre_norm else None
@@ -345,6 +351,12 @@ class Decoder(Generates, SaveLoad, nn.Module):
             # reference does
             x = x * torch.tensor(math.sqrt(self.config.d_model), dtype=x.dtype)
         return x
+
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """The output layer, its logits soft-capped where the config says (Gemma 2)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def layer_masks(self, mask: Mask | Tensor | None) -> list[Mask | Tensor | None]:
         """Each block's mask: ``mask``, and on a sliding layer ``mask & sliding_window(w)``,

@@ -134,7 +134,11 @@ class Generates(HoldsWeights):
         if last_only:
             x = x[:, -1:]
         x = self.norm_f(x)
-        return x if return_hidden else self.lm_head(x)  # (B, T, V)
+        return x if return_hidden else self.output_logits(x)  # (B, T, V)
+
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """The output layer on final hidden states (B, T, C) → logits (B, T, V)."""
+        return self.lm_head(hidden)
 
     def static_step(self, cache: Sequence[KVCache], *, compile: bool = False) -> StaticStep:
         """Decode steps over ``cache`` with static shapes

@@ -59,13 +59,17 @@ class StaticSlots(AttendingCache):
         self.keys, self.values, self.slots, self.where = keys, values, slots, where
         self.window, self.native, self.masks = window, native, masks
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None
+    ) -> Tensor:
         keys, values, slots, where, window = (
             self.keys, self.values, self.slots, self.where, self.window
         )  # fmt: skip
         keys.index_copy_(2, where, k)
         values.index_copy_(2, where, v)
-        if self.native is not None:  # one row's cache (1, G, S, D) is a pool of S slots
+        if (
+            self.native is not None and softcap is None
+        ):  # the kernel does not cap  # one row's cache (1, G, S, D) is a pool of S slots
             pool_k, pool_v = keys[0].transpose(0, 1), values[0].transpose(0, 1)
             out = self.native(q[:, :, 0], pool_k, pool_v, slots.view(1, -1), where, window or 0,
                               scale)  # fmt: skip
@@ -74,7 +78,7 @@ class StaticSlots(AttendingCache):
             kept = slots <= where
             kept = kept if window is None else kept & (slots > where - window)
             self.masks[window] = kept.view(1, 1, 1, -1)
-        return _attend(q, keys, values, self.masks[window], scale)
+        return _attend(q, keys, values, self.masks[window], scale, softcap)
 
 
 class PooledSlots(AttendingCache):
@@ -90,13 +94,15 @@ class PooledSlots(AttendingCache):
         self.keys, self.values, self.slots, self.where = keys, values, slots, where
         self.write, self.window, self.native, self.masks = write, window, native, masks
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None
+    ) -> Tensor:
         keys, values, slots, where, window = (
             self.keys, self.values, self.slots, self.where, self.window
         )  # fmt: skip
         keys.index_copy_(0, self.write, k[:, :, 0])  # k, v (B, G, 1, D)
         values.index_copy_(0, self.write, v[:, :, 0])
-        if self.native is not None:
+        if self.native is not None and softcap is None:  # the kernel does not cap
             out = self.native(q[:, :, 0], keys, values, slots, where.view(-1), window or 0, scale)
             return out[:, :, None]
         if window not in self.masks:  # (B, 1, 1, S)
@@ -106,7 +112,7 @@ class PooledSlots(AttendingCache):
             kept = kept if window is None else kept & (columns > where - window)
             self.masks[window] = kept.view(B, 1, 1, S)
         k_all, v_all = keys[slots].transpose(1, 2), values[slots].transpose(1, 2)
-        return _attend(q, k_all, v_all, self.masks[window], scale)  # (B, G, S, D) gathered
+        return _attend(q, k_all, v_all, self.masks[window], scale, softcap)  # gathered slots
 
 
 def _step(model: LayeredLM, windows: tuple[int | None, ...], keys: list[Tensor],
@@ -149,8 +155,11 @@ def _one_cpu_row(keys: Tensor) -> bool:
     return keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.is_cpu
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """softmax(q kᵀ · scale over the slots ``mask`` keeps) v for one query a head: q (B, H, 1,
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None
+) -> Tensor:
+    """softmax(q kᵀ · scale over the slots ``mask`` keeps) v for one query a head (the scaled
+    scores s soft-capped to ``softcap`` · tanh(s / ``softcap``) first, where given): q (B, H, 1,
     D), k and v (B, G, S, D) with G dividing H (grouped queries share their key head), mask
     broadcasting over (B, G, H/G, S). Written as broadcast products and sums rather than
     through SDPA or matmul, so that inductor makes loops over the cache of it, fused with the
@@ -160,6 +169,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
     G = k.shape[1]
     q = q.reshape(B, G, H // G, 1, D)
     scores = (q * k[:, :, None]).sum(-1) * scale  # (B, G, H/G, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (weights[..., None] * v[:, :, None]).sum(-2).view(B, H, 1, D)
 

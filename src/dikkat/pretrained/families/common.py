@@ -4,8 +4,8 @@ which the others extend.
 
 GGUF names follow llama.cpp's convention (``blk.{i}.attn_q.weight``, gguf-py's
 ``tensor_mapping.py``); HF names follow transformers' modeling files. Anything a file may hold
-that dikkat does not implement (logit soft-capping, biases in the MLP, kinds of RoPE scaling but
-linear and llama3: ``rope_scaling.py``) is refused by name, never dropped.
+that dikkat does not implement (biases in the MLP, kinds of RoPE scaling but linear and llama3:
+``rope_scaling.py``) is refused by name, never dropped.
 """
 
 from __future__ import annotations
@@ -133,11 +133,22 @@ def gguf_fields(
         norm_eps=header_float(meta, key("attention.layer_norm_rms_epsilon"), source),
         rope_base=header_float(meta, key("rope.freq_base"), source, default=10000.0),
         rope_factors=gguf_rope_factors(meta, shapes, values, D, source),
+        attn_softcap=_cap(meta, key("attn_logit_softcapping"), source),
+        final_softcap=_cap(meta, key("final_logit_softcapping"), source),
         tie_embeddings=tensors.gguf_name("lm_head") not in shapes,
     )
     if head_dim is not None and head_dim != d_model // n_heads:
         fields["head_dim"] = head_dim
     return fields
+
+
+def _cap(meta: Mapping[str, Any], key: str, source: str) -> float | None:
+    """A soft-capping header key's value (Gemma 2); None where it is absent."""
+    return None if meta.get(key) is None else header_float(meta, key, source)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def biases(tensors: Tensors, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, bool]:
@@ -224,6 +235,8 @@ def hf_fields(
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_base=bases.get("full_attention", 10000.0),
         rope_factors=hf_rope_factors(hf, D, source),
+        attn_softcap=_float_or_none(hf.get("attn_logit_softcapping")),
+        final_softcap=_float_or_none(hf.get("final_logit_softcapping")),
         sliding_window=None if window is None else int(window),
         layer_kinds=layer_kinds if "sliding" in layer_kinds else None,
         tie_embeddings=bool(hf.get("tie_word_embeddings", tied)),
@@ -234,9 +247,6 @@ def _refuse_unsupported(hf: dict[str, Any], source: str, expected: str) -> None:
     act = hf.get("hidden_act") or hf.get("hidden_activation")
     if act not in (None, expected):
         raise ValueError(f"{source}: activation {act!r} is not implemented (expected {expected!r})")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise ValueError(f"{source}: {key}={hf[key]!r} is not implemented in dikkat")
     if hf.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=True is not implemented in dikkat")
     if hf.get("use_bidirectional_attention"):
