@@ -28,13 +28,16 @@ def write_gguf(
     *,
     rope_freqs: np.ndarray | None = None,
     chat_template: str | None = None,
+    sizes: dict[str, int] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A tiny HF model of a Llama-shaped family as a GGUF file of architecture ``arch``, F32
-    tensors, a byte-level vocabulary; q/k rows interleaved where the converter interleaves them."""
+    tensors, a byte-level vocabulary; q/k rows interleaved where the converter interleaves them.
+    ``sizes`` replaces or adds header sizes (under the architecture), ``extra`` adds tensors."""
     c = hf_model.config
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
-    for key, value in {
+    keys = {
         "block_count": c.num_hidden_layers,
         "context_length": c.max_position_embeddings,
         "embedding_length": c.hidden_size,
@@ -42,7 +45,8 @@ def write_gguf(
         "attention.head_count": c.num_attention_heads,
         "attention.head_count_kv": c.num_key_value_heads,
         "rope.dimension_count": D,
-    }.items():
+    }
+    for key, value in (keys | (sizes or {})).items():
         writer.add_uint32(f"{arch}.{key}", value)
     if c.hidden_size // c.num_attention_heads != D:
         writer.add_uint32(f"{arch}.attention.key_length", D)
@@ -52,7 +56,7 @@ def write_gguf(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
         if getattr(c, key, None) is not None:
             writer.add_float32(f"{arch}.{key}", getattr(c, key))
-    if getattr(c, "sliding_window", None) is not None and arch == "gemma2":
+    if getattr(c, "sliding_window", None) is not None and arch in ("gemma2", "phi3"):
         writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
     from tokenizers import pre_tokenizers
 
@@ -81,6 +85,8 @@ def write_gguf(
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

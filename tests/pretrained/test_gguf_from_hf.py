@@ -6,6 +6,7 @@ RoPE scaling: ``test_rope_scaling.py``.)"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hf_gguf import write_gguf
@@ -23,7 +24,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "smollm3", "olmo2", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "smollm3", "olmo2", "phi3", "gemma2"])
 def both(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = save_tiny(request.param, folder)
@@ -50,3 +51,19 @@ def test_chat_answers_from_the_file(both, capsys):
     assert code == 0, err
     lm = dikkat.pretrained.load(path)
     assert out == lm.chat([{"role": "user", "content": "hello"}], 5, repetition_penalty=1.1) + "\n"
+
+
+def test_what_a_phi_3_file_holds_that_dikkat_lacks_is_refused(tmp_path):
+    hf = save_tiny("phi3", tmp_path / "phi3")
+    factors = np.ones(4, dtype=np.float32)
+    for options, message in (
+        (
+            {"extra": {"rope_factors_long.weight": factors}},
+            r"LongRoPE scaling \(rope_factors_long\)",
+        ),
+        ({"sizes": {"rope.dimension_count": 6}}, r"RoPE on 6 of each head's 8 features"),
+    ):
+        path = write_gguf(hf, tmp_path / "refused.gguf", "phi3", **options)
+        with pytest.raises(ValueError, match=message):
+            dikkat.pretrained.load(path)
+        path.unlink()

@@ -14,7 +14,18 @@ from dikkat.pretrained.families.llama import unpermute_rope_rows
 
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3"]
+FAMILIES = [
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "olmo2",
+    "phi3",
+    "gemma2",
+    "gemma3",
+]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -53,6 +64,7 @@ def test_the_family_is_built_as_its_config_says(pair):
         "smollm3": [None] * 4,
         "olmo2": [None] * 3,
         "gemma2": [WINDOW, None, WINDOW],
+        "phi3": [WINDOW] * 3,
         "gemma3": [WINDOW, None, WINDOW],
     }[family]
     assert sliding == expected

@@ -37,13 +37,14 @@ LLAMA3_ROPE = dict(
 
 def hf_config(family: str):
     """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
-    RoPE scaling —, mistral, qwen2, qwen3, smollm3, olmo2, gemma2, gemma3)."""
+    RoPE scaling —, mistral, qwen2, qwen3, smollm3, olmo2, phi3, gemma2, gemma3)."""
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         SmolLM3Config,
@@ -67,6 +68,8 @@ def hf_config(family: str):
         return SmolLM3Config(**(COMMON | {"num_hidden_layers": 4}), tie_word_embeddings=True)
     if family == "olmo2":  # norms after attention and MLP only; q/k norms over the width
         return Olmo2Config(**COMMON, tie_word_embeddings=False)
+    if family == "phi3":  # q/k/v and gate/up stored fused; every layer sliding
+        return Phi3Config(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False)
     if family == "gemma2":  # caps small enough to bite on random weights' scores and logits
         return Gemma2Config(
             **COMMON,

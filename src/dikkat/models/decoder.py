@@ -58,7 +58,7 @@ from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 LayerKind = Literal["full", "sliding"]
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3")
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,13 @@ class HoldsWeights:
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every name :meth:`hold` takes → its shape: the state dict's names, and each fused
-        layer's own (``attn.qkv_proj``, which a GPT-2 GGUF file stores whole)."""
+        layer's own (``attn.qkv_proj``, which a GPT-2 GGUF file stores whole; ``mlp.gate_up``,
+        gate's rows then up's, which Phi-3's files store whole)."""
         module: nn.Module = self  # type: ignore[assignment]
         shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        for prefix, m in module.named_modules():
+            if isinstance(m, GatedMLP) and m.gate_up is None:
+                shapes[f"{prefix}.gate_up.weight"] = (2 * m.up.out_features, m.up.in_features)
         return shapes | {k: tuple(p.shape) for k, p in module.named_parameters()}
 
     def hold(self, weights: dict[str, Stored], source: str) -> None:
@@ -155,7 +159,15 @@ def _hold_qkv(attn: MultiHeadAttention, at: str, left: dict[str, Stored]) -> Non
 
 
 def _hold_gate_up(mlp: GatedMLP, at: str, left: dict[str, Stored]) -> None:
-    """gate and up in one layer when both are kept alike (else each is held alone)."""
+    """gate and up in one layer when both are kept alike (else each is held alone); stored
+    whole (``gate_up``), kept as it is, or a tensor split into the two."""
+    whole = left.pop(f"{at}gate_up.weight", None)
+    if whole is not None and kept(whole):
+        mlp.hold_gate_up(_kept_layer([whole], None))  # type: ignore[arg-type]
+        return
+    if whole is not None:
+        left[f"{at}gate.weight"], left[f"{at}up.weight"] = whole.chunk(2)  # type: ignore[union-attr]
+        return
     names = [f"{at}gate.weight", f"{at}up.weight"]
     parts = [left.get(n) for n in names]
     layer = _kept_layer(parts, None) if all(map(kept, parts)) else None  # type: ignore[arg-type]

@@ -88,6 +88,10 @@ class Tensors:
         """HF state-dict name → dikkat name, for every tensor a checkpoint of ``config`` holds."""
         return self._names(config, "hf", self.hf_block)
 
+    def stores(self, ours: str) -> bool:
+        """Whether a block's weight ``ours`` is stored under a GGUF name of its own."""
+        return any(r.ours == ours and r.gguf is not None for r in self.layer)
+
     def gguf_name(self, ours: str, block: int | None = None, kind: str = "weight") -> str:
         """The GGUF name of weight (or ``kind="bias"``) ``ours``, in block ``block`` where
         given: what a config mapping holds the header's sizes to (``("tok_emb")`` →

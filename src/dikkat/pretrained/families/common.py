@@ -119,6 +119,8 @@ def gguf_fields(
         ("attn.k_proj", kv * D, f"{key('attention.head_count_kv')} = {kv} {heads}"),
         ("mlp.up", d_ff, f"{key('feed_forward_length')} = {d_ff} and {width}"),
     ):
+        if name != embedding and not tensors.stores(name):
+            continue  # stored fused (Phi-3's qkv, gate_up): its shape is held to the model's
         name = name if name == embedding else tensors.gguf_name(name, 0)
         check_shape(shapes, name, (rows, d_model), why, source)
     fields: dict[str, Any] = dict(

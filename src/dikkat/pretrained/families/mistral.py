@@ -12,10 +12,10 @@ from dikkat.models.decoder import Decoder, LayerKind
 from dikkat.pretrained.families.base import Family, PreSplit, Tensors
 from dikkat.pretrained.families.common import ATTENTION, LLAMA_NORMS, MLP, MODEL, llama_hf_config
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "every_layer_sliding"]
 
 
-def _kinds(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
+def every_layer_sliding(hf: dict[str, Any], n_layers: int) -> tuple[LayerKind, ...]:
     """Every layer sliding where the config gives a window."""
     return ("full" if hf.get("sliding_window") is None else "sliding",) * n_layers
 
@@ -32,6 +32,6 @@ FAMILY = Family(
     model=Decoder,
     tensors=Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS)),
     hf_model_types=("mistral",),
-    config_from_hf=llama_hf_config("mistral", _kinds),
+    config_from_hf=llama_hf_config("mistral", every_layer_sliding),
     pre_splits={"tekken": PreSplit(TEKKEN_SPLIT)},
 )
