@@ -64,7 +64,7 @@ def ollama_model(root: Path, parts: tuple[str, ...], tag: str, model: Path) -> P
 
 def refused_gguf(path: Path) -> Path:
     """A GGUF file of an architecture dikkat does not run."""
-    writer = gguf.GGUFWriter(path, "phi3")
+    writer = gguf.GGUFWriter(path, "falcon")
     writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -94,7 +94,7 @@ def places(tmp_path, monkeypatch, tiny):
     ollama_model(ollama, ("hf.co", "org", "tiny-GGUF"), "F32", file)
     (lmstudio / "pub" / "tiny-GGUF").mkdir(parents=True)
     shutil.copy(file, lmstudio / "pub" / "tiny-GGUF" / "tiny-F32.gguf")
-    refused_gguf(lmstudio / "pub" / "phi.gguf")
+    refused_gguf(lmstudio / "pub" / "falcon.gguf")
     return folder, file
 
 
@@ -154,7 +154,7 @@ def test_models_lists_each_with_what_dikkat_says_of_it(places, capsys):
         ("ollama", "tiny:latest"),
         ("ollama", "hf.co/org/tiny-GGUF:F32"),
         ("lmstudio", "pub/tiny-GGUF/tiny-F32.gguf"),
-        ("lmstudio", "pub/phi.gguf"),
+        ("lmstudio", "pub/falcon.gguf"),
     }
     folder = rows["hf", "org/tiny"]
     assert folder["architecture"] == "llama" and folder["runs"] and folder["context"] == 128
@@ -164,9 +164,11 @@ def test_models_lists_each_with_what_dikkat_says_of_it(places, capsys):
         "F32",
         True,
     )
-    phi = rows["lmstudio", "pub/phi.gguf"]
-    assert not phi["runs"] and "GGUF architecture 'phi3' is not one dikkat runs" in phi["why"]
+    falcon = rows["lmstudio", "pub/falcon.gguf"]
+    assert (
+        not falcon["runs"] and "GGUF architecture 'falcon' is not one dikkat runs" in falcon["why"]
+    )
     for row in rows.values():  # each name listed finds its model again
         assert stores.find(row["name"]) is not None
     code, out, _ = run_cli(["models"], capsys)
-    assert code == 0 and "no: GGUF architecture 'phi3'" in out and "looked in" in out
+    assert code == 0 and "no: GGUF architecture 'falcon'" in out and "looked in" in out
