@@ -162,27 +162,28 @@ def biases(tensors: Tensors, shapes: Mapping[str, tuple[int, ...]]) -> dict[str,
     return {"qkv_bias": stored("attn.q_proj"), "out_bias": stored("attn.out_proj")}
 
 
-def llama_gguf_config(label: str, tensors: Tensors) -> FromGGUF:
+def llama_gguf_config(label: str, tensors: Tensors, **fixed: Any) -> FromGGUF:
     """The GGUF mapping of a Llama-shaped family (``tensors``: its table): :func:`gguf_fields`,
-    with the attention biases that block 0 stores."""
+    with the attention biases that block 0 stores, and the family's ``fixed`` fields (Qwen 3's
+    ``qk_norm=True``)."""
 
     def config_from_gguf(
         meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], values: Values, source: str
     ) -> DecoderConfig:
         fields = gguf_fields(label, tensors, meta, shapes, values, source)
-        return decoder_config(fields | biases(tensors, shapes), source)
+        return decoder_config(fields | biases(tensors, shapes) | fixed, source)
 
     return config_from_gguf
 
 
-def llama_hf_config(label: str, kinds: KindsRule) -> FromHF:
+def llama_hf_config(label: str, kinds: KindsRule, **fixed: Any) -> FromHF:
     """The ``config.json`` mapping of a Llama-shaped family: :func:`hf_fields`, with biases on
-    the four attention projections where ``attention_bias`` says."""
+    the four attention projections where ``attention_bias`` says, and the ``fixed`` fields."""
 
     def config_from_hf(hf: dict[str, Any], source: str) -> DecoderConfig:
         bias = bool(hf.get("attention_bias", False))
         fields = hf_fields(hf, source, label, kinds=kinds)
-        return DecoderConfig(**fields, qkv_bias=bias, out_bias=bias)
+        return DecoderConfig(**fields, qkv_bias=bias, out_bias=bias, **fixed)
 
     return config_from_hf
 

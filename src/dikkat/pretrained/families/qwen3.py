@@ -7,20 +7,15 @@ rope), read as they are; its tokenizers are Qwen 2's (``tokenizer.ggml.pre`` ``q
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from dikkat.models.decoder import Decoder, DecoderConfig
-from dikkat.pretrained.families.base import Family, Tensors, Values, Weight
+from dikkat.models.decoder import Decoder
+from dikkat.pretrained.families.base import Family, Tensors, Weight
 from dikkat.pretrained.families.common import (
     ATTENTION,
     LLAMA_NORMS,
     MLP,
     MODEL,
-    biases,
-    decoder_config,
-    gguf_fields,
-    hf_fields,
+    llama_gguf_config,
+    llama_hf_config,
 )
 from dikkat.pretrained.families.qwen2 import window_layers
 
@@ -32,26 +27,12 @@ QK_NORMS = (
 )
 TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *LLAMA_NORMS, *QK_NORMS))
 
-
-def config_from_gguf(
-    meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], values: Values, source: str
-) -> DecoderConfig:
-    fields = gguf_fields("qwen3", TENSORS, meta, shapes, values, source)
-    return decoder_config(fields | biases(TENSORS, shapes) | {"qk_norm": True}, source)
-
-
-def config_from_hf(hf: dict[str, Any], source: str) -> DecoderConfig:
-    bias = bool(hf.get("attention_bias", False))
-    fields = hf_fields(hf, source, "qwen3", kinds=window_layers)
-    return DecoderConfig(**fields, qkv_bias=bias, out_bias=bias, qk_norm=True)
-
-
 FAMILY = Family(
     name="qwen3",
     model=Decoder,
     tensors=TENSORS,
     gguf_architecture="qwen3",
     hf_model_types=("qwen3",),
-    config_from_gguf=config_from_gguf,
-    config_from_hf=config_from_hf,
+    config_from_gguf=llama_gguf_config("qwen3", TENSORS, qk_norm=True),
+    config_from_hf=llama_hf_config("qwen3", window_layers, qk_norm=True),
 )
