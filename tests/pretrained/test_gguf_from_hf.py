@@ -6,6 +6,8 @@ RoPE scaling: ``test_rope_scaling.py``.)"""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -67,3 +69,14 @@ def test_what_a_phi_3_file_holds_that_dikkat_lacks_is_refused(tmp_path):
         with pytest.raises(ValueError, match=message):
             dikkat.pretrained.load(path)
         path.unlink()
+
+
+def test_olmo_3_s_sliding_layers_are_refused_in_both_forms(tmp_path):
+    hf = save_tiny("olmo2", tmp_path / "olmo2")
+    path = write_gguf(hf, tmp_path / "olmo3.gguf", "olmo2", sizes={"attention.sliding_window": 4})
+    with pytest.raises(ValueError, match="OLMo 3's sliding layers are not implemented"):
+        dikkat.pretrained.load(path)
+    config = json.loads((tmp_path / "olmo2" / "config.json").read_text())
+    (tmp_path / "olmo2" / "config.json").write_text(json.dumps(config | {"model_type": "olmo3"}))
+    with pytest.raises(ValueError, match="OLMo 3's sliding layers are not implemented"):
+        dikkat.pretrained.load(tmp_path / "olmo2")
