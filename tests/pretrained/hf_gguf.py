@@ -82,7 +82,7 @@ def write_gguf(
             data = interleaved(data, c.num_key_value_heads)
         elif arch in ONE_PLUS and name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by 1 + w: the converter stores 1 + w
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     for name, data in (extra or {}).items():

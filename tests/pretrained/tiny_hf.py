@@ -88,13 +88,16 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
-def save_tiny(family: str, folder: Path, seed: int = 0) -> torch.nn.Module:
-    """Build, randomise (norm scales and biases too) and save a tiny model; returns it (fp32,
-    eval mode, eager attention)."""
+def save_tiny(family: str, folder: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """Build, randomise (norm scales and biases too) and save a tiny model, its config's
+    ``overrides`` set; returns it (fp32, eval mode, eager attention)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    config = hf_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():  # initialisers leave norms at 1 (or 0) and biases at 0: vary them
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
