@@ -91,6 +91,19 @@ def test_into_writes_its_columns_of_a_wider_output_and_nothing_else(op, dtype, M
         torch.ops.dikkat_native.linear_rows_into(x, w, b, wide[:, :30].t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_prompt_s_strided_rows_through_widened_slices(op, dtype):
+    """12 rows (widened slices, oneDNN's product) whose rows lie 100 values apart, or whose
+    columns are contiguous: what the contiguous rows give."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(30, 80, generator=g).to(dtype), torch.randn(30, generator=g)
+    x = torch.randn(12, 100, generator=g)[:, 10:90]
+    want = op(x.contiguous(), w, b)
+    assert torch.equal(op(x, w, b), want)
+    assert torch.equal(op(x.contiguous().t().contiguous().t(), w, b), want)
+    within_fp32(want, F.linear(x.double(), w.double(), b.double()), 80)
+
+
 def test_empty_shapes_are_what_f_linear_gives(op):
     b = torch.randn(5)
     assert torch.equal(op(torch.zeros(2, 0), torch.zeros(5, 0), b), b.expand(2, 5))
