@@ -24,7 +24,7 @@ from dikkat import (
     SinusoidalPositionalEncoding,
     masks,
 )
-from dikkat.layers import alibi_slopes, llama3_rope_factors
+from dikkat.layers import alibi_slopes
 from dikkat.layers.positional import resolve_positions, sinusoidal_table, valid_positions
 
 PERM = torch.tensor([3, 0, 6, 4, 1, 7, 2, 5])  # T = 8, no token stays in place
@@ -253,49 +253,6 @@ def test_scaled_rope_divides_each_frequency():
     )
     assert "factors=1.0..31.0" in repr(rope)  # what a compiled step's key reads
     assert repr(RotaryEmbedding(8, factors=[2.0] * 4)).endswith("factors=2.0)")
-
-
-def meta_llama3_frequencies(
-    D: int, base: float, factor: float, low: float, high: float, old: int
-) -> list[float]:
-    """Llama 3.1's scaled frequencies as Meta's reference scales them (llama-models,
-    ``apply_scaling``), written out here on the frequencies themselves in float64."""
-    scaled = []
-    for i in range(0, D, 2):
-        freq = base ** (-i / D)
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            scaled.append(freq)
-        elif wavelen > old / low:
-            scaled.append(freq / factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            scaled.append((1 - smooth) * freq / factor + smooth * freq)
-    return scaled
-
-
-def test_llama3_factors_give_the_reference_frequencies():
-    """Llama 3.1 8B's settings: 64 frequencies, every regime (kept, blended, divided) taken."""
-    settings = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192)
-    factors = llama3_rope_factors(128, 500000.0, **settings)
-    assert {f == 1.0 for f in factors} == {True, False} and max(factors) == 8.0
-    assert any(1.0 < f < 8.0 for f in factors)
-    rope = RotaryEmbedding(128, base=500000.0, factors=factors)
-    want = meta_llama3_frequencies(128, 500000.0, 8.0, 1.0, 4.0, 8192)
-    torch.testing.assert_close(
-        rope.inv_freq, torch.tensor(want, dtype=torch.float64), rtol=1e-13, atol=0
-    )
-
-
-def test_rope_scaling_settings_are_checked():
-    with pytest.raises(ValueError, match="one divisor per frequency, 4 for head_dim 8; got 3"):
-        RotaryEmbedding(8, factors=[1.0, 2.0, 3.0])
-    with pytest.raises(ValueError, match=r"positive and finite, got \[0.0, nan\]"):
-        RotaryEmbedding(8, factors=[1.0, 0.0, float("nan"), 2.0])
-    with pytest.raises(ValueError, match=r"low_freq_factor < high_freq_factor, got 4\.0 and 1\.0"):
-        llama3_rope_factors(
-            8, 1e4, factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_len=64
-        )
 
 
 def test_rope_preserves_norms():

@@ -9,6 +9,7 @@ from dikkat.layers.kv_cache import KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear, LinearRows
 from dikkat.layers.loss import Scratch, linear_cross_entropy
 from dikkat.layers.mlp import MLP, GatedMLP
+from dikkat.layers.moe import SparseMoE
 from dikkat.layers.norm import LayerNorm, RMSNorm
 from dikkat.layers.positional import (
     ALiBi,
@@ -38,6 +39,7 @@ __all__ = [
     "Scratch",
     "SelfAttentionCache",
     "SinusoidalPositionalEncoding",
+    "SparseMoE",
     "alibi_slopes",
     "linear_cross_entropy",
     "llama3_rope_factors",

@@ -29,6 +29,12 @@ _GATE_ACTIVATIONS = {
 GATE_ACTIVATIONS = tuple(_GATE_ACTIVATIONS)
 
 
+def gate_activation(name: GateActivation) -> nn.Module:
+    """The activation a gated MLP applies to its gate, by name (one of GATE_ACTIVATIONS)."""
+    check_choice("activation", name, GATE_ACTIVATIONS)
+    return _GATE_ACTIVATIONS[name]()
+
+
 class MLP(nn.Module):
     """x (B, T, C) → down(act(up(x))) (B, T, C); the hidden width defaults to 4·C.
 
