@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dikkat.models.decoder import Decoder, DecoderConfig, LayerKind, gemma3_layer_kinds
-from dikkat.pretrained.families.base import Family, Tensors, Values, Weight
+from dikkat.pretrained.families.base import Family, Tensors, Values
 from dikkat.pretrained.families.common import (
     ATTENTION,
     MLP,
@@ -25,19 +25,13 @@ from dikkat.pretrained.families.common import (
     gguf_fields,
     hf_fields,
 )
-from dikkat.pretrained.families.gemma3 import from_hf
+from dikkat.pretrained.families.gemma3 import SANDWICH_NORMS, from_hf
 from dikkat.pretrained.gguf_checks import header_int
 
 __all__ = ["FAMILY"]
 
 PATTERN = 2  # one full layer in every two: llama.cpp's load_swa_pattern(ml, 2)
-_NORMS = (
-    Weight("attn_norm", "attn_norm", "input_layernorm"),
-    Weight("post_attn_norm", "post_attention_norm", "post_attention_layernorm"),
-    Weight("mlp_norm", "ffn_norm", "pre_feedforward_layernorm"),
-    Weight("post_mlp_norm", "post_ffw_norm", "post_feedforward_layernorm"),
-)
-TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *_NORMS))
+TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *SANDWICH_NORMS))
 _GEMMA = dict(activation="gelu_tanh", sandwich_norm=True, embed_scale=True)
 
 

@@ -29,7 +29,7 @@ from dikkat.pretrained.families.common import (
 from dikkat.pretrained.families.rope_scaling import rope_bases
 from dikkat.pretrained.gguf_checks import header_int
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "SANDWICH_NORMS", "from_hf"]
 
 # Gemma 3 facts that its GGUF header does not carry (llama.cpp's llama-model.cpp hard-codes them
 # for LLM_ARCH_GEMMA3, as transformers' Gemma3TextConfig defaults do): the RoPE base of the
@@ -40,15 +40,17 @@ _GEMMA = dict(activation="gelu_tanh", qk_norm=True, sandwich_norm=True, embed_sc
 
 
 # Gemma's "post_attention" norm is after attention, before the residual
-_NORMS = (
-    Weight("attn.q_norm", "attn_q_norm", "self_attn.q_norm"),
-    Weight("attn.k_norm", "attn_k_norm", "self_attn.k_norm"),
+SANDWICH_NORMS = (  # Gemma 2's too
     Weight("attn_norm", "attn_norm", "input_layernorm"),
     Weight("post_attn_norm", "post_attention_norm", "post_attention_layernorm"),
     Weight("mlp_norm", "ffn_norm", "pre_feedforward_layernorm"),
     Weight("post_mlp_norm", "post_ffw_norm", "post_feedforward_layernorm"),
 )
-TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *_NORMS))
+_QK_NORMS = (
+    Weight("attn.q_norm", "attn_q_norm", "self_attn.q_norm"),
+    Weight("attn.k_norm", "attn_k_norm", "self_attn.k_norm"),
+)
+TENSORS = Tensors(model=MODEL, layer=(*ATTENTION, *MLP, *_QK_NORMS, *SANDWICH_NORMS))
 
 
 def config_from_gguf(
