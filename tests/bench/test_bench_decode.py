@@ -107,10 +107,13 @@ def eos_first(tmp_path_factory) -> Path:
 def hand_count(c: DecoderConfig, weights: str) -> int:
     """Bytes of the weights one token reads, from the config alone: every linear layer whole in
     its format (int8: a byte per weight and an fp32 scale per row), the RMSNorm scales in fp32,
-    and one fp32 row of the embedding, unless an fp32 output projection shares its table."""
+    and one fp32 row of the embedding, unless an fp32 output projection shares its table. Of a
+    mixture of experts, the fp32 router and the k experts a token picks."""
     C, V, F, L = c.d_model, c.vocab_size, c.d_ff, c.n_layers
     q, kv = c.n_heads * c.dim, c.kv_heads * c.dim
-    shapes = [(q, C), (kv, C), (kv, C), (C, q), (F, C), (F, C), (C, F)] * L + [(V, C)]
+    mlp = [(F, C), (F, C), (C, F)] * (c.experts_per_token or 1)
+    shapes = ([(q, C), (kv, C), (kv, C), (C, q), *mlp]) * L + [(V, C)]
+    router = 4 * L * c.n_experts * C
 
     def matrix(N: int, K: int) -> int:
         if weights == "fp32":
@@ -122,14 +125,18 @@ def hand_count(c: DecoderConfig, weights: str) -> int:
     biases = L * (q + 2 * kv) * (2 if weights == "bf16" else 4) if c.qkv_bias else 0
     norms = 4 * (2 * L + 1) * C
     row = 0 if (c.tie_embeddings and weights == "fp32") else 4 * C
-    return sum(matrix(N, K) for N, K in shapes) + biases + norms + row
+    return sum(matrix(N, K) for N, K in shapes) + biases + norms + row + router
 
 
 @pytest.mark.parametrize("weights", FORMATS)
 @pytest.mark.parametrize(
     "config",
-    [TINY, DecoderConfig(**{**TINY.__dict__, "tie_embeddings": False, "qkv_bias": True})],
-    ids=["tied", "untied-bias"],
+    [
+        TINY,
+        DecoderConfig(**{**TINY.__dict__, "tie_embeddings": False, "qkv_bias": True}),
+        DecoderConfig(**{**TINY.__dict__, "n_experts": 4, "experts_per_token": 2}),
+    ],
+    ids=["tied", "untied-bias", "experts"],
 )
 def test_weight_bytes_match_a_count_from_the_shapes(config, weights):
     copy = inference_model(tiny_decoder(config), weights)

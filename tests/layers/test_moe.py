@@ -34,9 +34,10 @@ def formula(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         total = sum(probs[e] for e in picked) if layer.norm_topk else 1.0
         t = torch.tensor(token, dtype=torch.float64)
         for e in picked:
-            gate, up = (layer.gate_up[e] @ t).chunk(2)
+            expert = layer.experts[e]
+            gate, up = expert.gate.weight @ t, expert.up.weight @ t
             hidden = gate / (1 + torch.exp(-gate)) * up
-            out[n] += probs[e] / total * (layer.down[e] @ hidden)
+            out[n] += probs[e] / total * (expert.down.weight @ hidden)
     return out.view(x.shape)
 
 
@@ -58,8 +59,9 @@ def test_only_the_experts_the_tokens_picked_are_read():
         picked = set(layer.route(x.view(-1, 12))[1].flatten().tolist())
         unpicked = sorted(set(range(layer.n_experts)) - picked)
         assert unpicked  # 3 tokens × 2 of 6 experts, at this seed
-        layer.gate_up[unpicked] = float("nan")
-        layer.down[unpicked] = float("nan")
+        for e in unpicked:
+            for p in layer.experts[e].parameters():
+                p.fill_(float("nan"))
         assert torch.equal(layer(x), want)
 
 
@@ -73,8 +75,9 @@ def test_the_layer_is_transformers_qwen3_moe_block():
     ours = moe().float().eval()
     with torch.no_grad():
         theirs.gate.weight.copy_(ours.router.weight)
-        theirs.experts.gate_up_proj.copy_(ours.gate_up)
-        theirs.experts.down_proj.copy_(ours.down)
+        for e, expert in enumerate(ours.experts):
+            theirs.experts.gate_up_proj[e].copy_(torch.cat([expert.gate.weight, expert.up.weight]))
+            theirs.experts.down_proj[e].copy_(expert.down.weight)
         x = torch.randn(2, 7, 12, generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
 
@@ -88,3 +91,21 @@ def test_bad_settings_are_refused():
         SparseMoE(8, 4, n_experts=2, top_k=1, activation="relu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"x must be \(\.\.\., 8\), got \(2, 3, 5\)"):
         SparseMoE(8, 4, n_experts=2, top_k=1)(torch.randn(2, 3, 5))
+
+
+def test_a_traced_layer_runs_the_experts_op_and_finds_its_copies():
+    """Traced (torch.compile, fullgraph: no break at the routing's host read), the layer is one
+    opaque op that finds its layer by the router's values — a deep copy's too."""
+    import copy
+
+    from dikkat.layers.moe import experts_op
+
+    layer = moe().float().eval()
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.router.weight.mul_(-1)  # other picks
+        x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(4))
+        traced = torch.compile(twin, backend="eager", fullgraph=True)
+        torch.testing.assert_close(traced(x), twin(x), atol=0, rtol=0)
+        torch.testing.assert_close(experts_op()(x, layer.router.weight.clone()), layer(x))
+        assert not torch.equal(twin(x), layer(x))

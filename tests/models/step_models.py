@@ -1,7 +1,7 @@
 """Small models of each decoder family the decode steps serve (tests/models/test_static_step.py,
 tests/models/test_aot_step.py): grouped query heads (llama), sliding windows and query/key
 norms (gemma3), soft-capping (gemma2), norms after the parts only, a layer without RoPE and
-scaled RoPE (olmo2), learned positions (gpt2), RoPE in a GPT (gpt-rope)."""
+scaled RoPE (olmo2), experts (qwen3moe), learned positions (gpt2), RoPE in a GPT (gpt-rope)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ CONFIGS = {
     "olmo2": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
                            qk_norm=True, qk_norm_scope="width", pre_norm=False,
                            sandwich_norm=True, nope_layers=(1,), rope_factors=(1.0, 2.0, 4.0, 8.0)),
+    # a sparse mixture of experts in each block (Qwen3-MoE), run by an opaque op when traced
+    "qwen3moe": DecoderConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                              d_ff=16, n_experts=4, experts_per_token=2, qk_norm=True),
     "gpt2": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_len=64),
     "gpt-rope": GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
                           position="rope", max_len=64),

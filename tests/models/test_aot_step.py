@@ -71,7 +71,7 @@ def test_one_package_gives_the_eager_logits_at_every_cache_length(family):
     _matches_eager(model, lambda cache: AotStep(model, cache), 20)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe"])
 def test_one_pool_package_serves_batches_that_change(family):
     """The batch step over pools of slots (the serving engine's): rows join, leave and grow,
     and each batch gets the eager pool step's logits and writes, from one package."""
@@ -98,6 +98,18 @@ def test_one_pool_package_serves_batches_that_change(family):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     again = AotPoolStep(model, keys, values)
     assert not again.built and again._runner is compiled._runner
+
+
+def test_a_mixture_runs_the_experts_of_the_model_its_package_is_bound_to():
+    """The experts' op finds its layer by the router the package hands it: another model of the
+    same shapes loads the same package and gets its own routing and experts."""
+    first = build("qwen3moe", seed=0)
+    step = AotStep(first, first.new_cache(1, 10))
+    _matches_eager(first, lambda cache: AotStep(first, cache), 10)
+    second = build("qwen3moe", seed=1)
+    again = AotStep(second, second.new_cache(1, 10))
+    assert again.package == step.package and not again.built
+    _matches_eager(second, lambda cache: AotStep(second, cache), 10)
 
 
 def test_a_model_whose_tensors_are_replaced_is_bound_again():

@@ -21,6 +21,22 @@ def interleaved(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def _stored(state: dict) -> list[tuple[str, object]]:
+    """The state dict as the converter names it: a mixture's fused experts (transformers'
+    ``experts.gate_up_proj`` (E, 2H, C)) split into the gate and up stacks."""
+    out = []
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out += [(f"{name[:-len('gate_up_proj')]}gate_proj.weight", gate),
+                    (f"{name[:-len('gate_up_proj')]}up_proj.weight", up)]  # fmt: skip
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((f"{name}.weight", t))
+        else:
+            out.append((name, t))
+    return out
+
+
 def write_gguf(
     hf_model,
     path: Path,
@@ -56,6 +72,10 @@ def write_gguf(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
         if getattr(c, key, None) is not None:
             writer.add_float32(f"{arch}.{key}", getattr(c, key))
+    if getattr(c, "num_experts", None):  # the converter's Qwen2MoeModel and its subclasses
+        writer.add_uint32(f"{arch}.expert_count", c.num_experts)
+        writer.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
     if getattr(c, "sliding_window", None) is not None and arch in ("gemma2", "phi3"):
         writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
     from tokenizers import pre_tokenizers
@@ -72,7 +92,7 @@ def write_gguf(
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
-    for name, t in hf_model.state_dict().items():
+    for name, t in _stored(hf_model.state_dict()):
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = t.float().numpy()

@@ -32,7 +32,8 @@ WITHOUT = {"qwen2": {"use_sliding_window": False, "layer_types": ["full_attentio
 
 
 @pytest.fixture(
-    scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2"]
+    scope="module",
+    params=["llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "olmo2", "phi3", "gemma2"],
 )
 def both(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)

@@ -20,6 +20,7 @@ FAMILIES = [
     "mistral",
     "qwen2",
     "qwen3",
+    "qwen3moe",
     "smollm3",
     "olmo2",
     "phi3",
@@ -61,6 +62,7 @@ def test_the_family_is_built_as_its_config_says(pair):
         "mistral": [WINDOW] * 3,
         "qwen2": [None, WINDOW, WINDOW],
         "qwen3": [None] * 3,
+        "qwen3moe": [None] * 3,
         "smollm3": [None] * 4,
         "olmo2": [None] * 3,
         "gemma2": [WINDOW, None, WINDOW],
@@ -68,6 +70,8 @@ def test_the_family_is_built_as_its_config_says(pair):
         "gemma3": [WINDOW, None, WINDOW],
     }[family]
     assert sliding == expected
+    experts = [getattr(b.mlp, "n_experts", 0) for b in ours.model.blocks]
+    assert experts == ([4] * 3 if family == "qwen3moe" else [0] * c.n_layers)
 
 
 def test_greedy_generation_equals_transformers(pair):

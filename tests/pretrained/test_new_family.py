@@ -141,6 +141,7 @@ def test_every_family_of_the_package_is_registered_once():
         "mistral",
         "qwen2",
         "qwen3",
+        "qwen3moe",
         "smollm3",
         "olmo2",
         "phi3",
@@ -159,6 +160,7 @@ def test_every_family_of_the_package_is_registered_once():
         "phi3",
         "qwen2",
         "qwen3",
+        "qwen3moe",
         "smollm3",
         "starcoder2",
     ]

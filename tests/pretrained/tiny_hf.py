@@ -37,7 +37,7 @@ LLAMA3_ROPE = dict(
 
 def hf_config(family: str):
     """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
-    RoPE scaling —, mistral, qwen2, qwen3, smollm3, olmo2, phi3, gemma2, gemma3)."""
+    RoPE scaling —, mistral, qwen2, qwen3, qwen3moe, smollm3, olmo2, phi3, gemma2, gemma3)."""
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
@@ -47,6 +47,7 @@ def hf_config(family: str):
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SmolLM3Config,
     )
 
@@ -64,6 +65,10 @@ def hf_config(family: str):
         )
     if family == "qwen3":  # heads of 16, not 32 / 4; q/k norms
         return Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if family == "qwen3moe":  # 4 experts of 16, 2 a token; Qwen 3's attention
+        return Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=16, num_experts=4,
+                              num_experts_per_tok=2, norm_topk_prob=True,
+                              tie_word_embeddings=False)  # fmt: skip
     if family == "smollm3":  # 4 layers: the last has no RoPE, as llama.cpp's step of 4 says
         return SmolLM3Config(**(COMMON | {"num_hidden_layers": 4}), tie_word_embeddings=True)
     if family == "olmo2":  # norms after attention and MLP only; q/k norms over the width

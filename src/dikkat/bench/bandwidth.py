@@ -20,12 +20,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dikkat.layers.moe import SparseMoE
 from dikkat.validate import check_int
 from dikkat.weights.dense import Bf16Linear, Fp32Linear, Int8Linear
 from dikkat.weights.held import InferenceLinear
 
 __all__ = [
     "available_bytes",
+    "expert_picks",
     "kv_bytes",
     "mean_kv_bytes",
     "peak_rss_mb",
@@ -51,7 +53,9 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's tensors one decoded token reads: every linear layer's weight in its
     format (an :class:`InferenceLinear`'s ``nbytes`` where it states one), every other
     parameter and buffer whole, and one row of an embedding table. Storage shared by two
-    modules (an output projection tied to the embedding) counts once, as the projection's."""
+    modules (an output projection tied to the embedding) counts once, as the projection's. Of a
+    mixture of experts (:class:`~dikkat.layers.SparseMoE`), a token reads the router and the k
+    experts it picks: k / E of the experts' bytes."""
     seen: set[int] = set()
 
     def new(t: Tensor) -> bool:
@@ -63,25 +67,42 @@ def weight_bytes(model: nn.Module) -> int:
     def size(t: Tensor) -> int:
         return t.numel() * t.element_size()
 
-    total = 0
-    modules = list(model.modules())
-    for m in modules:
-        if isinstance(m, nn.Embedding):
-            continue
-        if isinstance(m, InferenceLinear):
-            read = _read_by(m)
-            fresh = [t for t in read if new(t)]
-            stated = getattr(m, "nbytes", None)  # the layer's own count, where it keeps one
-            if isinstance(stated, int):
-                total += stated if fresh or not read else 0
+    def count(modules: list[nn.Module]) -> int:
+        total = 0
+        for m in modules:
+            if isinstance(m, nn.Embedding):
+                continue
+            if isinstance(m, InferenceLinear):
+                read = _read_by(m)
+                fresh = [t for t in read if new(t)]
+                stated = getattr(m, "nbytes", None)  # the layer's own count, where it keeps one
+                if isinstance(stated, int):
+                    total += stated if fresh or not read else 0
+                else:
+                    total += sum(size(t) for t in fresh)
             else:
-                total += sum(size(t) for t in fresh)
-        else:
-            total += sum(size(t) for t in _own(m) if new(t))
+                total += sum(size(t) for t in _own(m) if new(t))
+        return total
+
+    mixtures = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    experts = {id(e) for moe in mixtures for e in moe.experts.modules()}
+    modules = [m for m in model.modules() if id(m) not in experts]
+    total = count(modules)
+    for moe in mixtures:
+        total += count(list(moe.experts.modules())) * moe.top_k // moe.n_experts
     for m in modules:  # last: a table an output projection reads whole was counted there
         if isinstance(m, nn.Embedding) and new(m.weight):
             total += m.weight.shape[1] * m.weight.element_size()
     return total
+
+
+def expert_picks(model: nn.Module) -> tuple[int, int] | None:
+    """(k, E) of a model whose blocks are mixtures of experts — the experts a token reads of
+    those a layer holds — and None for a model without one."""
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            return m.top_k, m.n_experts
+    return None
 
 
 def _own(m: nn.Module) -> list[Tensor]:

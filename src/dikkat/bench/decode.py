@@ -20,6 +20,7 @@ from torch import nn
 
 from dikkat.bench.bandwidth import (
     available_bytes,
+    expert_picks,
     mean_kv_bytes,
     peak_rss_mb,
     read_bandwidth,
@@ -85,6 +86,8 @@ class DecodeBenchResult:
     # seconds from the first decode's start to its first token: the process's first prefill
     # (of prompt_tokens) and pick, with whatever the first call costs (a kernel's first load)
     first_token_s: float | None = None
+    # a mixture of experts: the k experts a token reads of the E a layer holds (None: no mixture)
+    experts: tuple[int, int] | None = None
     machine: dict[str, Any] = field(default_factory=machine)
 
     @property
@@ -117,6 +120,7 @@ class DecodeBenchResult:
             "compiled_agrees": self.compiled_agrees,
             "load_s": self.load_s,
             "first_token_s": self.first_token_s,
+            "experts_read": None if self.experts is None else list(self.experts),
             "torch": self.machine["torch"],
             "cpu": self.machine["cpu"],
             "machine": self.machine,
@@ -283,6 +287,7 @@ def _run(source: str, config: DecodeBenchConfig, say: Callable[[str], None]) -> 
         compiled_agrees=agree,
         load_s=load_s,
         first_token_s=first_token_s,
+        experts=expert_picks(model),
     )
 
 
@@ -335,6 +340,14 @@ def format_decode_table(result: DecodeBenchResult) -> str:
         f"bytes/token     {result.bytes_per_token / 1e6:.2f} MB (weights "
         f"{result.weight_bytes / 1e6:.2f}, KV cache {result.kv_bytes / 1e6:.2f} at "
         f"{mean_keys:g} keys on average)",
+        *(
+            []
+            if result.experts is None
+            else [
+                f"  of each layer's experts, the {result.experts[0]} of {result.experts[1]} a "
+                "token picks (only those are read)"
+            ]
+        ),
         f"read bandwidth  {result.read_gb_s:.1f} GB/s (a sum over {result.probe_bytes / 2**20:.0f}"
         " MiB of fp32, best of 3)",
         f"share           {100 * result.bandwidth_share:.0f} % (bytes/token × median decode "

@@ -8,16 +8,28 @@ with their experts e₁ … e_k (renormalised to sum to 1 where ``norm_topk``, a
 ``norm_topk_prob``); then ``y = Σᵢ pᵢ · expert_{eᵢ}(x)``, each expert a gated MLP
 ``down(act(gate(x)) ∘ up(x))``. Only the experts some token picked run, each once on all of its
 tokens: a step reads the weights of the experts it uses and no others.
+
+Which experts run depends on the values of the routing, which a traced graph (torch.compile,
+torch.export: the compiled decode step) cannot hold: there the routing and the experts run as one
+opaque custom op, ``dikkat::experts`` (PyTorch's "Custom Python Operators" tutorial), whose
+implementation is this eager forward. The op takes the router's weight, by which it finds its
+layer (:func:`_layer_of`): a compiled program kept on disk binds its constants to the model's
+tensors when a later process loads it (:mod:`dikkat.models.aot_package`), so the router it
+passes is always the loaded model's. Two live layers with equal routers are taken to be copies
+of one layer.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dikkat.layers.inputs import check_meets
-from dikkat.layers.mlp import GateActivation, gate_activation
+from dikkat.layers.mlp import GateActivation, GatedMLP
 from dikkat.validate import check_bool, check_int
 
 __all__ = ["SparseMoE"]
@@ -27,9 +39,11 @@ class SparseMoE(nn.Module):
     """x (B, T, C) → (B, T, C): each token through the ``top_k`` of ``n_experts`` gated MLPs its
     router picks, their outputs weighted by the router's probabilities (see the module doc).
 
-    Parameters: ``router`` (E, C); ``gate_up`` (E, 2H, C), each expert's gate rows then up rows;
-    ``down`` (E, C, H) — the layout of transformers' ``Qwen3MoeExperts``; GGUF files store gate,
-    up and down as ``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``.
+    ``router`` is a linear layer (E, C); ``experts`` the E :class:`GatedMLP` s, each of which may
+    hold its weights as a file keeps them (packed blocks, 16 bits), as any gated MLP does. A GGUF
+    file stores one layer's experts stacked: ``ffn_gate_exps`` and ``ffn_up_exps`` (E, H, C),
+    ``ffn_down_exps`` (E, C, H); a Hugging Face checkpoint each expert's own
+    (``mlp.experts.{e}.gate_proj``).
 
     >>> import torch
     >>> SparseMoE(16, 8, n_experts=4, top_k=2)(torch.randn(2, 3, 16)).shape
@@ -56,11 +70,15 @@ class SparseMoE(nn.Module):
         self.d_model, self.hidden, self.n_experts, self.top_k = d_model, hidden, n_experts, top_k
         self.norm_topk = norm_topk
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
-        self.down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.act = gate_activation(activation)
-        for w in (self.router.weight, self.gate_up, self.down):
-            nn.init.normal_(w, std=0.02)
+        self.experts = nn.ModuleList(
+            GatedMLP(d_model, hidden, activation=activation) for _ in range(n_experts)
+        )
+        _LAYERS.add(self)
+        experts_op()  # defined before any trace: a trace cannot define it
+
+    def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) is a layer too
+        super().__setstate__(state)
+        _LAYERS.add(self)
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         """Tokens (N, C) → the weights (N, k) in the tokens' dtype and the experts (N, k) they
@@ -76,13 +94,18 @@ class SparseMoE(nn.Module):
         check_meets("x", x, self.router.weight, "SparseMoE")
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (..., {self.d_model}), got {tuple(x.shape)}")
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return torch.ops.dikkat.experts(x, self.router.weight)
+        return self.run(x)
+
+    def run(self, x: Tensor) -> Tensor:
+        """The forward, eagerly: the routing read on the host, each picked expert run once."""
         flat = x.reshape(-1, self.d_model)
         weights, experts = self.route(flat)
         out = torch.zeros_like(flat)
         for e in experts.unique().tolist():  # the experts some token picked, in index order
             token, slot = (experts == e).nonzero(as_tuple=True)
-            gate, up = F.linear(flat[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[e])
+            y = self.experts[e](flat[token])
             out.index_add_(0, token, y * weights[token, slot, None])
         return out.view(x.shape)
 
@@ -91,3 +114,43 @@ class SparseMoE(nn.Module):
             f"{self.d_model}, {self.hidden}, n_experts={self.n_experts}, top_k={self.top_k}, "
             f"norm_topk={self.norm_topk}"
         )
+
+
+_LAYERS: weakref.WeakSet[SparseMoE] = weakref.WeakSet()  # every layer alive, for the op
+_FOUND: dict[int, weakref.ref[SparseMoE]] = {}  # where a router the op was given lies → layer
+
+
+def _layer_of(router: Tensor) -> SparseMoE:
+    """The live layer whose router weight holds ``router``'s values. AOTInductor hands a custom
+    op its own copy of a constant (made once, as the package is loaded), not the model's
+    tensor: the layer is found by value, once per copy, and a copy found before is checked by
+    one row (memory freed and reused by another copy would not pass it)."""
+    at = router.data_ptr()
+    ref = _FOUND.get(at)
+    layer = None if ref is None else ref()
+    if layer is not None and torch.equal(layer.router.weight[0], router[0]):
+        return layer
+    for layer in list(_LAYERS):
+        w = layer.router.weight
+        if w.shape == router.shape and w.dtype == router.dtype and torch.equal(w, router):
+            _FOUND[at] = weakref.ref(layer)
+            return layer
+    raise RuntimeError("dikkat::experts: no live SparseMoE has this router weight")
+
+
+@functools.cache
+def experts_op() -> Callable[[Tensor, Tensor], Tensor]:
+    """``dikkat::experts(x, router_weight)``: the layer of that router on x, eagerly; defined
+    when the first layer is built (or a process loads a compiled program that calls it), not at
+    import."""
+
+    @torch.library.custom_op("dikkat::experts", mutates_args=())
+    def experts(x: Tensor, router: Tensor) -> Tensor:
+        with torch.no_grad():
+            return _layer_of(router).run(x)
+
+    @experts.register_fake
+    def _(x: Tensor, router: Tensor) -> Tensor:
+        return torch.empty_like(x)
+
+    return experts

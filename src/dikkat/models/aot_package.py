@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from dikkat.files import atomic_write, cache_dir, record, verify, write_text
 from dikkat.kernels import cpu_identity, paged_attention_op
+from dikkat.layers.moe import SparseMoE, experts_op
 from dikkat.models.aot_cache import LAYOUT, one_build, prune
 
 __all__ = [
@@ -260,6 +261,8 @@ class Package:
         if missing:
             raise StepCompileError(f"the model has no tensors {missing[:3]} the step reads")
         paged_attention_op()  # the kernels' ops are registered before the package calls them
+        if any(isinstance(m, SparseMoE) for m in self.model.modules()):
+            experts_op()  # and the experts' (dikkat.layers.moe)
         constants = {name: tensors[path] for name, path in entry["constants"].items()}
         try:
             runner = _runner(self.package)

@@ -8,7 +8,8 @@ ids (B, T) → token embedding (× √C for Gemma) → n blocks → RMSNorm → 
     a = Attention(attn_norm(x), mask_i)      # RoPE on q and k; q/k RMSNorm first (Gemma 3)
     x = x + post_attn_norm(a)                # post-norm only in Gemma's "sandwich" blocks
                                              # (and OLMo 2's, which have no attn/mlp_norm)
-    m = GatedMLP(mlp_norm(x))                # SwiGLU (Llama, Mistral, Qwen2) or GeGLU (Gemma)
+    m = GatedMLP(mlp_norm(x))                # SwiGLU (Llama, Mistral, Qwen2) or GeGLU (Gemma);
+                                             # a SparseMoE of them in Qwen3-MoE
     x = x + post_mlp_norm(m)
 
 ``mask_i`` is the causal mask, and on a *sliding* layer ``causal() & sliding_window(w)``: the
@@ -23,6 +24,7 @@ llama         SwiGLU     no        no          2        none            1
 mistral       SwiGLU     no        no          2        all (if set)    1
 qwen2         SwiGLU     yes       no          2        per config      1
 qwen3         SwiGLU     no        RMSNorm     2        per config      1
+qwen3moe      experts    no        RMSNorm     2        none            1
 smollm3       SwiGLU     no        no          2        per config      1  (NoPE every 4th)
 olmo2         SwiGLU     no        over width  2 after  none            1
 gemma2        GeGLU      no        no          4        1 of every 2    √C (soft-capping)
@@ -50,6 +52,7 @@ from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.kv_cache import AttendingCache, KVCache, SelfAttentionCache
 from dikkat.layers.linear import Linear
 from dikkat.layers.mlp import GATE_ACTIVATIONS, GateActivation, GatedMLP
+from dikkat.layers.moe import SparseMoE
 from dikkat.layers.norm import RMSNorm
 from dikkat.layers.positional import RotaryEmbedding, as_rope_factors
 from dikkat.models.generating import Generates
@@ -58,7 +61,9 @@ from dikkat.presets import pick_preset
 from dikkat.validate import check_bool, check_choice, check_float, check_int, check_sizes
 
 LayerKind = Literal["full", "sliding"]
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3")
+FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3moe", "smollm3", "olmo2", "phi3", "gemma2", "gemma3"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,10 @@ class DecoderConfig:
     n_heads: int = 4  # query heads H
     n_kv_heads: int | None = None  # key/value heads G (GQA; 1 = multi-query); None = H
     head_dim: int | None = None  # D; None = C / H (Gemma 3 sets its own)
-    d_ff: int = 176  # hidden width of the gated MLP
+    d_ff: int = 176  # hidden width of the gated MLP (of each expert, in a mixture)
+    n_experts: int = 0  # a block's MLP is a sparse mixture of this many (Qwen3-MoE); 0: one
+    experts_per_token: int = 0  # the k experts the router picks for a token, in a mixture
+    norm_topk: bool = True  # the k picked probabilities renormalised to sum to 1
     activation: GateActivation = "silu"  # SwiGLU ("silu") or GeGLU with the tanh GELU
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_base: float = 10000.0  # RoPE base of the full-attention layers
@@ -112,6 +120,7 @@ class DecoderConfig:
         if self.dim % 2:
             raise ValueError(f"RoPE rotates pairs of features: head_dim {self.dim} must be even")
         check_choice("activation", self.activation, GATE_ACTIVATIONS)
+        self._check_experts()
         check_float("norm_eps", self.norm_eps, low=0.0, low_open=True)
         check_float("rope_base", self.rope_base, low=0.0, low_open=True)
         check_float("local_rope_base", self.local_rope_base, low=0.0, low_open=True, optional=True)
@@ -151,6 +160,17 @@ class DecoderConfig:
         if not (self.pre_norm or self.sandwich_norm):
             raise ValueError(
                 "a block needs norms before (pre_norm) or after (sandwich_norm) its parts"
+            )
+
+    def _check_experts(self) -> None:
+        for name in ("n_experts", "experts_per_token"):
+            check_int(name, getattr(self, name), at_least=0)
+        check_bool("norm_topk", self.norm_topk)
+        k, E = self.experts_per_token, self.n_experts
+        if (E == 0) != (k == 0) or k > E:
+            raise ValueError(
+                f"experts_per_token={k} must be between 1 and n_experts={E} in a mixture of "
+                "experts, and 0 without one"
             )
 
     @property
@@ -230,7 +250,7 @@ class DecoderBlock(nn.Module):
     def __init__(
         self,
         attn: MultiHeadAttention,
-        mlp: GatedMLP,
+        mlp: GatedMLP | SparseMoE,
         norms: tuple[RMSNorm, RMSNorm] | None,
         post_norms: tuple[RMSNorm, RMSNorm] | None = None,
         *,
@@ -286,7 +306,18 @@ def _block(c: DecoderConfig, kind: LayerKind, rope: RotaryEmbedding | None) -> D
         scale=c.attn_scale,
         softcap=c.attn_softcap,
     )
-    mlp = GatedMLP(c.d_model, c.d_ff, activation=c.activation)
+    mlp: GatedMLP | SparseMoE = (
+        GatedMLP(c.d_model, c.d_ff, activation=c.activation)
+        if c.n_experts == 0
+        else SparseMoE(
+            c.d_model,
+            c.d_ff,
+            n_experts=c.n_experts,
+            top_k=c.experts_per_token,
+            norm_topk=c.norm_topk,
+            activation=c.activation,
+        )
+    )
     pre = (norm(c.d_model), norm(c.d_model)) if c.pre_norm else None
     post = (norm(c.d_model), norm(c.d_model)) if c.sandwich_norm else None
     window = c.sliding_window if kind == "sliding" else None

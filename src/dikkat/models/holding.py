@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from dikkat.layers.attention import MultiHeadAttention
 from dikkat.layers.mlp import GatedMLP
+from dikkat.layers.moe import SparseMoE
 from dikkat.models.io import load_checked
 from dikkat.weights.half import HALF_DTYPES, HalfEmbedding, HalfLinear, is_half
 from dikkat.weights.packed import PackedWeight, dequantize
@@ -73,6 +74,10 @@ class HoldsWeights:
         for prefix, m in module.named_modules():
             if isinstance(m, GatedMLP) and m.gate_up is None:
                 shapes[f"{prefix}.gate_up.weight"] = (2 * m.up.out_features, m.up.in_features)
+            elif isinstance(m, SparseMoE):  # a GGUF file's experts, stacked
+                E, H, C = m.n_experts, m.hidden, m.d_model
+                for name, shape in (("gate", (E, H, C)), ("up", (E, H, C)), ("down", (E, C, H))):
+                    shapes[f"{prefix}.experts.{name}.weight"] = shape
         return shapes | {k: tuple(p.shape) for k, p in module.named_parameters()}
 
     def hold(self, weights: dict[str, Stored], source: str) -> None:
@@ -91,6 +96,8 @@ class HoldsWeights:
             at = f"{prefix}." if prefix else ""
             if isinstance(m, MultiHeadAttention) and m.qkv_proj is not None:
                 _hold_qkv(m, at, left)
+            elif isinstance(m, SparseMoE):  # before its experts (named_modules: parents first)
+                _hold_experts(m, at, left)
             elif isinstance(m, GatedMLP):
                 _hold_gate_up(m, at, left)
         for name in [n for n, w in left.items() if kept(w)]:
@@ -175,3 +182,25 @@ def _hold_gate_up(mlp: GatedMLP, at: str, left: dict[str, Stored]) -> None:
         for n in names:
             del left[n]
         mlp.hold_gate_up(layer)
+
+
+def _hold_experts(moe: SparseMoE, at: str, left: dict[str, Stored]) -> None:
+    """A mixture's experts stored stacked (a GGUF file's ``ffn_*_exps``: a tensor (E, …), or
+    packed blocks of its E·rows rows) split into each expert's weights — views of the stack's
+    rows — which each expert then holds as any gated MLP; and the router, which picks the
+    experts, in fp32 (it is small, and its picks should not hang on a rounding)."""
+    for name in ("gate", "up", "down"):
+        whole = left.pop(f"{at}experts.{name}.weight", None)
+        if whole is None:
+            continue
+        rows = whole.shape[0] // moe.n_experts
+        for e in range(moe.n_experts):
+            part = (
+                whole.rows(e * rows, (e + 1) * rows)
+                if isinstance(whole, PackedWeight)
+                else whole[e]
+            )
+            left[f"{at}experts.{e}.{name}.weight"] = part
+    router = f"{at}router.weight"
+    if router in left and kept(left[router]):
+        left[router] = _expanded(left[router])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -154,7 +155,7 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
     def read(theirs: str, ours: str) -> Stored:
         info = file.tensors[theirs]
         if info.kind_name in ("F32", *HALF_KINDS):  # F32, and F16/BF16 kept 16-bit, lie in the map
-            keep = half and len(info.shape) == 2 and info.kind_name in HALF_KINDS
+            keep = half and len(info.shape) in (2, 3) and info.kind_name in HALF_KINDS
             whole = file.read_half(theirs) if keep else file.read(theirs)
             stored: Stored = family.gguf_fix(ours, whole, config)
             if file.lies_in_map(stored):
@@ -162,7 +163,7 @@ def _from_gguf(path: Path, *, packed: bool, half: bool) -> tuple[nn.Module, Toke
             elif file.lies_in_map(whole):  # the fix-up copied it (llama's q/k rows)
                 file.let_go(theirs, mapped=True)
             return stored
-        elif packed and len(info.shape) == 2 and info.kind_name in PACKED_KINDS:
+        elif packed and len(info.shape) in (2, 3) and info.kind_name in PACKED_KINDS:
             if cached is not None and theirs in cached:
                 return cached[theirs]
             repacked = _packed(file, theirs, ours, family, config)
@@ -235,10 +236,12 @@ def _packed(file: GGUFFile, name: str, ours: str, family: Family, config: Any) -
     hold as they are), its rows in dikkat's order (what the family's fix-up does to the
     dequantised tensor, done to the row indices). A tensor in file order is repacked
     :data:`SLICE_ROWS` rows at a time into the result, so that its repacking needs a slice's
-    memory beside it, not a copy of it (a token table is the largest tensor of a small model)."""
+    memory beside it, not a copy of it (a token table is the largest tensor of a small model).
+    A stack of matrices (a mixture's experts, (E, rows, K)) is packed as its E·rows rows."""
     info = file.tensors[name]
     where = f"{file.path}: tensor {name!r}"
-    N, K = info.shape
+    *lead, K = info.shape
+    N = math.prod(lead)
     raw = file.raw(name)
     rows = torch.arange(N)
     order = family.gguf_fix(ours, rows[:, None], config)[:, 0]

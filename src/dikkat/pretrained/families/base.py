@@ -61,7 +61,8 @@ class Weight:
     ``model.layers.{i}.self_attn.q_proj``.
 
     ``when``: whether a model of the config has the weight at all (a q/k norm, an untied output
-    layer); ``bias``: whether a ``.bias`` is stored beside the ``.weight``."""
+    layer); ``bias``: whether a ``.bias`` is stored beside the ``.weight``. A row whose names
+    hold ``{e}`` is one weight of each expert of a mixture (``mlp.experts.{e}.gate``)."""
 
     ours: str
     gguf: str | None
@@ -111,8 +112,13 @@ class Tensors:
                 theirs = getattr(row, fmt)
                 if theirs is None or not row.when(config):
                     continue
-                for kind in ("weight", "bias") if row.bias(config) else ("weight",):
-                    names[f"{theirs_at}{theirs}.{kind}"] = f"{ours_at}{row.ours}.{kind}"
+                # a row of each expert's weight: one name per expert (``{e}``)
+                each = range(config.n_experts) if "{e}" in row.ours else (None,)
+                for e in each:
+                    t, o = (theirs, row.ours) if e is None else (
+                        theirs.format(e=e), row.ours.format(e=e))  # fmt: skip
+                    for kind in ("weight", "bias") if row.bias(config) else ("weight",):
+                        names[f"{theirs_at}{t}.{kind}"] = f"{ours_at}{o}.{kind}"
 
         add(self.model, "", "")
         for i in range(config.n_layers):

@@ -19,7 +19,7 @@ from dikkat.pretrained.families.common import (
 )
 from dikkat.pretrained.families.qwen2 import window_layers
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "QK_NORMS"]
 
 QK_NORMS = (
     Weight("attn.q_norm", "attn_q_norm", "self_attn.q_norm"),
