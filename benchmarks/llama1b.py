@@ -98,18 +98,24 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     from dikkat.files import cache_dir as dikkat_cache
 
     out = args.out or dikkat_cache() / "llama1b"
-    bins = build_llamacpp(args.cache, VERSION)
-    source = args.cache / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
     folder = out / "hf"
     if not (folder / "model.safetensors").is_file():
         print(f"writing the random model into {folder} …", flush=True)
         hf_folder(folder, args)
+    return gguf_files(folder, out, "llama1b", args.types, args.cache)
+
+
+def gguf_files(folder: Path, out: Path, stem: str, types: str, cache: Path) -> dict[str, Path]:
+    """The HF ``folder`` written by llama.cpp's converter as ``out/{stem}-F16.gguf``, and the
+    other ``types`` quantised from it by ``llama-quantize`` (each kept once made)."""
+    bins = build_llamacpp(cache, VERSION)
+    source = cache / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
     files: dict[str, Path] = {}
-    f16 = out / "llama1b-F16.gguf"
+    f16 = out / f"{stem}-F16.gguf"
     if not f16.is_file():
         print(f"converting to {f16} with llama.cpp's convert_hf_to_gguf.py …", flush=True)
         tmp = f16.with_suffix(".part")
-        deps = args.cache / "converter-deps"
+        deps = cache / "converter-deps"
         if not (deps / "sentencepiece").is_dir():
             pip = [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(deps)]
             run([*pip, "sentencepiece"], "pip install of the converter's sentencepiece")
@@ -118,11 +124,11 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
                "--outtype", "f16", "--outfile", str(tmp)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if done.returncode != 0:
-            raise SystemExit(f"llama1b.py: the conversion failed: {done.stderr[-2000:]}")
+            raise SystemExit(f"the conversion failed: {done.stderr[-2000:]}")
         tmp.replace(f16)
     files["F16"] = f16
-    for kind in [t for t in args.types.split(",") if t != "F16"]:
-        path = out / f"llama1b-{kind}.gguf"
+    for kind in [t for t in types.split(",") if t != "F16"]:
+        path = out / f"{stem}-{kind}.gguf"
         if not path.is_file():
             print(f"quantising to {path} …", flush=True)
             tmp = path.with_suffix(".part")

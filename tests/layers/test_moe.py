@@ -50,6 +50,26 @@ def test_the_layer_is_the_formula(norm_topk, top_k):
         torch.testing.assert_close(layer(x), formula(layer, x), atol=1e-12, rtol=0)
 
 
+def test_one_token_alone_is_the_formula_and_its_row_of_a_batch():
+    """A decode step's token takes a shorter path (no gradients): the same sum."""
+    layer = moe()
+    x = torch.randn(1, 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        batch = layer(x)
+        for t in range(4):
+            alone = layer(x[:, t : t + 1])
+            torch.testing.assert_close(alone, formula(layer, x[:, t : t + 1]), atol=1e-12, rtol=0)
+            torch.testing.assert_close(alone[0, 0], batch[0, t], atol=1e-12, rtol=0)
+
+
+def test_the_router_learns_through_the_weights():
+    """With gradients on, one token too goes the way that carries them to the router."""
+    layer = moe()
+    x = torch.randn(1, 1, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    layer(x).sum().backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
 def test_only_the_experts_the_tokens_picked_are_read():
     """Experts no token picked may hold anything: their weights are not read."""
     layer = moe()
@@ -107,5 +127,7 @@ def test_a_traced_layer_runs_the_experts_op_and_finds_its_copies():
         x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(4))
         traced = torch.compile(twin, backend="eager", fullgraph=True)
         torch.testing.assert_close(traced(x), twin(x), atol=0, rtol=0)
-        torch.testing.assert_close(experts_op()(x, layer.router.weight.clone()), layer(x))
+        flat = x.view(-1, 12)
+        mixed = experts_op()(flat, *layer.route(flat), layer.router.weight.clone())
+        torch.testing.assert_close(mixed.view(x.shape), layer(x))
         assert not torch.equal(twin(x), layer(x))

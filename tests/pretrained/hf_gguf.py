@@ -46,10 +46,12 @@ def write_gguf(
     chat_template: str | None = None,
     sizes: dict[str, int] | None = None,
     extra: dict[str, np.ndarray] | None = None,
+    kinds: dict[str, str] | None = None,
 ) -> Path:
     """A tiny HF model of a Llama-shaped family as a GGUF file of architecture ``arch``, F32
     tensors, a byte-level vocabulary; q/k rows interleaved where the converter interleaves them.
-    ``sizes`` replaces or adds header sizes (under the architecture), ``extra`` adds tensors."""
+    ``sizes`` replaces or adds header sizes (under the architecture), ``extra`` adds tensors,
+    ``kinds`` quantises the tensors whose GGUF name holds a key as its value says ("Q8_0")."""
     c = hf_model.config
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
@@ -102,7 +104,13 @@ def write_gguf(
             data = interleaved(data, c.num_key_value_heads)
         elif arch in ONE_PLUS and name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by 1 + w: the converter stores 1 + w
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        kind = next((k for part, k in (kinds or {}).items() if part in gguf_name), None)
+        if kind is None:
+            writer.add_tensor(gguf_name, data)
+        else:
+            kind_id = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind_id), raw_dtype=kind_id)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     for name, data in (extra or {}).items():

@@ -88,3 +88,32 @@ def test_olmo_3_s_sliding_layers_are_refused_in_both_forms(tmp_path):
     (tmp_path / "olmo2" / "config.json").write_text(json.dumps(config | {"model_type": "olmo3"}))
     with pytest.raises(ValueError, match="OLMo 3's sliding layers are not implemented"):
         dikkat.pretrained.load(tmp_path / "olmo2")
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_a_mixture_s_quantised_experts_stay_packed_and_stacked(tmp_path, kind):
+    """Experts a file quantised are held as its stacks (one product per stack for all of a
+    step's tokens), each expert's layers views of them: the logits the dequantised model's,
+    within the activations' rounding; a step reads k of E experts' bytes."""
+    from dikkat.bench.bandwidth import weight_bytes
+    from dikkat.weights.packed_layers import PackedExperts
+
+    hf = save_tiny("qwen3moe", tmp_path / "hf", hidden_size=64, moe_intermediate_size=32)
+    path = write_gguf(hf, tmp_path / "moe.gguf", "qwen3moe", kinds={"_exps": kind})
+    packed, expanded = dikkat.pretrained.load(path), dikkat.pretrained.load(path, weights="fp32")
+    moe = packed.model.blocks[0].mlp
+    assert isinstance(moe.stacked, PackedExperts) and moe.stacked.gate_up is not None
+    view = moe.experts[1].down.parts[0].values
+    assert view.untyped_storage().data_ptr() == moe.stacked.down.values.untyped_storage().data_ptr()
+    ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = packed.model(ids), expanded.model(ids)
+        one = packed.model(ids[:1, :1])
+    torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
+    torch.testing.assert_close(one[0, 0], got[0, 0], atol=1e-5, rtol=0)
+    experts = sum(e.nbytes for e in moe.experts.modules() if hasattr(e, "parts"))
+    assert experts == moe.stacked.nbytes  # the views are the stacks, nothing more
+    per_expert = sum(e.nbytes for e in moe.experts[0].modules() if hasattr(e, "parts"))
+    unpacked = 4 * 3 * 64 * 32  # an expert's three fp32 matrices
+    read = weight_bytes(expanded.model) - weight_bytes(packed.model)
+    assert read == 3 * 2 * (unpacked - per_expert)  # 3 layers, 2 experts a token

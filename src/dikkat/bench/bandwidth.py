@@ -55,44 +55,49 @@ def weight_bytes(model: nn.Module) -> int:
     parameter and buffer whole, and one row of an embedding table. Storage shared by two
     modules (an output projection tied to the embedding) counts once, as the projection's. Of a
     mixture of experts (:class:`~dikkat.layers.SparseMoE`), a token reads the router and the k
-    experts it picks: k / E of the experts' bytes."""
+    experts it picks: k times one expert's bytes (the experts may be views of one stack)."""
+    mixtures = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    inside = {id(e) for moe in mixtures for e in moe.experts.modules()}
+    inside |= {id(moe.stacked) for moe in mixtures}  # held again by the experts' views
+    modules = [m for m in model.modules() if id(m) not in inside]
     seen: set[int] = set()
+    total = _counted(modules, seen)
+    for moe in mixtures:
+        total += moe.top_k * _counted(list(moe.experts[0].modules()), set())
+    for m in modules:  # last: a table an output projection reads whole was counted there
+        if isinstance(m, nn.Embedding) and _fresh(m.weight, seen):
+            total += m.weight.shape[1] * m.weight.element_size()
+    return total
 
-    def new(t: Tensor) -> bool:
-        key = t.untyped_storage().data_ptr()
-        fresh = key not in seen
-        seen.add(key)
-        return fresh
+
+def _fresh(t: Tensor, seen: set[int]) -> bool:
+    """Whether ``t``'s storage is not in ``seen`` yet (and note it there)."""
+    key = t.untyped_storage().data_ptr()
+    fresh = key not in seen
+    seen.add(key)
+    return fresh
+
+
+def _counted(modules: list[nn.Module], seen: set[int]) -> int:
+    """Bytes of ``modules``' weights (see :func:`weight_bytes`), storages in ``seen`` left out."""
 
     def size(t: Tensor) -> int:
         return t.numel() * t.element_size()
 
-    def count(modules: list[nn.Module]) -> int:
-        total = 0
-        for m in modules:
-            if isinstance(m, nn.Embedding):
-                continue
-            if isinstance(m, InferenceLinear):
-                read = _read_by(m)
-                fresh = [t for t in read if new(t)]
-                stated = getattr(m, "nbytes", None)  # the layer's own count, where it keeps one
-                if isinstance(stated, int):
-                    total += stated if fresh or not read else 0
-                else:
-                    total += sum(size(t) for t in fresh)
+    total = 0
+    for m in modules:
+        if isinstance(m, nn.Embedding):
+            continue
+        if isinstance(m, InferenceLinear):
+            read = _read_by(m)
+            fresh = [t for t in read if _fresh(t, seen)]
+            stated = getattr(m, "nbytes", None)  # the layer's own count, where it keeps one
+            if isinstance(stated, int):
+                total += stated if fresh or not read else 0
             else:
-                total += sum(size(t) for t in _own(m) if new(t))
-        return total
-
-    mixtures = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    experts = {id(e) for moe in mixtures for e in moe.experts.modules()}
-    modules = [m for m in model.modules() if id(m) not in experts]
-    total = count(modules)
-    for moe in mixtures:
-        total += count(list(moe.experts.modules())) * moe.top_k // moe.n_experts
-    for m in modules:  # last: a table an output projection reads whole was counted there
-        if isinstance(m, nn.Embedding) and new(m.weight):
-            total += m.weight.shape[1] * m.weight.element_size()
+                total += sum(size(t) for t in fresh)
+        else:
+            total += sum(size(t) for t in _own(m) if _fresh(t, seen))
     return total
 
 

@@ -1,14 +1,14 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
-Five kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
+Six kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
 of 4-, 6- or 8-bit integers (:mod:`dikkat.weights.packed` holds the formats and says what the
-product is), and in ``dequantize.cpp``, ``dequantize``, the fp32 weight such blocks stand for
-(``qmm_layout.h``: how both read the blocks); in ``linear.cpp``,
-``linear_rows``, an fp32 row times an fp32 weight (decoding's products,
-:class:`dikkat.weights.dense.Fp32Linear`); in ``paged_attention.cpp``, ``paged_attention``,
-a decode step's attention over keys and values in a pool of slots
-(:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``, ``argmax_rows``, greedy
-decoding's pick of each row's largest logit. The files are compiled into
+product is), and ``qmm_ids``, each activation row times its own block of such a weight's rows (a
+mixture's stacked experts); in ``dequantize.cpp``, ``dequantize``, the fp32 weight such blocks
+stand for (``qmm_layout.h``: how both read the blocks); in ``linear.cpp``, ``linear_rows``, an
+fp32 row times an fp32 weight (decoding's products, :class:`dikkat.weights.dense.Fp32Linear`);
+in ``paged_attention.cpp``, ``paged_attention``, a decode step's attention over keys and values
+in a pool of slots (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``,
+``argmax_rows``, greedy decoding's pick of each row's largest logit. The files are compiled into
 one library with the system's C++ compiler against the installed PyTorch, for this CPU
 (``-march=native``: AVX-512 VNNI where the CPU has it, else AVX2 where it has that, else plain
 loops the compiler vectorises as it can), once per source, PyTorch version, compiler and CPU;
@@ -233,6 +233,13 @@ def linear_rows_op() -> Callable[..., Tensor] | None:
     return _kernel("linear_rows")
 
 
+def qmm_ids_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.qmm_ids`` (x (M, K), ids (M,) int64, the packed weight's
+    tensors, ``rows`` → (M, rows): row m times the weight's rows [ids[m] · rows, ids[m] · rows +
+    rows), a multiple of 16) where :func:`qmm_op` is available, else None."""
+    return _kernel("qmm_ids")
+
+
 def paged_attention_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.paged_attention`` where :func:`qmm_op` is available, else
     None."""
@@ -265,6 +272,22 @@ def _register_fake() -> None:
         zero: int,
     ) -> Tensor:
         return x.new_empty(x.shape[0], values.shape[0])
+
+    @torch.library.register_fake(f"{_LIBRARY}::qmm_ids")
+    def _(
+        x: Tensor,
+        ids: Tensor,
+        values: Tensor,
+        scale: Tensor,
+        offset: Tensor | None,
+        super_scale: Tensor | None,
+        super_offset: Tensor | None,
+        bits: int,
+        block: int,
+        zero: int,
+        rows: int,
+    ) -> Tensor:
+        return x.new_empty(x.shape[0], rows)
 
     @torch.library.register_fake(f"{_LIBRARY}::dequantize")
     def _(

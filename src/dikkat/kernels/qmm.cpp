@@ -212,11 +212,12 @@ void tail_group(const uint8_t* values, const S* scale, const S* offset, const Un
   }
 }
 
+// the activation rows [m_begin, M) over one weight group, TILE rows at a time
 template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
 void tiles_of(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t N,
               const uint8_t* group, const S* scale, const S* offset, int64_t n0, int64_t rows,
-              float* out) {
-  int64_t m0 = 0;
+              float* out, int64_t m_begin = 0) {
+  int64_t m0 = m_begin;
   for (; m0 + TILE <= M; m0 += TILE) {
     multiply<BITS, BLOCK, OFFSET, TILE, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
   }
@@ -273,6 +274,48 @@ void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* value
         tail_group<BITS, BLOCK, S>(values + n0 * row_bytes, scale + n0 * per_row, o, tail, N - n0, K, v, s, o32);
         tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, M, K, N, v.data(), s.data(),
                                                     OFFSET ? o32.data() : nullptr, n0, N - n0, out);
+      }
+    }
+  });
+}
+
+// Each activation row with its own block of R weight rows, [ids[m] · R, ids[m] · R + R) of the
+// weight (a mixture's experts stacked, row m's expert): out (M, R). R is a multiple of 16, so
+// that a block is whole groups. Consecutive rows of one id (the caller sorts them) run as one
+// run: each group of the run's block is read once for all of its rows, TILE at a time.
+template <int BITS, int BLOCK, bool OFFSET, typename S>
+void run_ids(const Rounded& r, int64_t M, int64_t K, int64_t R, const int64_t* ids,
+             const uint8_t* values, const S* scale, const S* offset, const Units& units,
+             int32_t zero, float* out) {
+  thread_local Sums kept;
+  Sums& sums = kept;
+  block_sums<BLOCK>(r, M, K, zero, sums);
+  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK, groups = R / kRows;
+  std::vector<int64_t> starts;  // where each run of one id begins, and M
+  for (int64_t m = 0; m < M; ++m) {
+    if (m == 0 || ids[m] != ids[m - 1]) starts.push_back(m);
+  }
+  starts.push_back(M);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, K / 32));
+  at::parallel_for(0, runs * groups, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t run = i / groups, g = i % groups;
+      const int64_t m0 = starts[run], m1 = starts[run + 1];
+      const int64_t n0 = ids[m0] * R + g * kRows;  // in the stacked weight
+      const S* o = OFFSET ? offset + n0 * per_row : nullptr;
+      if constexpr (std::is_same_v<S, int8_t>) {
+        thread_local std::vector<float> s32, o32;  // this worker's
+        const int64_t units_at = n0 * (K / kSuper);
+        s32.resize(kRows * per_row);
+        o32.resize(OFFSET ? kRows * per_row : 0);
+        expand_group<BLOCK>(scale + n0 * per_row, units.scale + units_at, per_row, s32.data());
+        if (OFFSET) expand_group<BLOCK>(o, units.offset + units_at, per_row, o32.data());
+        tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, m1, K, R, values + n0 * row_bytes, s32.data(),
+                                                    OFFSET ? o32.data() : nullptr, g * kRows, kRows, out, m0);
+      } else {
+        tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, m1, K, R, values + n0 * row_bytes,
+                                                scale + n0 * per_row, o, g * kRows, kRows, out, m0);
       }
     }
   });
@@ -385,14 +428,85 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
 }
 
 
+template <typename S>
+void qmm_ids_as(const float* x, const Rounded& r, const int64_t* ids, const at::Tensor& values,
+                const at::Tensor& scale, const at::Tensor& offset, const Units& units, int64_t bits,
+                int64_t block, int64_t zero, int64_t M, int64_t K, int64_t R, at::Tensor& out) {
+  const uint8_t* v = values.data_ptr<uint8_t>();
+  const S* s = scale.data_ptr<S>();
+  const S* o = offset.defined() ? offset.data_ptr<S>() : nullptr;
+  float* y = out.data_ptr<float>();
+  const int32_t z = static_cast<int32_t>(zero);
+  const bool has_offset = o != nullptr;
+#define DIKKAT_RUN(B, L, O) run_ids<B, L, O, S>(r, M, K, R, ids, v, s, o, units, z, y)
+  if (bits == 8 && block == 32) { if (has_offset) DIKKAT_RUN(8, 32, true); else DIKKAT_RUN(8, 32, false); }
+  else if (bits == 8) { if (has_offset) DIKKAT_RUN(8, 16, true); else DIKKAT_RUN(8, 16, false); }
+  else if (bits == 6 && block == 32) { if (has_offset) DIKKAT_RUN(6, 32, true); else DIKKAT_RUN(6, 32, false); }
+  else if (bits == 6) { if (has_offset) DIKKAT_RUN(6, 16, true); else DIKKAT_RUN(6, 16, false); }
+  else if (block == 32) { if (has_offset) DIKKAT_RUN(4, 32, true); else DIKKAT_RUN(4, 32, false); }
+  else { if (has_offset) DIKKAT_RUN(4, 16, true); else DIKKAT_RUN(4, 16, false); }
+#undef DIKKAT_RUN
+  for (int64_t m = 0; m < M; ++m) {  // a row with a NaN or ±Inf: its terms, over its own block
+    if (!r.odd[m]) [[likely]] continue;
+    const int64_t n0 = ids[m] * R, row_bytes = K * bits / 8, per_row = K / block;
+    const Units at{units.scale ? units.scale + n0 * (K / kSuper) : nullptr,
+                   units.offset ? units.offset + n0 * (K / kSuper) : nullptr};
+    const Weight<S> w{v + n0 * row_bytes, s + n0 * per_row, o ? o + n0 * per_row : nullptr, at, R, K, bits, block, z};
+    add_nonfinite<S>(x + m * K, std::vector<uint8_t>{1}, w, y + m * R);
+  }
+}
+
+// out[m] = x[m] times rows [ids[m] · rows, ids[m] · rows + rows) of the weight (see run_ids)
+at::Tensor qmm_ids(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& values,
+                   const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                   const c10::optional<at::Tensor>& super_scale,
+                   const c10::optional<at::Tensor>& super_offset, int64_t bits, int64_t block,
+                   int64_t zero, int64_t rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
+  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == M && ids.scalar_type() == at::kLong,
+              "ids must be (M,) int64, one a row of x");
+  TORCH_CHECK(rows > 0 && rows % kRows == 0 && N % rows == 0,
+              "rows must be a multiple of 16 that divides the weight's rows");
+  const bool two_level = scale.scalar_type() == at::kChar;
+  check_blocks(values, scale, offset, bits, block, K, two_level);
+  check_units(scale, offset, super_scale, super_offset, N, K);
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(0 <= id[m] && id[m] < N / rows, "ids must lie in [0, ", N / rows, "), got ", id[m]);
+  }
+  const at::Tensor us = two_level ? super_scale->contiguous() : at::Tensor();
+  const at::Tensor uo = two_level && offset.has_value() && offset->defined() ? super_offset->contiguous() : at::Tensor();
+  const Units units{us.defined() ? us.data_ptr<at::Half>() : nullptr,
+                    uo.defined() ? uo.data_ptr<at::Half>() : nullptr};
+  const bool has_offset = offset.has_value() && offset->defined();
+  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
+  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({M, rows}, x.options());
+  if (M == 0) return out;
+  thread_local Rounded r;
+  round_rows(xc.data_ptr<float>(), M, K, r);
+  const float* xp = xc.data_ptr<float>();
+  if (two_level) qmm_ids_as<int8_t>(xp, r, id, vc, sc, oc, units, bits, block, zero, M, K, rows, out);
+  else if (sc.scalar_type() == at::kHalf) qmm_ids_as<at::Half>(xp, r, id, vc, sc, oc, units, bits, block, zero, M, K, rows, out);
+  else qmm_ids_as<float>(xp, r, id, vc, sc, oc, units, bits, block, zero, M, K, rows, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dikkat_native, m) {
   m.def("qmm(Tensor x, Tensor values, Tensor scale, Tensor? offset, Tensor? super_scale, "
         "Tensor? super_offset, int bits, int block, int zero) -> Tensor");
+  m.def("qmm_ids(Tensor x, Tensor ids, Tensor values, Tensor scale, Tensor? offset, "
+        "Tensor? super_scale, Tensor? super_offset, int bits, int block, int zero, int rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) { m.impl("qmm", &qmm); }
+TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) {
+  m.impl("qmm", &qmm);
+  m.impl("qmm_ids", &qmm_ids);
+}
 
 // which group product this build multiplies with: "vnni", "avx2" or "plain" (for the tests)
 extern "C" const char* dikkat_native_qmm_path() { return DIKKAT_VNNI ? "vnni" : DIKKAT_AVX2 ? "avx2" : "plain"; }

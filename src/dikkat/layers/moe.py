@@ -10,13 +10,13 @@ with their experts e₁ … e_k (renormalised to sum to 1 where ``norm_topk``, a
 tokens: a step reads the weights of the experts it uses and no others.
 
 Which experts run depends on the values of the routing, which a traced graph (torch.compile,
-torch.export: the compiled decode step) cannot hold: there the routing and the experts run as one
-opaque custom op, ``dikkat::experts`` (PyTorch's "Custom Python Operators" tutorial), whose
-implementation is this eager forward. The op takes the router's weight, by which it finds its
-layer (:func:`_layer_of`): a compiled program kept on disk binds its constants to the model's
-tensors when a later process loads it (:mod:`dikkat.models.aot_package`), so the router it
-passes is always the loaded model's. Two live layers with equal routers are taken to be copies
-of one layer.
+torch.export: the compiled decode step) cannot hold: there the routing is traced, and the experts
+run as one opaque custom op, ``dikkat::experts`` (PyTorch's "Custom Python Operators" tutorial),
+whose implementation is the eager :meth:`SparseMoE.mix`. The op takes the router's weight too,
+by which it finds its layer (:func:`_layer_of`): a compiled program kept on disk binds its
+constants to the model's tensors when a later process loads it
+(:mod:`dikkat.models.aot_package`), so the router it passes is always the loaded model's. Two
+live layers with equal routers are taken to be copies of one layer.
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             GatedMLP(d_model, hidden, activation=activation) for _ in range(n_experts)
         )
+        # the experts held as a file stacks them, multiplied for all tokens at once
+        # (dikkat.weights.packed_layers.PackedExperts: (x (M, C), ids (M,)) → (M, C)); None:
+        # each expert runs as its own module
+        self.stacked: nn.Module | None = None
         _LAYERS.add(self)
         experts_op()  # defined before any trace: a trace cannot define it
 
@@ -94,20 +98,51 @@ class SparseMoE(nn.Module):
         check_meets("x", x, self.router.weight, "SparseMoE")
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (..., {self.d_model}), got {tuple(x.shape)}")
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            return torch.ops.dikkat.experts(x, self.router.weight)
-        return self.run(x)
-
-    def run(self, x: Tensor) -> Tensor:
-        """The forward, eagerly: the routing read on the host, each picked expert run once."""
         flat = x.reshape(-1, self.d_model)
         weights, experts = self.route(flat)
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # the routing traced
+            mixed = torch.ops.dikkat.experts(flat, weights, experts, self.router.weight)
+        else:
+            mixed = self.mix(flat, weights, experts)
+        return mixed.view(x.shape)
+
+    def run(self, x: Tensor) -> Tensor:
+        """The forward, eagerly, without its checks."""
+        flat = x.reshape(-1, self.d_model)
+        return self.mix(flat, *self.route(flat)).view(x.shape)
+
+    def mix(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Tokens (N, C) through the experts (N, k) they go to, weighted (N, k): the picks read
+        on the host, each picked expert run once."""
+        if self.stacked is not None:
+            return self._stacked(flat, weights, experts)
+        if flat.shape[0] == 1 and not torch.is_grad_enabled():  # a decode step: fewer operations
+            return self._one(flat, weights[0], experts[0])
         out = torch.zeros_like(flat)
         for e in experts.unique().tolist():  # the experts some token picked, in index order
             token, slot = (experts == e).nonzero(as_tuple=True)
             y = self.experts[e](flat[token])
             out.index_add_(0, token, y * weights[token, slot, None])
-        return out.view(x.shape)
+        return out
+
+    def _stacked(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Every (token, pick) pair through :attr:`stacked` at once, sorted by expert (a token's
+        picks summed in the order of their experts, as :meth:`mix` sums them one by one)."""
+        assert self.stacked is not None
+        ids, order = torch.sort(experts.view(-1))
+        token = order.div(self.top_k, rounding_mode="floor")
+        y = self.stacked(flat.index_select(0, token), ids)
+        y.mul_(weights.view(-1).index_select(0, order)[:, None])
+        return torch.zeros_like(flat).index_add_(0, token, y)
+
+    def _one(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """One token's output: its experts' in index order, summed as :meth:`run` sums them."""
+        picks = sorted(zip(experts.tolist(), weights.tolist(), strict=True))
+        out = None
+        for e, w in picks:
+            y = self.experts[e](flat).mul_(w)
+            out = y if out is None else out.add_(y)
+        return out  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return (
@@ -139,18 +174,18 @@ def _layer_of(router: Tensor) -> SparseMoE:
 
 
 @functools.cache
-def experts_op() -> Callable[[Tensor, Tensor], Tensor]:
-    """``dikkat::experts(x, router_weight)``: the layer of that router on x, eagerly; defined
-    when the first layer is built (or a process loads a compiled program that calls it), not at
-    import."""
+def experts_op() -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """``dikkat::experts(flat, weights, experts, router_weight)``: :meth:`SparseMoE.mix` of the
+    layer of that router; defined when the first layer is built (or a process loads a compiled
+    program that calls it), not at import."""
 
     @torch.library.custom_op("dikkat::experts", mutates_args=())
-    def experts(x: Tensor, router: Tensor) -> Tensor:
+    def mixed(flat: Tensor, weights: Tensor, experts: Tensor, router: Tensor) -> Tensor:
         with torch.no_grad():
-            return _layer_of(router).run(x)
+            return _layer_of(router).mix(flat, weights, experts)
 
-    @experts.register_fake
-    def _(x: Tensor, router: Tensor) -> Tensor:
-        return torch.empty_like(x)
+    @mixed.register_fake
+    def _(flat: Tensor, weights: Tensor, experts: Tensor, router: Tensor) -> Tensor:
+        return torch.empty_like(flat)
 
-    return experts
+    return mixed

@@ -17,6 +17,7 @@ expanded to fp32); a tied output layer is the token table.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from dikkat.layers.moe import SparseMoE
 from dikkat.models.io import load_checked
 from dikkat.weights.half import HALF_DTYPES, HalfEmbedding, HalfLinear, is_half
 from dikkat.weights.packed import PackedWeight, dequantize
-from dikkat.weights.packed_layers import PackedEmbedding, PackedLinear
+from dikkat.weights.packed_layers import PackedEmbedding, PackedExperts, PackedLinear
 
 __all__ = ["HoldsWeights", "Stored"]
 
@@ -188,9 +189,26 @@ def _hold_experts(moe: SparseMoE, at: str, left: dict[str, Stored]) -> None:
     """A mixture's experts stored stacked (a GGUF file's ``ffn_*_exps``: a tensor (E, …), or
     packed blocks of its E·rows rows) split into each expert's weights — views of the stack's
     rows — which each expert then holds as any gated MLP; and the router, which picks the
-    experts, in fp32 (it is small, and its picks should not hang on a rounding)."""
-    for name in ("gate", "up", "down"):
-        whole = left.pop(f"{at}experts.{name}.weight", None)
+    experts, in fp32 (it is small, and its picks should not hang on a rounding). Three packed
+    stacks whose experts are whole groups of the kernel are also kept whole
+    (:class:`~dikkat.weights.packed_layers.PackedExperts`): a step multiplies every token by its
+    experts in one product each, and each expert's own layers are views of them."""
+    stacks = {n: left.pop(f"{at}experts.{n}.weight", None) for n in ("gate", "up", "down")}
+    router = f"{at}router.weight"
+    if router in left and kept(left[router]):
+        left[router] = _expanded(left[router])
+    if all(isinstance(w, PackedWeight) for w in stacks.values()):
+        with contextlib.suppress(ValueError):  # experts not in whole groups: held one by one
+            moe.stacked = PackedExperts(*stacks.values(), moe.n_experts, moe.experts[0].act)  # type: ignore[arg-type]
+            for e, expert in enumerate(moe.experts):
+                *gate_up, down = moe.stacked.expert(e)
+                expert.down = PackedLinear(down, None, False)
+                if len(gate_up) == 1:
+                    expert.hold_gate_up(PackedLinear(gate_up[0], None, False))
+                else:
+                    expert.gate, expert.up = (PackedLinear(p, None, False) for p in gate_up)
+            return
+    for name, whole in stacks.items():
         if whole is None:
             continue
         rows = whole.shape[0] // moe.n_experts
@@ -201,6 +219,3 @@ def _hold_experts(moe: SparseMoE, at: str, left: dict[str, Stored]) -> None:
                 else whole[e]
             )
             left[f"{at}experts.{e}.{name}.weight"] = part
-    router = f"{at}router.weight"
-    if router in left and kept(left[router]):
-        left[router] = _expanded(left[router])

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dikkat.kernels import qmm_op
+from dikkat.kernels import qmm_ids_op, qmm_op
 from dikkat.weights.bits import BITS, unpack_values
 from dikkat.weights.groups import ROWS, gather_rows, to_groups, to_rows
 
@@ -60,6 +60,7 @@ __all__ = [
     "PackedWeight",
     "dequantize",
     "packed_linear",
+    "packed_linear_ids",
     "round_activations",
 ]
 
@@ -314,6 +315,30 @@ def packed_linear(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Ten
     if bias is not None:
         out = out + bias
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def packed_linear_ids(x: Tensor, p: PackedWeight, ids: Tensor, rows: int) -> Tensor:
+    """Row m of x (M, K) times its own block of ``rows`` rows of the weight, rows
+    [ids[m] · rows, ids[m] · rows + rows) — each token times the expert it goes to, of experts
+    stacked by rows — as :func:`packed_linear` multiplies them: (M, rows), fp32. ``rows`` is a
+    multiple of 16 (each block whole groups of the kernel); rows of one id side by side (sorted)
+    read their block once."""
+    N, K = p.shape
+    if x.dim() != 2 or x.shape[1] != K or ids.shape != (x.shape[0],):
+        raise ValueError(
+            f"x must be (M, {K}) and ids (M,), got {tuple(x.shape)} and {tuple(ids.shape)}"
+        )
+    if rows % ROWS or N % rows:
+        raise ValueError(f"rows={rows} must be a multiple of {ROWS} that divides N={N}")
+    op = qmm_ids_op() if x.device.type == "cpu" else None
+    if op is not None:
+        p = p.in_groups()
+        return op(x.float(), ids, p.values, p.scale, p.offset, p.super_scale, p.super_offset,
+                  p.bits, p.block, p.zero, rows)  # fmt: skip
+    out = x.new_empty(x.shape[0], rows, dtype=torch.float32)
+    for m, e in enumerate(ids.tolist()):
+        out[m] = packed_linear(x[m : m + 1].float(), p.rows(e * rows, (e + 1) * rows))[0]
+    return out
 
 
 _NATIVE: list[Callable[..., Tensor] | None] = []  # the kernel, once looked up

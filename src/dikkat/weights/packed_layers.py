@@ -1,6 +1,6 @@
 """Layers holding :class:`~dikkat.weights.packed.PackedWeight`: a linear layer (its parts stacked
-by rows, as a GGUF file may quantise a fused projection's parts differently) and a token
-embedding, which a tied output layer shares."""
+by rows, as a GGUF file may quantise a fused projection's parts differently), a token
+embedding, which a tied output layer shares, and a mixture's experts as a file stacks them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from dikkat.weights.groups import ROWS
 from dikkat.weights.held import HeldWeight, InferenceLinear
-from dikkat.weights.packed import PackedWeight, dequantize, packed_linear
+from dikkat.weights.packed import PackedWeight, dequantize, packed_linear, packed_linear_ids
 
-__all__ = ["PackedEmbedding", "PackedLinear"]
+__all__ = ["PackedEmbedding", "PackedExperts", "PackedLinear"]
 
 
 class PackedLinear(InferenceLinear):
@@ -130,3 +130,81 @@ class PackedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         p = self.packed
         return f"{self.num_embeddings}, {self.embedding_dim}, kind={p.kind!r}"
+
+
+class PackedExperts(nn.Module):
+    """A mixture's E gated-MLP experts (:class:`~dikkat.layers.SparseMoE`) held as a GGUF file
+    stacks them, packed blocks: ``gate`` and ``up`` (E·H, C), ``down`` (E·C, H). ``forward(x,
+    ids)`` gives row m of x (M, C) through expert ``ids[m]``, ``down(act(gate x) ∘ up x)``, as
+    each expert alone gives it, in one product per stack for all rows
+    (:func:`~dikkat.weights.packed.packed_linear_ids`): rows of one expert side by side read its
+    weights once. Gate and up of one layout are joined at construction into ``gate_up`` (E·2H,
+    C), each expert's gate rows then its up rows, multiplied at once. H and C are multiples of
+    16; :meth:`expert` gives expert e's three weights, views of the stacks."""
+
+    def __init__(self, gate: PackedWeight, up: PackedWeight, down: PackedWeight, n_experts: int,
+                 act: nn.Module) -> None:  # fmt: skip
+        super().__init__()
+        self.n_experts, self.act = n_experts, act
+        self.hidden, self.d_model = gate.shape[0] // n_experts, gate.shape[1]
+        if (
+            gate.shape != up.shape
+            or gate.shape[0] != n_experts * self.hidden
+            or down.shape != (n_experts * self.d_model, self.hidden)
+            or self.hidden % ROWS
+            or self.d_model % ROWS
+        ):
+            raise ValueError(
+                f"experts must stack as gate, up (E·H, C) and down (E·C, H) with H and C "
+                f"multiples of {ROWS}, got {gate.shape}, {up.shape}, {down.shape} for E={n_experts}"
+            )
+        gate, up, self.down = gate.in_groups(), up.in_groups(), down.in_groups()
+        joined = _layout(gate) == _layout(up) and gate.kind == up.kind
+        self.gate_up = _by_expert(gate, up, n_experts) if joined else None
+        self.gate, self.up = (None, None) if joined else (gate, up)
+
+    @property
+    def nbytes(self) -> int:
+        held = [self.gate_up, self.gate, self.up, self.down]
+        return sum(p.nbytes for p in held if p is not None)
+
+    def expert(self, e: int) -> tuple[PackedWeight, ...]:
+        """Expert e's weights, views of the stacks: (gate_up, down), or (gate, up, down)."""
+        held = [p for p in (self.gate_up, self.gate, self.up, self.down) if p is not None]
+        return tuple(p.rows(e * (n := p.shape[0] // self.n_experts), (e + 1) * n) for p in held)
+
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        H = self.hidden
+        if self.gate_up is not None:
+            g, u = packed_linear_ids(x, self.gate_up, ids, 2 * H).chunk(2, dim=-1)
+        else:
+            assert self.gate is not None and self.up is not None
+            g, u = (packed_linear_ids(x, p, ids, H) for p in (self.gate, self.up))
+        return packed_linear_ids(self.act(g).mul_(u), self.down, ids, self.d_model)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PackedExperts:
+        raise TypeError("packed experts cannot be moved or converted: load the model again")
+
+    def extra_repr(self) -> str:
+        held = [p for p in (self.gate_up, self.gate, self.up, self.down) if p is not None]
+        return f"{self.n_experts} experts of {self.d_model} → {self.hidden}, " + (
+            f"kinds={[p.kind for p in held]}"
+        )
+
+
+def _by_expert(a: PackedWeight, b: PackedWeight, n: int) -> PackedWeight:
+    """Two stacks of n experts' rows (in whole groups of 16) as one: expert e's rows of ``a``,
+    then its rows of ``b``, for e = 0 … n − 1."""
+
+    def cat(x: Tensor | None, y: Tensor | None) -> Tensor | None:
+        if x is None or y is None:
+            return None
+        return torch.cat([x.view(n, -1, *x.shape[1:]), y.view(n, -1, *y.shape[1:])], 1).flatten(
+            0, 1
+        )
+
+    return PackedWeight(
+        cat(a.values, b.values), cat(a.scale, b.scale), cat(a.offset, b.offset), a.zero,  # type: ignore[arg-type]
+        a.bits, a.block, a.kind, True, cat(a.super_scale, b.super_scale),
+        cat(a.super_offset, b.super_offset),
+    )  # fmt: skip
