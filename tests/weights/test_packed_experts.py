@@ -96,3 +96,30 @@ def test_stacks_that_do_not_fit_are_refused():
     down = repack(random_blocks("Q8_0", E * K, 32, 11), "Q8_0", (E * K, 32))
     with pytest.raises(ValueError, match="experts must stack as gate, up"):
         PackedExperts(gate, gate, down.rows(0, K), E, torch.nn.SiLU())
+
+
+@pytest.mark.parametrize("act", [torch.nn.SiLU(), torch.nn.GELU(approximate="tanh")])
+def test_the_native_mix_is_the_composite_one(monkeypatch, act):
+    """``qmm_experts`` (one call: sort, both products, the weighted sum) gives bit for bit what
+    the same steps in PyTorch operations give, and the trace holds it as one op."""
+    import dikkat.weights.packed_layers as layers_module
+
+    H, C = 256, K
+    gate, up = stack("Q4_0", H, seed=12), stack("Q4_0", H, seed=13)
+    down = repack(random_blocks("Q8_0", E * C, H, 14), "Q8_0", (E * C, H))
+    experts = PackedExperts(gate, up, down, E, act)
+    flat = torch.randn(4, C, generator=torch.Generator().manual_seed(15))
+    picks = torch.tensor([[3, 0], [1, 3], [4, 2], [0, 1]])
+    weights = torch.rand(4, 2, generator=torch.Generator().manual_seed(16))
+    native = experts.mix(flat, weights, picks)
+    traced = torch.compile(experts.mix, backend="eager", fullgraph=True)(flat, weights, picks)
+    monkeypatch.setattr(layers_module, "qmm_experts_op", lambda: None)
+    assert torch.equal(native, experts.mix(flat, weights, picks))
+    assert torch.equal(native, traced)
+
+
+def test_an_activation_the_kernel_lacks_is_refused():
+    gate = stack("Q8_0", 32, seed=17)
+    down = repack(random_blocks("Q8_0", E * K, 32, 18), "Q8_0", (E * K, 32))
+    with pytest.raises(ValueError, match="act must be SiLU or the tanh GELU"):
+        PackedExperts(gate, gate, down, E, torch.nn.GELU())

@@ -1,14 +1,15 @@
 """dikkat's native kernels: C++ compiled on this machine at first use, cached, loaded as torch ops.
 
-Six kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
+Seven kernels so far: in ``qmm.cpp``, ``qmm``, fp32 activations times a weight packed in blocks
 of 4-, 6- or 8-bit integers (:mod:`dikkat.weights.packed` holds the formats and says what the
-product is), and ``qmm_ids``, each activation row times its own block of such a weight's rows (a
-mixture's stacked experts); in ``dequantize.cpp``, ``dequantize``, the fp32 weight such blocks
-stand for (``qmm_layout.h``: how both read the blocks); in ``linear.cpp``, ``linear_rows``, an
-fp32 row times an fp32 weight (decoding's products, :class:`dikkat.weights.dense.Fp32Linear`);
-in ``paged_attention.cpp``, ``paged_attention``, a decode step's attention over keys and values
-in a pool of slots (:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``,
-``argmax_rows``, greedy decoding's pick of each row's largest logit. The files are compiled into
+product is), ``qmm_ids``, each activation row times its own block of such a weight's rows (a
+mixture's stacked experts), and ``qmm_experts``, a mixture's experts on their tokens with it; in
+``dequantize.cpp``, ``dequantize``, the fp32 weight such blocks stand for (``qmm_layout.h``: how
+both read the blocks); in ``linear.cpp``, ``linear_rows``, an fp32 row times an fp32 weight
+(decoding's products, :class:`dikkat.weights.dense.Fp32Linear`); in ``paged_attention.cpp``,
+``paged_attention``, a decode step's attention over keys and values in a pool of slots
+(:class:`dikkat.models.static_step.PoolStep`); in ``argmax.cpp``, ``argmax_rows``, greedy
+decoding's pick of each row's largest logit. The files are compiled into
 one library with the system's C++ compiler against the installed PyTorch, for this CPU
 (``-march=native``: AVX-512 VNNI where the CPU has it, else AVX2 where it has that, else plain
 loops the compiler vectorises as it can), once per source, PyTorch version, compiler and CPU;
@@ -41,6 +42,7 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -240,6 +242,14 @@ def qmm_ids_op() -> Callable[..., Tensor] | None:
     return _kernel("qmm_ids")
 
 
+def qmm_experts_op() -> Callable[..., Tensor] | None:
+    """``torch.ops.dikkat_native.qmm_experts``: a mixture's experts stacked as packed blocks,
+    each token through its k picks, weighted and summed
+    (:meth:`dikkat.weights.packed_layers.PackedExperts.mix`) where :func:`qmm_op` is available,
+    else None."""
+    return _kernel("qmm_experts")
+
+
 def paged_attention_op() -> Callable[..., Tensor] | None:
     """``torch.ops.dikkat_native.paged_attention`` where :func:`qmm_op` is available, else
     None."""
@@ -288,6 +298,10 @@ def _register_fake() -> None:
         rows: int,
     ) -> Tensor:
         return x.new_empty(x.shape[0], rows)
+
+    @torch.library.register_fake(f"{_LIBRARY}::qmm_experts")
+    def _(x: Tensor, *rest: Any) -> Tensor:
+        return torch.empty_like(x)
 
     @torch.library.register_fake(f"{_LIBRARY}::dequantize")
     def _(

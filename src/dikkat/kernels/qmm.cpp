@@ -494,6 +494,37 @@ at::Tensor qmm_ids(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   return out;
 }
 
+// A mixture of experts' MLPs for the tokens x (M, C), each through its k picks (experts (M, k),
+// weighted by weights (M, k)), the experts stacked as packed blocks: gate_up (E · 2H, C), each
+// expert's gate rows then up rows, and down (E · C, H). The (token, pick) pairs are sorted by
+// expert, so that an expert's rows read its weights once (qmm_ids), and summed into each token's
+// row in the order of their experts: the ATen operations of SparseMoE._stacked, in one call.
+at::Tensor qmm_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
+                       const at::Tensor& gu_values, const at::Tensor& gu_scale,
+                       const c10::optional<at::Tensor>& gu_offset,
+                       const c10::optional<at::Tensor>& gu_super_scale,
+                       const c10::optional<at::Tensor>& gu_super_offset, int64_t gu_bits,
+                       int64_t gu_block, int64_t gu_zero, const at::Tensor& down_values,
+                       const at::Tensor& down_scale, const c10::optional<at::Tensor>& down_offset,
+                       const c10::optional<at::Tensor>& down_super_scale,
+                       const c10::optional<at::Tensor>& down_super_offset, int64_t down_bits,
+                       int64_t down_block, int64_t down_zero, int64_t hidden, bool gelu) {
+  TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && experts.sizes() == weights.sizes() &&
+                  weights.size(0) == x.size(0) && weights.scalar_type() == x.scalar_type(),
+              "x must be (M, C), weights and experts (M, k), weights in x's dtype");
+  const int64_t k = experts.size(1), C = x.size(1);
+  const auto [ids, order] = at::sort(experts.reshape(-1));
+  const at::Tensor token = order.div(k, "floor");
+  const at::Tensor gu = qmm_ids(x.index_select(0, token), ids, gu_values, gu_scale, gu_offset,
+                                gu_super_scale, gu_super_offset, gu_bits, gu_block, gu_zero, 2 * hidden);
+  const at::Tensor gate = gu.narrow(1, 0, hidden), up = gu.narrow(1, hidden, hidden);
+  const at::Tensor h = (gelu ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(up);
+  at::Tensor y = qmm_ids(h, ids, down_values, down_scale, down_offset, down_super_scale,
+                         down_super_offset, down_bits, down_block, down_zero, C);
+  y.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1));
+  return at::zeros_like(x).index_add_(0, token, y);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dikkat_native, m) {
@@ -501,11 +532,17 @@ TORCH_LIBRARY(dikkat_native, m) {
         "Tensor? super_offset, int bits, int block, int zero) -> Tensor");
   m.def("qmm_ids(Tensor x, Tensor ids, Tensor values, Tensor scale, Tensor? offset, "
         "Tensor? super_scale, Tensor? super_offset, int bits, int block, int zero, int rows) -> Tensor");
+  m.def("qmm_experts(Tensor x, Tensor weights, Tensor experts, Tensor gu_values, Tensor gu_scale, "
+        "Tensor? gu_offset, Tensor? gu_super_scale, Tensor? gu_super_offset, int gu_bits, "
+        "int gu_block, int gu_zero, Tensor down_values, Tensor down_scale, Tensor? down_offset, "
+        "Tensor? down_super_scale, Tensor? down_super_offset, int down_bits, int down_block, "
+        "int down_zero, int hidden, bool gelu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dikkat_native, CPU, m) {
   m.impl("qmm", &qmm);
   m.impl("qmm_ids", &qmm_ids);
+  m.impl("qmm_experts", &qmm_experts);
 }
 
 // which group product this build multiplies with: "vnni", "avx2" or "plain" (for the tests)

@@ -73,9 +73,9 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             GatedMLP(d_model, hidden, activation=activation) for _ in range(n_experts)
         )
-        # the experts held as a file stacks them, multiplied for all tokens at once
-        # (dikkat.weights.packed_layers.PackedExperts: (x (M, C), ids (M,)) → (M, C)); None:
-        # each expert runs as its own module
+        # the experts held as a file stacks them, run for all tokens at once
+        # (dikkat.weights.packed_layers.PackedExperts: ``mix(flat, weights, experts)``, which a
+        # trace holds as one op); None: each expert runs as its own module
         self.stacked: nn.Module | None = None
         _LAYERS.add(self)
         experts_op()  # defined before any trace: a trace cannot define it
@@ -100,7 +100,9 @@ class SparseMoE(nn.Module):
             raise ValueError(f"x must be (..., {self.d_model}), got {tuple(x.shape)}")
         flat = x.reshape(-1, self.d_model)
         weights, experts = self.route(flat)
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # the routing traced
+        if self.stacked is not None:  # one native op, traced or not
+            mixed = self.stacked.mix(flat, weights, experts)
+        elif torch.compiler.is_compiling() or torch.compiler.is_exporting():  # routing traced
             mixed = torch.ops.dikkat.experts(flat, weights, experts, self.router.weight)
         else:
             mixed = self.mix(flat, weights, experts)
@@ -115,7 +117,7 @@ class SparseMoE(nn.Module):
         """Tokens (N, C) through the experts (N, k) they go to, weighted (N, k): the picks read
         on the host, each picked expert run once."""
         if self.stacked is not None:
-            return self._stacked(flat, weights, experts)
+            return self.stacked.mix(flat, weights, experts)
         if flat.shape[0] == 1 and not torch.is_grad_enabled():  # a decode step: fewer operations
             return self._one(flat, weights[0], experts[0])
         out = torch.zeros_like(flat)
@@ -124,16 +126,6 @@ class SparseMoE(nn.Module):
             y = self.experts[e](flat[token])
             out.index_add_(0, token, y * weights[token, slot, None])
         return out
-
-    def _stacked(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """Every (token, pick) pair through :attr:`stacked` at once, sorted by expert (a token's
-        picks summed in the order of their experts, as :meth:`mix` sums them one by one)."""
-        assert self.stacked is not None
-        ids, order = torch.sort(experts.view(-1))
-        token = order.div(self.top_k, rounding_mode="floor")
-        y = self.stacked(flat.index_select(0, token), ids)
-        y.mul_(weights.view(-1).index_select(0, order)[:, None])
-        return torch.zeros_like(flat).index_add_(0, token, y)
 
     def _one(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """One token's output: its experts' in index order, summed as :meth:`run` sums them."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dikkat.kernels import qmm_experts_op
 from dikkat.weights.groups import ROWS
 from dikkat.weights.held import HeldWeight, InferenceLinear
 from dikkat.weights.packed import PackedWeight, dequantize, packed_linear, packed_linear_ids
@@ -145,6 +146,8 @@ class PackedExperts(nn.Module):
     def __init__(self, gate: PackedWeight, up: PackedWeight, down: PackedWeight, n_experts: int,
                  act: nn.Module) -> None:  # fmt: skip
         super().__init__()
+        if not isinstance(act, nn.SiLU | nn.GELU) or getattr(act, "approximate", "tanh") != "tanh":
+            raise ValueError(f"act must be SiLU or the tanh GELU, got {act}")
         self.n_experts, self.act = n_experts, act
         self.hidden, self.d_model = gate.shape[0] // n_experts, gate.shape[1]
         if (
@@ -172,6 +175,24 @@ class PackedExperts(nn.Module):
         """Expert e's weights, views of the stacks: (gate_up, down), or (gate, up, down)."""
         held = [p for p in (self.gate_up, self.gate, self.up, self.down) if p is not None]
         return tuple(p.rows(e * (n := p.shape[0] // self.n_experts), (e + 1) * n) for p in held)
+
+    def mix(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Tokens (M, C) through their k picks ``experts`` (M, k), weighted by ``weights``
+        (M, k) and summed: the (token, pick) pairs sorted by expert, so that an expert's rows
+        read its weights once, and each token's picks summed in the order of their experts. In
+        one native call (``qmm_experts``) where gate and up are joined, else here."""
+        op = qmm_experts_op()
+        if op is not None and self.gate_up is not None:
+            g, d = self.gate_up, self.down
+            return op(flat, weights, experts, g.values, g.scale, g.offset, g.super_scale,
+                      g.super_offset, g.bits, g.block, g.zero, d.values, d.scale, d.offset,
+                      d.super_scale, d.super_offset, d.bits, d.block, d.zero, self.hidden,
+                      isinstance(self.act, nn.GELU))  # fmt: skip
+        ids, order = torch.sort(experts.reshape(-1))
+        token = order.div(experts.shape[1], rounding_mode="floor")
+        y = self(flat.index_select(0, token), ids)
+        y.mul_(weights.reshape(-1).index_select(0, order)[:, None])
+        return torch.zeros_like(flat).index_add_(0, token, y)
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
         H = self.hidden
