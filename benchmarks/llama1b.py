@@ -1,10 +1,12 @@
 """Build Llama-3.2-1B-shaped GGUF files larger than a CPU's caches, with llama.cpp's own tools.
 
     python benchmarks/llama1b.py [--out DIR] [--types F16,Q8_0,Q4_0] [--layers 16] [--width 2048]
-                                 [--heads 32] [--kv-heads 8] [--ffn 8192] [--seed 0]
+                                 [--heads 32] [--kv-heads 8] [--ffn 8192] [--seed 0] [--llama3]
 
 A Hugging Face Llama folder of the shape of Llama 3.2 1B (16 layers, width 2048, 32 query heads
-over 8 key/value heads, MLP 8192, tied embeddings, no RoPE scaling) with random weights (normal,
+over 8 key/value heads, MLP 8192, tied embeddings; with ``--llama3`` its RoPE scaling — Llama 3.2's
+``llama3`` with factor 32 over 8192 positions, which the converter writes as a ``rope_freqs``
+tensor —, else none) with random weights (normal,
 std 0.02, ``--seed``), in bf16 safetensors, and a byte-level BPE tokenizer: SmolLM2's (its
 49 152 tokens, rebuilt from the ``smollm2`` GGUF file by dikkat and saved as ``tokenizer.json``,
 which llama.cpp's converter knows by its hash). llama.cpp's ``convert_hf_to_gguf.py`` (from the
@@ -32,6 +34,10 @@ import torch
 
 from llamacpp_build import VERSION, build_llamacpp, cache_dir, run
 
+# Llama 3.2 1B's config.json
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
 
 def hf_folder(folder: Path, args: argparse.Namespace) -> Path:
     """The random Llama folder (config, bf16 weights, SmolLM2's tokenizer) in ``folder``."""
@@ -52,8 +58,9 @@ def hf_folder(folder: Path, args: argparse.Namespace) -> Path:
         "hidden_size": args.width, "intermediate_size": args.ffn,
         "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
         "num_key_value_heads": args.kv_heads, "head_dim": head, "hidden_act": "silu",
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "max_position_embeddings": 131072 if args.llama3 else 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": LLAMA32_ROPE if args.llama3 else None,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "bos_token_id": smol.bos_id, "eos_token_id": smol.eos_id,
     }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=1))
@@ -93,16 +100,18 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     add("--kv-heads", type=int, default=8)
     add("--ffn", type=int, default=8192)
     add("--seed", type=int, default=0)
+    add("--llama3", action="store_true", help="Llama 3.2's llama3 RoPE scaling")
     add("--cache", type=Path, default=cache_dir(), help="where llama.cpp is built")
     args = parser.parse_args(argv)
     from dikkat.files import cache_dir as dikkat_cache
 
-    out = args.out or dikkat_cache() / "llama1b"
+    stem = "llama32-1b" if args.llama3 else "llama1b"
+    out = args.out or dikkat_cache() / stem
     folder = out / "hf"
     if not (folder / "model.safetensors").is_file():
         print(f"writing the random model into {folder} …", flush=True)
         hf_folder(folder, args)
-    return gguf_files(folder, out, "llama1b", args.types, args.cache)
+    return gguf_files(folder, out, stem, args.types, args.cache)
 
 
 def gguf_files(folder: Path, out: Path, stem: str, types: str, cache: Path) -> dict[str, Path]:

@@ -6,7 +6,8 @@ wraps it. Two kinds of vocabulary are read:
   the pre-tokenizer that ``tokenizer.ggml.pre`` names (the regular expressions llama.cpp uses
   for each name, ``src/llama-vocab.cpp``, which each family declares with its tokenizers:
   :mod:`dikkat.pretrained.families`; e.g. ``smollm`` splits every digit off before GPT-2's
-  expression, as SmolLM2's own ``tokenizer.json`` does).
+  expression, as SmolLM2's own ``tokenizer.json`` does; ``qwen2`` composes accents first, as
+  Qwen's does).
 * ``llama`` — SentencePiece BPE (Llama 2, Mistral, Gemma): merges are not stored, so they are
   rebuilt from the scores — a pair is merged when both halves and their concatenation are
   normal tokens, higher-scoring results first, which is the order SentencePiece and llama.cpp
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -87,7 +88,10 @@ def _gguf_backend(
                 "strings"
             )
         split, whole_words = known[pre].split, known[pre].whole_words
-        return _byte_level_bpe(tokens, merges, split, whole_words), whole_words  # Llama 3: BOS
+        backend = _byte_level_bpe(tokens, merges, split, whole_words)
+        if known[pre].nfc:
+            backend.normalizer = normalizers.NFC()
+        return backend, whole_words  # Llama 3: BOS
     if kind == "llama":
         scores = metadata.get("tokenizer.ggml.scores")
         if not isinstance(scores, list) or len(scores) != len(tokens):

@@ -135,11 +135,14 @@ GPT2_SPLIT, DIGITS_GPT2_SPLIT = "gpt2", "digits+gpt2"
 class PreSplit:
     """How a byte-level BPE vocabulary's text is cut into words before the merges
     (:mod:`dikkat.pretrained.gguf_tokenizer`): llama.cpp's expression for a
-    ``tokenizer.ggml.pre`` name (``src/llama-vocab.cpp``), and whether a word that is a token
-    is taken whole (``ignore_merges``: Llama 3's tokenizer)."""
+    ``tokenizer.ggml.pre`` name (``src/llama-vocab.cpp``), whether a word that is a token
+    is taken whole (``ignore_merges``: Llama 3's tokenizer), and whether the text is put in
+    Unicode's composed form first (``nfc``: Qwen's ``tokenizer.json`` does; llama.cpp does not,
+    so a decomposed accent encodes as the model's own tokenizer encodes it only here)."""
 
     split: str  # GPT2_SPLIT, DIGITS_GPT2_SPLIT, or a regular expression
     whole_words: bool = False
+    nfc: bool = False
 
 
 @dataclass(frozen=True)

@@ -53,5 +53,7 @@ FAMILY = Family(
     hf_model_types=("qwen2",),
     config_from_gguf=llama_gguf_config("qwen2", TENSORS),
     config_from_hf=config_from_hf,
-    pre_splits=dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), PreSplit(QWEN2_SPLIT)),
+    pre_splits=dict.fromkeys(
+        ("qwen2", "stablelm2", "deepseek-r1-qwen"), PreSplit(QWEN2_SPLIT, nfc=True)
+    ),
 )
