@@ -70,7 +70,10 @@ def cache_dir() -> Path:
 def run(cmd: list[str], what: str, timeout: float = 1800) -> subprocess.CompletedProcess:
     """``cmd`` run to its end, or a LlamaCppError naming ``what`` with its last stderr line."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        # errors="replace": a random model's text may stop inside a character (U+FFFD there)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, errors="replace", timeout=timeout
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LlamaCppError(f"{what} failed: {e}") from None
     if done.returncode != 0:
