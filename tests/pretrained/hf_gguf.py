@@ -5,6 +5,7 @@ tensors, and a byte-level vocabulary padded as the converter pads one."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -54,6 +55,8 @@ def write_gguf(
     ``kinds`` quantises the tensors whose GGUF name holds a key as its value says ("Q8_0")."""
     c = hf_model.config
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    rotated = int(D * rope.get("partial_rotary_factor", 1.0))  # the converter's rope_dims
     writer = gguf.GGUFWriter(path, arch)
     keys = {
         "block_count": c.num_hidden_layers,
@@ -62,11 +65,11 @@ def write_gguf(
         "feed_forward_length": c.intermediate_size,
         "attention.head_count": c.num_attention_heads,
         "attention.head_count_kv": c.num_key_value_heads,
-        "rope.dimension_count": D,
+        "rope.dimension_count": rotated,
     }
     for key, value in (keys | (sizes or {})).items():
         writer.add_uint32(f"{arch}.{key}", value)
-    if c.hidden_size // c.num_attention_heads != D:
+    if c.hidden_size // c.num_attention_heads != D or rotated != D:
         writer.add_uint32(f"{arch}.attention.key_length", D)
         writer.add_uint32(f"{arch}.attention.value_length", D)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
@@ -74,6 +77,16 @@ def write_gguf(
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
         if getattr(c, key, None) is not None:
             writer.add_float32(f"{arch}.{key}", getattr(c, key))
+    if rope.get("rope_type") == "longrope":  # the converter's Phi3MiniModel
+        original = c.original_max_position_embeddings
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        scale = c.max_position_embeddings / original
+        writer.add_float32(
+            f"{arch}.rope.scaling.attn_factor", math.sqrt(1 + math.log(scale) / math.log(original))
+        )
+        extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                 "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32),
+                 **(extra or {})}  # fmt: skip
     if getattr(c, "num_experts", None):  # the converter's Qwen2MoeModel and its subclasses
         writer.add_uint32(f"{arch}.expert_count", c.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)

@@ -24,6 +24,7 @@ FAMILIES = [
     "smollm3",
     "olmo2",
     "phi3",
+    "phi4",
     "gemma2",
     "gemma3",
 ]
@@ -50,11 +51,12 @@ def test_logits_equal_transformers_past_the_window(pair):
 def test_the_family_is_built_as_its_config_says(pair):
     family, _, ours, _ = pair
     c = ours.model.config
-    assert c.family == family.removesuffix("3" * (family == "llama3"))
+    assert c.family == {"llama3": "llama", "phi4": "phi3"}.get(family, family)
     assert c.n_layers == (4 if family == "smollm3" else 3)
     ropes = [b.attn.rope is not None for b in ours.model.blocks]
     assert ropes == ([True, True, True, False] if family == "smollm3" else [True] * 3)
-    assert c.kv_heads == 2 and (c.rope_factors is not None) == (family == "llama3")
+    assert c.kv_heads == 2 and (c.rope_factors is not None) == (family in ("llama3", "phi4"))
+    assert (c.rotary_dim, c.rope_original_len) == ((4, 20) if family == "phi4" else (None, None))
     sliding = [b.window for b in ours.model.blocks]
     expected = {
         "llama": [None] * 3,
@@ -67,6 +69,7 @@ def test_the_family_is_built_as_its_config_says(pair):
         "olmo2": [None] * 3,
         "gemma2": [WINDOW, None, WINDOW],
         "phi3": [WINDOW] * 3,
+        "phi4": [None] * 3,
         "gemma3": [WINDOW, None, WINDOW],
     }[family]
     assert sliding == expected
@@ -104,7 +107,7 @@ def test_a_config_with_what_dikkat_lacks_is_refused(tmp_path):
     for key, value, word in (
         ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "RoPE scaling 'yarn'"),
         ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "RoPE scaling 'dynamic'"),
-        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+        ("rope_scaling", {"rope_type": "longrope", "short_factor": [1.0] * 4}, "longrope"),
         ("mlp_bias", True, "mlp_bias"),
         ("hidden_act", "gelu", "activation"),
         ("model_type", "gpt2", "model_type"),

@@ -14,7 +14,11 @@ from hf_gguf import write_gguf
 from tiny_hf import LLAMA3_ROPE, save_tiny
 
 import dikkat
-from dikkat.pretrained.families.rope_scaling import gguf_rope_factors, hf_rope_factors
+from dikkat.pretrained.families.rope_scaling import (
+    gguf_rope_factors,
+    hf_rope_factors,
+    hf_rope_fields,
+)
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -99,12 +103,15 @@ def test_llama_3_2_config_json_gives_its_factors():
     ("hf", "message"),
     [
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
-        ({"rope_scaling": {"type": "longrope"}}, "RoPE scaling 'longrope'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic'"),
         (
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
             r"llama3 RoPE scaling without \['low",
         ),
-        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 4}},
+            r"longrope RoPE scaling without \['short_factor'\]",
+        ),
         (
             {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
             "RoPE scaling of the sliding_attention layers",
@@ -113,7 +120,25 @@ def test_llama_3_2_config_json_gives_its_factors():
 )
 def test_config_json_scaling_dikkat_lacks_is_refused(hf, message):
     with pytest.raises(ValueError, match=message):
-        hf_rope_factors(hf, 8, "cfg")
+        hf_rope_fields(hf, 8, "cfg")
+
+
+def test_longrope_and_partial_rotary_fields_are_transformers_own():
+    """Phi-4-mini's settings: RoPE on 3/4 of each head; LongRoPE's attention factor computed
+    from the contexts as transformers computes it, or taken as given."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 2.0, 3.0], "long_factor": [4.0] * 3}
+    hf = {"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+          "partial_rotary_factor": 0.75, "rope_scaling": rope}  # fmt: skip
+    fields = hf_rope_fields(hf, 8, "cfg")
+    assert fields == {
+        "rotary_dim": 6,
+        "rope_factors": (1.0, 2.0, 3.0),
+        "rope_long_factors": (4.0, 4.0, 4.0),
+        "rope_original_len": 4096,
+        "rope_mscale": math.sqrt(1 + math.log(32) / math.log(4096)),
+    }
+    given = hf | {"rope_scaling": rope | {"attention_factor": 1.25}}
+    assert hf_rope_fields(given, 8, "cfg")["rope_mscale"] == 1.25
 
 
 def header(**keys) -> dict:

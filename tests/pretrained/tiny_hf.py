@@ -37,7 +37,8 @@ LLAMA3_ROPE = dict(
 
 def hf_config(family: str):
     """transformers' config of a tiny model of ``family`` (llama, llama3 — Llama with Llama 3.1's
-    RoPE scaling —, mistral, qwen2, qwen3, qwen3moe, smollm3, olmo2, phi3, gemma2, gemma3)."""
+    RoPE scaling —, mistral, qwen2, qwen3, qwen3moe, smollm3, olmo2, phi3, phi4 — Phi-3 with
+    Phi-4-mini's RoPE —, gemma2, gemma3)."""
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
@@ -75,6 +76,18 @@ def hf_config(family: str):
         return Olmo2Config(**COMMON, tie_word_embeddings=False)
     if family == "phi3":  # q/k/v and gate/up stored fused; every layer sliding
         return Phi3Config(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False)
+    if family == "phi4":  # Phi-4-mini's RoPE: on half of each head (4 of 8 features), LongRoPE
+        # past 20 positions (cos and sin times √(1 + ln 6.4 / ln 20)), no window: a 24-token text
+        # turns by the long divisors, a 17-token generation by the short ones
+        longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5],
+                        long_factor=[2.0, 7.0])  # fmt: skip
+        return Phi3Config(
+            **COMMON,
+            tie_word_embeddings=True,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=20,
+            rope_parameters=longrope,
+        )
     if family == "gemma2":  # caps small enough to bite on random weights' scores and logits
         return Gemma2Config(
             **COMMON,

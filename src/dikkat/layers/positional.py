@@ -148,6 +148,10 @@ class RotaryEmbedding(nn.Module):
         base: float = 10000.0,
         max_len: int = 4096,
         factors: Sequence[float] | None = None,
+        rotary_dim: int | None = None,
+        long_factors: Sequence[float] | None = None,
+        switch_at: int | None = None,
+        mscale: float = 1.0,
     ) -> None:
         super().__init__()
         check_int("head_dim", head_dim)
@@ -156,20 +160,33 @@ class RotaryEmbedding(nn.Module):
         # base^(−2i/D): a base ≤ 0 gives NaN (or infinite) frequencies, NaN in every score
         check_float("base", base, low=0.0, low_open=True)
         check_int("max_len", max_len)
-        self.head_dim, self.base, self.max_len = head_dim, base, max_len
+        check_int("rotary_dim", rotary_dim, optional=True)
+        rot = head_dim if rotary_dim is None else rotary_dim
+        if rot % 2 or rot > head_dim:
+            raise ValueError(f"rotary_dim must be even and at most head_dim {head_dim}, got {rot}")
+        check_float("mscale", mscale, low=0.0, low_open=True)
+        self.head_dim, self.base, self.max_len, self.rotary_dim = head_dim, base, max_len, rot
         # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
         # frequencies. Angles are computed in float64 for the positions of each call.
         # On the CPU even inside `with torch.device("meta")` (a model built there to be loaded
         # with assign=True keeps working frequencies); moved to the positions' device per call.
-        steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
-        self.inv_freq = base ** (-steps / head_dim)
+        steps = torch.arange(0, rot, 2, dtype=torch.float64, device="cpu")
+        unscaled = base ** (-steps / rot)
         # RoPE scaling: frequency i divided by factors[i] (llama.cpp's rope_freqs tensor,
         # ggml_rope_ext's freq_factors; linear scaling divides each by one factor)
-        self.factors = None if factors is None else as_rope_factors(factors, head_dim)
-        if self.factors is not None:
-            self.inv_freq = self.inv_freq / torch.tensor(
-                self.factors, dtype=torch.float64, device="cpu"
-            )
+        self.factors = None if factors is None else as_rope_factors(factors, rot)
+        self.inv_freq = unscaled if self.factors is None else unscaled / _tensor(self.factors)
+        # LongRoPE (Ding et al. 2024, arXiv:2402.13753; Phi-3's long-context models): a sequence
+        # whose last position is switch_at or more turns by long_factors instead, as
+        # transformers' longrope rule picks them; cos and sin scaled by mscale
+        if (long_factors is None) != (switch_at is None):
+            raise ValueError("long_factors and switch_at go together (LongRoPE)")
+        check_int("switch_at", switch_at, optional=True)
+        self.switch_at, self.mscale = switch_at, mscale
+        self.long_factors = None if long_factors is None else as_rope_factors(long_factors, rot)
+        self.long_inv_freq = (
+            None if self.long_factors is None else unscaled / _tensor(self.long_factors)
+        )
         # the last positions' cos and sin: the layers of one forward pass share one positions
         # tensor (a model that passes it to every layer computes the table once, not per layer)
         self._table: tuple[Tensor, int | None, torch.dtype, Tensor, Tensor] | None = None
@@ -210,10 +227,16 @@ class RotaryEmbedding(nn.Module):
 
     def _angles(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, D/2) or (B, T, D/2)
+        if self.long_inv_freq is not None:  # each row's own pick, by its last position
+            long = positions.amax(dim=-1, keepdim=True).unsqueeze(-1) >= self.switch_at
+            inv_freq = torch.where(long, self.long_inv_freq.to(positions.device), inv_freq)
+        angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (T, R/2) or (B, T, R/2)
         if positions.dim() == 2:
-            angles = angles.unsqueeze(1)  # (B, 1, T, D/2): the same for every head
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+            angles = angles.unsqueeze(1)  # (B, 1, T, R/2): the same for every head
+        cos, sin = angles.cos(), angles.sin()
+        if self.mscale != 1.0:
+            cos, sin = cos * self.mscale, sin * self.mscale
+        return cos.to(dtype), sin.to(dtype)
 
     def forget(self) -> None:
         """Drop the kept table (a new forward pass begins)."""
@@ -221,7 +244,16 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         scaled = "" if self.factors is None else f", factors={_shown_factors(self.factors)}"
+        if self.rotary_dim != self.head_dim:
+            scaled += f", rotary_dim={self.rotary_dim}"
+        if self.long_factors is not None:
+            scaled += (f", long_factors={_shown_factors(self.long_factors)}, "
+                       f"switch_at={self.switch_at}, mscale={self.mscale}")  # fmt: skip
         return f"head_dim={self.head_dim}, base={self.base}, max_len={self.max_len}{scaled}"
+
+
+def _tensor(values: Sequence[float]) -> Tensor:
+    return torch.tensor(values, dtype=torch.float64, device="cpu")
 
 
 def as_rope_factors(factors: Sequence[float], head_dim: int) -> tuple[float, ...]:
@@ -328,6 +360,11 @@ class ALiBi(nn.Module):
 
 
 def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (…, D) with each pair (x[j], x[D/2 + j]) rotated by the angle of cos, sin (…, D/2)."""
+    """x (…, D) with each pair (x[j], x[D/2 + j]) rotated by the angle of cos, sin (…, D/2).
+    Narrower angles (…, R/2), R < D, turn the first R features so and pass the rest (partial
+    rotary: Phi-4-mini, GPT-NeoX)."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((rotate_half(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)

@@ -182,9 +182,18 @@ class Decoder(Generates, SaveLoad, nn.Module):
         local_base = c.rope_base if c.local_rope_base is None else c.local_rope_base
         ropes: dict[LayerKind, RotaryEmbedding] = {
             "full": RotaryEmbedding(
-                c.dim, base=c.rope_base, max_len=c.max_len, factors=c.rope_factors
+                c.dim,
+                base=c.rope_base,
+                max_len=c.max_len,
+                factors=c.rope_factors,
+                rotary_dim=c.rotary_dim,
+                long_factors=c.rope_long_factors,
+                switch_at=c.rope_original_len,
+                mscale=c.rope_mscale,
             ),
-            "sliding": RotaryEmbedding(c.dim, base=local_base, max_len=c.max_len),
+            "sliding": RotaryEmbedding(
+                c.dim, base=local_base, max_len=c.max_len, rotary_dim=c.rotary_dim
+            ),
         }
         self.blocks = nn.ModuleList(
             _block(c, kind, None if i in c.nope_layers else ropes[kind])

@@ -49,6 +49,13 @@ class DecoderConfig:
     # RoPE scaling of the full-attention layers: frequency i divided by rope_factors[i] (D/2
     # values; llama3_rope_factors, or one factor repeated for linear scaling); None: unscaled
     rope_factors: tuple[float, ...] | None = None
+    rotary_dim: int | None = None  # the first features of each head RoPE turns; None: all
+    # LongRoPE (Phi-3's long-context models, Phi-4-mini): a sequence whose last position is
+    # rope_original_len or more turns by these divisors instead of rope_factors; cos and sin
+    # times rope_mscale
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_original_len: int | None = None
+    rope_mscale: float = 1.0
     nope_layers: tuple[int, ...] = ()  # layers whose attention has no RoPE (SmolLM3: every 4th)
     sliding_window: int | None = None  # keys a sliding layer sees, its own included
     layer_kinds: tuple[LayerKind, ...] | None = None  # "full"/"sliding" per layer; None: all
@@ -90,8 +97,20 @@ class DecoderConfig:
                 f"nope_layers must be indices of the {self.n_layers} layers, got {list(nope)}"
             )
         object.__setattr__(self, "nope_layers", tuple(sorted(set(nope))))
-        if self.rope_factors is not None:  # a JSON config gives a list
-            object.__setattr__(self, "rope_factors", as_rope_factors(self.rope_factors, self.dim))
+        check_int("rotary_dim", self.rotary_dim, optional=True)
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.dim):
+            raise ValueError(
+                f"rotary_dim must be even and at most the head dim {self.dim}, got "
+                f"{self.rotary_dim}"
+            )
+        rotated = self.dim if self.rotary_dim is None else self.rotary_dim
+        for name in ("rope_factors", "rope_long_factors"):  # a JSON config gives lists
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, as_rope_factors(getattr(self, name), rotated))
+        if (self.rope_long_factors is None) != (self.rope_original_len is None):
+            raise ValueError("rope_long_factors and rope_original_len go together (LongRoPE)")
+        check_int("rope_original_len", self.rope_original_len, optional=True)
+        check_float("rope_mscale", self.rope_mscale, low=0.0, low_open=True)
         check_int("sliding_window", self.sliding_window, optional=True)
         if self.layer_kinds is not None:
             kinds = tuple(self.layer_kinds)  # a JSON config gives a list

@@ -15,7 +15,7 @@ from typing import Any
 
 from dikkat.models.decoder import DecoderConfig, LayerKind
 from dikkat.pretrained.families.base import Config, FromGGUF, FromHF, Tensors, Values, Weight
-from dikkat.pretrained.families.rope_scaling import gguf_rope_factors, hf_rope_factors, rope_bases
+from dikkat.pretrained.families.rope_scaling import gguf_rope_factors, hf_rope_fields, rope_bases
 from dikkat.pretrained.gguf_checks import (
     block_count,
     check_shape,
@@ -237,7 +237,7 @@ def hf_fields(
         d_ff=int(need("intermediate_size")),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_base=bases.get("full_attention", 10000.0),
-        rope_factors=hf_rope_factors(hf, D, source),
+        **hf_rope_fields(hf, D, source),
         attn_softcap=_float_or_none(hf.get("attn_logit_softcapping")),
         final_softcap=_float_or_none(hf.get("final_logit_softcapping")),
         sliding_window=None if window is None else int(window),

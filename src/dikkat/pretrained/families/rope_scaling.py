@@ -12,12 +12,18 @@ Two kinds of scaling are implemented, in both formats:
   with its four numbers; GGUF: the divisors themselves, as the ``rope_freqs`` tensor that
   llama.cpp's converter computes (``convert_hf_to_gguf.py``, ``LlamaModel``).
 
-Any other kind (YaRN, LongRoPE, dynamic NTK) is refused by name: positions past the trained
-context would be wrong, not merely different.
+- ``longrope`` (LongRoPE, Phi-3's 128k models and Phi-4-mini): short and long divisors, the long
+  ones for a sequence past the original context, and cos and sin scaled (:func:`hf_rope_fields`;
+  GGUF: the ``rope_factors_short``/``_long`` tensors, ``rope.scaling.attn_factor`` and
+  ``rope.scaling.original_context_length``, read by the ``phi3`` family).
+
+Any other kind (YaRN, dynamic NTK) is refused by name: positions past the trained context would
+be wrong, not merely different.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +32,7 @@ from torch import Tensor
 from dikkat.layers.positional import as_rope_factors, llama3_rope_factors
 from dikkat.pretrained.gguf_file import shown
 
-__all__ = ["ROPE_FREQS", "gguf_rope_factors", "hf_rope_factors", "rope_bases"]
+__all__ = ["ROPE_FREQS", "gguf_rope_factors", "hf_rope_factors", "hf_rope_fields", "rope_bases"]
 
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (LLM_TENSOR_ROPE_FREQS)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -64,17 +70,42 @@ def rope_bases(hf: dict[str, Any]) -> dict[str, float]:
     return {kind: float(p.get("rope_theta", 10000.0)) for kind, p in _per_kind(hf).items()}
 
 
+def hf_rope_fields(hf: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
+    """The :class:`~dikkat.models.DecoderConfig` fields of RoPE a ``config.json`` describes
+    beyond its base: ``rope_factors``; ``rotary_dim`` where ``partial_rotary_factor`` turns part
+    of each head (Phi-4-mini); and LongRoPE's ``rope_long_factors``, ``rope_original_len`` and
+    ``rope_mscale`` (``attention_factor``, else √(1 + ln s / ln L) for s = the context over the
+    original context L, as transformers computes it)."""
+    p = _per_kind(hf).get("full_attention", {})
+    partial = float(p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rotated = int(head_dim * partial)
+    fields: dict[str, Any] = {} if rotated == head_dim else {"rotary_dim": rotated}
+    if _kind_of(p) != "longrope":
+        return fields | {"rope_factors": hf_rope_factors(hf, rotated, source)}
+    original = p.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    missing = [k for k in ("short_factor", "long_factor") if p.get(k) is None]
+    if original is None or missing:
+        lacking = missing or ["original_max_position_embeddings"]
+        raise ValueError(f"{source}: longrope RoPE scaling without {lacking}")
+    factor = p.get("factor") or hf["max_position_embeddings"] / original
+    mscale = p.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return fields | {
+        "rope_factors": tuple(p["short_factor"]),
+        "rope_long_factors": tuple(p["long_factor"]),
+        "rope_original_len": int(original),
+        "rope_mscale": float(mscale),
+    }
+
+
 def hf_rope_factors(hf: dict[str, Any], head_dim: int, source: str) -> tuple[float, ...] | None:
-    """The full-attention layers' RoPE divisors a ``config.json`` describes; None: unscaled.
-    Scaling of the sliding layers, a partial rotary dimension and any kind but ``linear`` and
-    ``llama3`` are refused naming the key."""
+    """The full-attention layers' RoPE divisors a ``config.json`` describes (``head_dim``: the
+    features RoPE turns); None: unscaled. Scaling of the sliding layers and any kind but
+    ``linear``, ``llama3`` (and ``longrope``, :func:`hf_rope_fields`) are refused naming the
+    key."""
     kinds = _per_kind(hf)
     for kind, p in kinds.items():
-        if float(p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise ValueError(
-                f"{source}: partial_rotary_factor (RoPE on part of each head) is not implemented "
-                "in dikkat"
-            )
         if kind != "full_attention" and _kind_of(p) != "default":
             raise ValueError(
                 f"{source}: RoPE scaling of the {kind} layers is not implemented in dikkat"
@@ -98,8 +129,8 @@ def hf_rope_factors(hf: dict[str, Any], head_dim: int, source: str) -> tuple[flo
             original_max_len=int(p["original_max_position_embeddings"]),
         )
     raise ValueError(
-        f"{source}: RoPE scaling {kind!r} is not implemented in dikkat (it runs linear and "
-        "llama3); positions past the trained context would be wrong"
+        f"{source}: RoPE scaling {kind!r} is not implemented in dikkat (it runs linear, llama3 "
+        "and longrope); positions past the trained context would be wrong"
     )
 
 
