@@ -235,8 +235,30 @@ void tiles_of(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t 
   }
 }
 
-// S: float, at::Half, or int8_t (two levels, with units): a group's two-level scales are
-// expanded to fp32 before its products, 16 · K / BLOCK of them (a few kB, in L1)
+// The full group of 16 weight rows from row n0 times the activation rows [m0, M), into columns
+// col … col + 15 of out (rows of N). S: float, at::Half, or int8_t (two levels, with units): a
+// group's two-level scales are expanded to fp32 first, 16 · K / BLOCK of them (a few kB, in L1)
+template <int BITS, int BLOCK, bool OFFSET, typename S>
+void full_group(const Rounded& r, const Sums& sums, int64_t m0, int64_t M, int64_t K, int64_t N,
+                const uint8_t* values, const S* scale, const S* offset, const Units& units,
+                int64_t n0, int64_t col, float* out) {
+  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK;
+  const S* o = OFFSET ? offset + n0 * per_row : nullptr;
+  if constexpr (std::is_same_v<S, int8_t>) {
+    thread_local std::vector<float> s32, o32;  // this worker's
+    const int64_t units_at = n0 * (K / kSuper);
+    s32.resize(kRows * per_row);
+    o32.resize(OFFSET ? kRows * per_row : 0);
+    expand_group<BLOCK>(scale + n0 * per_row, units.scale + units_at, per_row, s32.data());
+    if (OFFSET) expand_group<BLOCK>(o, units.offset + units_at, per_row, o32.data());
+    tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, M, K, N, values + n0 * row_bytes, s32.data(),
+                                                OFFSET ? o32.data() : nullptr, col, kRows, out, m0);
+  } else {
+    tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, values + n0 * row_bytes,
+                                            scale + n0 * per_row, o, col, kRows, out, m0);
+  }
+}
+
 template <int BITS, int BLOCK, bool OFFSET, typename S>
 void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* values,
          const S* scale, const S* offset, const Units& units, int32_t zero, float* out) {
@@ -253,19 +275,7 @@ void run(const Rounded& r, int64_t M, int64_t K, int64_t N, const uint8_t* value
       const int64_t n0 = g * kRows;
       const S* o = OFFSET ? offset + n0 * per_row : nullptr;
       if (g < full) {
-        if constexpr (std::is_same_v<S, int8_t>) {
-          thread_local std::vector<float> s32, o32;  // this worker's
-          const int64_t units_at = n0 * (K / kSuper);
-          s32.resize(kRows * per_row);
-          o32.resize(OFFSET ? kRows * per_row : 0);
-          expand_group<BLOCK>(scale + n0 * per_row, units.scale + units_at, per_row, s32.data());
-          if (OFFSET) expand_group<BLOCK>(o, units.offset + units_at, per_row, o32.data());
-          tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, M, K, N, values + n0 * row_bytes, s32.data(),
-                                                      OFFSET ? o32.data() : nullptr, n0, kRows, out);
-        } else {
-          tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, M, K, N, values + n0 * row_bytes,
-                                                  scale + n0 * per_row, o, n0, kRows, out);
-        }
+        full_group<BITS, BLOCK, OFFSET, S>(r, sums, 0, M, K, N, values, scale, offset, units, n0, n0, out);
       } else {
         std::vector<uint8_t> v;
         std::vector<float> s, o32;
@@ -290,7 +300,7 @@ void run_ids(const Rounded& r, int64_t M, int64_t K, int64_t R, const int64_t* i
   thread_local Sums kept;
   Sums& sums = kept;
   block_sums<BLOCK>(r, M, K, zero, sums);
-  const int64_t row_bytes = K * BITS / 8, per_row = K / BLOCK, groups = R / kRows;
+  const int64_t groups = R / kRows;
   std::vector<int64_t> starts;  // where each run of one id begins, and M
   for (int64_t m = 0; m < M; ++m) {
     if (m == 0 || ids[m] != ids[m - 1]) starts.push_back(m);
@@ -303,20 +313,7 @@ void run_ids(const Rounded& r, int64_t M, int64_t K, int64_t R, const int64_t* i
       const int64_t run = i / groups, g = i % groups;
       const int64_t m0 = starts[run], m1 = starts[run + 1];
       const int64_t n0 = ids[m0] * R + g * kRows;  // in the stacked weight
-      const S* o = OFFSET ? offset + n0 * per_row : nullptr;
-      if constexpr (std::is_same_v<S, int8_t>) {
-        thread_local std::vector<float> s32, o32;  // this worker's
-        const int64_t units_at = n0 * (K / kSuper);
-        s32.resize(kRows * per_row);
-        o32.resize(OFFSET ? kRows * per_row : 0);
-        expand_group<BLOCK>(scale + n0 * per_row, units.scale + units_at, per_row, s32.data());
-        if (OFFSET) expand_group<BLOCK>(o, units.offset + units_at, per_row, o32.data());
-        tiles_of<BITS, BLOCK, OFFSET, kTile, float>(r, sums, m1, K, R, values + n0 * row_bytes, s32.data(),
-                                                    OFFSET ? o32.data() : nullptr, g * kRows, kRows, out, m0);
-      } else {
-        tiles_of<BITS, BLOCK, OFFSET, kTile, S>(r, sums, m1, K, R, values + n0 * row_bytes,
-                                                scale + n0 * per_row, o, g * kRows, kRows, out, m0);
-      }
+      full_group<BITS, BLOCK, OFFSET, S>(r, sums, m0, m1, K, R, values, scale, offset, units, n0, g * kRows, out);
     }
   });
 }
