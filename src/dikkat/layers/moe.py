@@ -11,8 +11,10 @@ tokens: a step reads the weights of the experts it uses and no others.
 
 Which experts run depends on the values of the routing, which a traced graph (torch.compile,
 torch.export: the compiled decode step) cannot hold: there the routing is traced, and the experts
-run as one opaque custom op, ``dikkat::experts`` (PyTorch's "Custom Python Operators" tutorial),
-whose implementation is the eager :meth:`SparseMoE.mix`. The op takes the router's weight too,
+run as one op — experts a file stacked and quantised (``stacked``,
+:class:`~dikkat.weights.packed_layers.PackedExperts`) as its native op, any others as an opaque
+custom op, ``dikkat::experts`` (PyTorch's "Custom Python Operators" tutorial), whose
+implementation is the eager :meth:`SparseMoE.mix`. That op takes the router's weight too,
 by which it finds its layer (:func:`_layer_of`): a compiled program kept on disk binds its
 constants to the model's tensors when a later process loads it
 (:mod:`dikkat.models.aot_package`), so the router it passes is always the loaded model's. Two
@@ -128,7 +130,8 @@ class SparseMoE(nn.Module):
         return out
 
     def _one(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """One token's output: its experts' in index order, summed as :meth:`run` sums them."""
+        """One token's output: its experts' in index order, summed as :meth:`mix` sums a
+        batch's."""
         picks = sorted(zip(experts.tolist(), weights.tolist(), strict=True))
         out = None
         for e, w in picks:

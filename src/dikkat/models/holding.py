@@ -17,7 +17,6 @@ expanded to fp32); a tied output layer is the token table.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,17 +196,17 @@ def _hold_experts(moe: SparseMoE, at: str, left: dict[str, Stored]) -> None:
     router = f"{at}router.weight"
     if router in left and kept(left[router]):
         left[router] = _expanded(left[router])
-    if all(isinstance(w, PackedWeight) for w in stacks.values()):
-        with contextlib.suppress(ValueError):  # experts not in whole groups: held one by one
-            moe.stacked = PackedExperts(*stacks.values(), moe.n_experts, moe.experts[0].act)  # type: ignore[arg-type]
-            for e, expert in enumerate(moe.experts):
-                *gate_up, down = moe.stacked.expert(e)
-                expert.down = PackedLinear(down, None, False)
-                if len(gate_up) == 1:
-                    expert.hold_gate_up(PackedLinear(gate_up[0], None, False))
-                else:
-                    expert.gate, expert.up = (PackedLinear(p, None, False) for p in gate_up)
-            return
+    stacked = _stacked(moe, stacks)
+    if stacked is not None:
+        moe.stacked = stacked
+        for e, expert in enumerate(moe.experts):
+            *gate_up, down = stacked.expert(e)
+            expert.down = PackedLinear(down, None, False)
+            if len(gate_up) == 1:
+                expert.hold_gate_up(PackedLinear(gate_up[0], None, False))
+            else:
+                expert.gate, expert.up = (PackedLinear(p, None, False) for p in gate_up)
+        return
     for name, whole in stacks.items():
         if whole is None:
             continue
@@ -219,3 +218,14 @@ def _hold_experts(moe: SparseMoE, at: str, left: dict[str, Stored]) -> None:
                 else whole[e]
             )
             left[f"{at}experts.{e}.{name}.weight"] = part
+
+
+def _stacked(moe: SparseMoE, stacks: dict[str, Stored | None]) -> PackedExperts | None:
+    """The three stacks held whole, where all are packed and each expert is whole groups of the
+    kernel; else None (the experts are then held one by one)."""
+    if not all(isinstance(w, PackedWeight) for w in stacks.values()):
+        return None
+    try:
+        return PackedExperts(*stacks.values(), moe.n_experts, moe.experts[0].act)  # type: ignore[arg-type]
+    except ValueError:
+        return None
