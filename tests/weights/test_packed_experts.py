@@ -60,6 +60,8 @@ def test_bad_products_are_refused():
         packed_linear_ids(torch.randn(3, K), p, torch.tensor([0, 1]), 32)
     with pytest.raises(ValueError, match="rows=24 must be a multiple of 16"):
         packed_linear_ids(torch.randn(2, K), p, torch.tensor([0, 1]), 24)
+    with pytest.raises(TypeError, match=r"ids must be int64 expert indices, got torch\.int32"):
+        packed_linear_ids(torch.randn(2, K), p, torch.tensor([0, 1], dtype=torch.int32), 32)
     with pytest.raises(RuntimeError, match=r"ids must lie in \[0, 5\)"):
         packed_linear_ids(torch.randn(2, K), p, torch.tensor([0, 5]), 32)
 

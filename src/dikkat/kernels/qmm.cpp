@@ -394,32 +394,51 @@ void qmm_as(const float* x, const Rounded& r, const at::Tensor& values, const at
   }
 }
 
+// a packed weight's tensors as the products read them: checked against K, contiguous, and its
+// two-level scales' fp16 units (Units points into units_scale / units_offset, held here)
+struct Blocks {
+  at::Tensor values, scale, offset, units_scale, units_offset;
+  Units units;
+  bool two_level = false;
+};
+
+Blocks blocks_of(const at::Tensor& values, const at::Tensor& scale,
+                 const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& super_scale,
+                 const c10::optional<at::Tensor>& super_offset, int64_t bits, int64_t block, int64_t K) {
+  Blocks b;
+  b.two_level = scale.scalar_type() == at::kChar;
+  check_blocks(values, scale, offset, bits, block, K, b.two_level);
+  check_units(scale, offset, super_scale, super_offset, values.size(0), K);
+  const bool has_offset = offset.has_value() && offset->defined();
+  b.units_scale = b.two_level ? super_scale->contiguous() : at::Tensor();
+  b.units_offset = b.two_level && has_offset ? super_offset->contiguous() : at::Tensor();
+  b.units = Units{b.units_scale.defined() ? b.units_scale.data_ptr<at::Half>() : nullptr,
+                  b.units_offset.defined() ? b.units_offset.data_ptr<at::Half>() : nullptr};
+  b.values = values.contiguous();
+  b.scale = scale.contiguous();
+  b.offset = has_offset ? offset->contiguous() : at::Tensor();
+  return b;
+}
+
 at::Tensor qmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale,
                const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& super_scale,
                const c10::optional<at::Tensor>& super_offset, int64_t bits, int64_t block,
                int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
   const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
-  const bool two_level = scale.scalar_type() == at::kChar;
-  check_blocks(values, scale, offset, bits, block, K, two_level);
-  check_units(scale, offset, super_scale, super_offset, N, K);
-  const at::Tensor us = two_level ? super_scale->contiguous() : at::Tensor();
-  const at::Tensor uo = two_level && offset.has_value() && offset->defined() ? super_offset->contiguous() : at::Tensor();
-  const Units units{us.defined() ? us.data_ptr<at::Half>() : nullptr,
-                    uo.defined() ? uo.data_ptr<at::Half>() : nullptr};
-  const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
-  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  const Blocks b = blocks_of(values, scale, offset, super_scale, super_offset, bits, block, K);
+  const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   thread_local Rounded r;  // the calling thread's, kept between calls
-  round_rows(xc.data_ptr<float>(), M, K, r);
-  if (two_level) {
-    qmm_as<int8_t>(xc.data_ptr<float>(), r, vc, sc, oc, units, bits, block, zero, M, K, out);
-  } else if (sc.scalar_type() == at::kHalf) {
-    qmm_as<at::Half>(xc.data_ptr<float>(), r, vc, sc, oc, units, bits, block, zero, M, K, out);
+  const float* xp = xc.data_ptr<float>();
+  round_rows(xp, M, K, r);
+  if (b.two_level) {
+    qmm_as<int8_t>(xp, r, b.values, b.scale, b.offset, b.units, bits, block, zero, M, K, out);
+  } else if (b.scale.scalar_type() == at::kHalf) {
+    qmm_as<at::Half>(xp, r, b.values, b.scale, b.offset, b.units, bits, block, zero, M, K, out);
   } else {
-    qmm_as<float>(xc.data_ptr<float>(), r, vc, sc, oc, units, bits, block, zero, M, K, out);
+    qmm_as<float>(xp, r, b.values, b.scale, b.offset, b.units, bits, block, zero, M, K, out);
   }
   return out;
 }
@@ -465,29 +484,22 @@ at::Tensor qmm_ids(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
               "ids must be (M,) int64, one a row of x");
   TORCH_CHECK(rows > 0 && rows % kRows == 0 && N % rows == 0,
               "rows must be a multiple of 16 that divides the weight's rows");
-  const bool two_level = scale.scalar_type() == at::kChar;
-  check_blocks(values, scale, offset, bits, block, K, two_level);
-  check_units(scale, offset, super_scale, super_offset, N, K);
+  const Blocks b = blocks_of(values, scale, offset, super_scale, super_offset, bits, block, K);
   const at::Tensor idc = ids.contiguous();
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
     TORCH_CHECK(0 <= id[m] && id[m] < N / rows, "ids must lie in [0, ", N / rows, "), got ", id[m]);
   }
-  const at::Tensor us = two_level ? super_scale->contiguous() : at::Tensor();
-  const at::Tensor uo = two_level && offset.has_value() && offset->defined() ? super_offset->contiguous() : at::Tensor();
-  const Units units{us.defined() ? us.data_ptr<at::Half>() : nullptr,
-                    uo.defined() ? uo.data_ptr<at::Half>() : nullptr};
-  const bool has_offset = offset.has_value() && offset->defined();
-  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), sc = scale.contiguous();
-  const at::Tensor oc = has_offset ? offset->contiguous() : at::Tensor();
+  const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, rows}, x.options());
   if (M == 0) return out;
   thread_local Rounded r;
-  round_rows(xc.data_ptr<float>(), M, K, r);
   const float* xp = xc.data_ptr<float>();
-  if (two_level) qmm_ids_as<int8_t>(xp, r, id, vc, sc, oc, units, bits, block, zero, M, K, rows, out);
-  else if (sc.scalar_type() == at::kHalf) qmm_ids_as<at::Half>(xp, r, id, vc, sc, oc, units, bits, block, zero, M, K, rows, out);
-  else qmm_ids_as<float>(xp, r, id, vc, sc, oc, units, bits, block, zero, M, K, rows, out);
+  round_rows(xp, M, K, r);
+  const auto& [v, sc, oc, us, uo, units, two_level] = b;
+  if (two_level) qmm_ids_as<int8_t>(xp, r, id, v, sc, oc, units, bits, block, zero, M, K, rows, out);
+  else if (sc.scalar_type() == at::kHalf) qmm_ids_as<at::Half>(xp, r, id, v, sc, oc, units, bits, block, zero, M, K, rows, out);
+  else qmm_ids_as<float>(xp, r, id, v, sc, oc, units, bits, block, zero, M, K, rows, out);
   return out;
 }
 

@@ -328,6 +328,8 @@ def packed_linear_ids(x: Tensor, p: PackedWeight, ids: Tensor, rows: int) -> Ten
         raise ValueError(
             f"x must be (M, {K}) and ids (M,), got {tuple(x.shape)} and {tuple(ids.shape)}"
         )
+    if ids.dtype != torch.int64:
+        raise TypeError(f"ids must be int64 expert indices, got {ids.dtype}")
     if rows % ROWS or N % rows:
         raise ValueError(f"rows={rows} must be a multiple of {ROWS} that divides N={N}")
     op = qmm_ids_op() if x.device.type == "cpu" else None
