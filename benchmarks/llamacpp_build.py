@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dikkat.files import atomic_write
 
-VERSION = "0.3.36"
+VERSION = "0.3.36"  # the Makefile's LLAMACPP (the converter the tests run) too
 TARGETS = (
     "llama-bench",
     "llama-perplexity",

@@ -125,14 +125,17 @@ def save_tiny(family: str, folder: Path, seed: int = 0, **overrides: object) -> 
     return model
 
 
-def _save_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A byte-level BPE without merges: 256 byte tokens and <s>, </s>."""
+def _save_tokenizer(folder: Path, vocab_size: int, merges: bool = False) -> None:
+    """A byte-level BPE: 256 byte tokens and <s>, </s>, with ``merges`` a few merges too (" the",
+    "in", "er"), as llama.cpp reads no BPE vocabulary without them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<s>": 0, "</s>": 1} | {ch: i + 2 for i, ch in enumerate(sorted(alphabet))}
+    pairs = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r")] if merges else []
+    vocab |= {a + b: len(vocab) + i for i, (a, b) in enumerate(pairs)}
     assert len(vocab) <= vocab_size
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>"])
