@@ -6,7 +6,7 @@
 // one row by every weight matrix of the model, so a step is as fast as the weights are read from
 // memory. Each thread takes a contiguous span of w's rows and, in AVX-512, reads one row after
 // another, 64 values a step in four sums of 16 lanes (one_row): one stream through memory, which
-// the hardware prefetchers follow; in AVX2 four rows side by side, 16 values of each a step, 16
+// the hardware prefetchers follow and a software prefetch into L2 runs ahead of; in AVX2 four rows side by side, 16 values of each a step, 16
 // partial sums each (two registers of 8 lanes; rows_times). The partial sums are added in a tree
 // at the end. It is made for one row: further rows of x are each multiplied with the rows of w
 // from cache, one after the other, which is slower than a matrix product's kernel from two rows
@@ -36,6 +36,10 @@ constexpr int64_t kRows = 4;                // weight rows read together
 constexpr int64_t kChunkBytes = 65536;      // at least this much of w a thread's span
 constexpr int64_t kBlasRows = 8;            // from this many rows of x, a 16-bit w is widened
 constexpr int64_t kWidenedBytes = 8 << 20;  // fp32 bytes of w widened at a time for that
+// In AVX-512, one_row asks for the weights this many bytes ahead of their turn, into L2: a core
+// streaming a matrix from memory then keeps more of it on the way than its prefetchers alone
+// do (into L1 it was slower: BENCHMARKS.md, "Prefetching into L2")
+constexpr int64_t kAhead = 4096;
 
 template <typename W>
 struct Product {
@@ -141,6 +145,10 @@ void one_row(const Product<W>& p, int64_t n) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
     for (; k + 64 <= p.K; k += 64) {
+      if (m == 0) {  // the weights kAhead bytes on, into L2 (see kAhead)
+        const char* ahead = reinterpret_cast<const char*>(w + k) + kAhead;
+        for (int64_t b = 0; b < 64 * int64_t(sizeof(W)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+      }
       a0 = _mm512_fmadd_ps(lanes16(w + k), _mm512_loadu_ps(x + k), a0);
       a1 = _mm512_fmadd_ps(lanes16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
       a2 = _mm512_fmadd_ps(lanes16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);

@@ -142,8 +142,9 @@ void block_sums(const Rounded& r, int64_t M, int64_t K, int32_t zero, Sums& s) {
   }
 }
 
-// out[m, 16 g + lane] for the TILE activation rows from m0 and the group's rows (lanes < rows)
-template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
+// out[m, 16 g + lane] for the TILE activation rows from m0 and the group's rows (lanes < rows);
+// ONCE: no other tile multiplies this group
+template <int BITS, int BLOCK, bool OFFSET, int TILE, bool ONCE, typename S>
 void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const uint8_t* group,
               const S* scale, const S* offset, int64_t m0, int64_t n0, int64_t rows, float* out) {
   const int64_t G = K / kGroup, per_row = K / BLOCK;
@@ -156,8 +157,9 @@ void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const ui
     a.out[t] = out + (m0 + t) * N + n0;
   }
 #if DIKKAT_VNNI
-  group_vnni<BITS, BLOCK, OFFSET, TILE, S>(a, G, group, scale, offset, rows);
+  group_vnni<BITS, BLOCK, OFFSET, TILE, ONCE, S>(a, G, group, scale, offset, rows);
 #elif DIKKAT_AVX2
+  // (its prefetches go to L1 either way: ONCE was measured on a DRAM-bound matrix only in VNNI)
   group_avx2<BITS, BLOCK, OFFSET, TILE, S>(a, G, group, scale, offset, rows);
 #else
   for (int t = 0; t < TILE; ++t) {
@@ -212,17 +214,34 @@ void tail_group(const uint8_t* values, const S* scale, const S* offset, const Un
   }
 }
 
+// the activation rows [m0, M), at most TILE of them, over one weight group that no other rows
+// multiply
+template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
+void tile_once(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t N,
+               const uint8_t* group, const S* scale, const S* offset, int64_t n0, int64_t rows,
+               float* out, int64_t m0) {
+  if (M - m0 == TILE) {
+    multiply<BITS, BLOCK, OFFSET, TILE, true, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
+  } else if constexpr (TILE > 1) {
+    tile_once<BITS, BLOCK, OFFSET, TILE - 1, S>(r, sums, M, K, N, group, scale, offset, n0, rows, out, m0);
+  }
+}
+
 // the activation rows [m_begin, M) over one weight group, TILE rows at a time
 template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
 void tiles_of(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t N,
               const uint8_t* group, const S* scale, const S* offset, int64_t n0, int64_t rows,
               float* out, int64_t m_begin = 0) {
+  if (M - m_begin <= TILE) {  // one tile: the group is read once
+    tile_once<BITS, BLOCK, OFFSET, TILE, S>(r, sums, M, K, N, group, scale, offset, n0, rows, out, m_begin);
+    return;
+  }
   int64_t m0 = m_begin;
   for (; m0 + TILE <= M; m0 += TILE) {
-    multiply<BITS, BLOCK, OFFSET, TILE, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
+    multiply<BITS, BLOCK, OFFSET, TILE, false, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
   }
   switch (M - m0) {
-#define DIKKAT_TILE(T) multiply<BITS, BLOCK, OFFSET, T, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out)
+#define DIKKAT_TILE(T) multiply<BITS, BLOCK, OFFSET, T, false, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out)
     case 7: DIKKAT_TILE(7); break;
     case 6: DIKKAT_TILE(6); break;
     case 5: DIKKAT_TILE(5); break;

@@ -15,8 +15,11 @@ inline __m512 load16(const at::Half* p, __mmask16 k) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
 }
 
-// a.out[t][lane] for the tile's rows t and the group's rows (lanes < rows)
-template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
+// a.out[t][lane] for the tile's rows t and the group's rows (lanes < rows). The weights ahead
+// are asked for into L1, except 6-bit weights that this tile alone reads (ONCE: a decode
+// step's rows), asked for into L2 only: a core streaming them from memory then keeps more of
+// them on the way (BENCHMARKS.md, "Prefetching into L2"; the other widths were no faster so).
+template <int BITS, int BLOCK, bool OFFSET, int TILE, bool ONCE, typename S>
 void group_vnni(const Tile<TILE>& a, int64_t G, const uint8_t* group, const S* scale,
                 const S* offset, int64_t rows) {
   const auto& [aq, ad, da, zs, out] = a;
@@ -27,7 +30,11 @@ void group_vnni(const Tile<TILE>& a, int64_t G, const uint8_t* group, const S* s
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = group + g * group_bytes;
-    for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAhead + b), _MM_HINT_T0);
+    for (int64_t b = 0; b < group_bytes; b += 64) {
+      const char* ahead = reinterpret_cast<const char*>(c + kAhead + b);
+      if constexpr (ONCE && BITS == 6) _mm_prefetch(ahead, _MM_HINT_T1);
+      else _mm_prefetch(ahead, _MM_HINT_T0);
+    }
     // h0: values 0-15 of the block of 32, h1: values 16-31; a symmetric format's zero point
     // enters as -zero times the activations' sum, in integers
     __m512i h0[TILE], h1[TILE];
