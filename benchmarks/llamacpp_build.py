@@ -101,9 +101,11 @@ def build_llamacpp(cache: Path, version: str = VERSION, jobs: int = 2) -> Path:
     sdist = cache / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.is_file():
         print(f"downloading the llama-cpp-python {version} sdist into {cache}", flush=True)
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        # the sdist alone: its build requirements (scikit-build-core, cmake) may come as wheels
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps"]
         what = f"pip download of llama-cpp-python=={version}"
-        run([*pip, f"llama-cpp-python=={version}", "-d", str(cache)], what, timeout=900)
+        name = "llama-cpp-python"
+        run([*pip, "--no-binary", name, f"{name}=={version}", "-d", str(cache)], what, timeout=900)
     source = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
     if not (source / "CMakeLists.txt").is_file():
         with tarfile.open(sdist) as tar:

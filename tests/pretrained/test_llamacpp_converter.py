@@ -52,7 +52,7 @@ def converter() -> Path:
         return folder
     if named:
         raise AssertionError(f"DIKKAT_LLAMACPP_CONVERTER={named} holds no convert_hf_to_gguf.py")
-    pytest.skip(f"llama.cpp's converter is not in {folder}: `make setup` unpacks it there")
+    pytest.skip(f"llama.cpp's converter is not in {folder}: `make test` unpacks it there")
 
 
 def sentencepiece_model(folder: Path) -> None:
