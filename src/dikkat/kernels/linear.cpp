@@ -6,8 +6,9 @@
 // one row by every weight matrix of the model, so a step is as fast as the weights are read from
 // memory. Each thread takes a contiguous span of w's rows and, in AVX-512, reads one row after
 // another, 64 values a step in four sums of 16 lanes (one_row): one stream through memory, which
-// the hardware prefetchers follow and a software prefetch into L2 runs ahead of; in AVX2 four rows side by side, 16 values of each a step, 16
-// partial sums each (two registers of 8 lanes; rows_times). The partial sums are added in a tree
+// the hardware prefetchers follow and a software prefetch into L2 runs ahead of; in AVX2 four
+// rows side by side, 16 values of each a step, 16 partial sums each (two registers of 8 lanes;
+// rows_times). The partial sums are added in a tree
 // at the end. It is made for one row: further rows of x are each multiplied with the rows of w
 // from cache, one after the other, which is slower than a matrix product's kernel from two rows
 // on (benchmarks/decode_parts.py). So from

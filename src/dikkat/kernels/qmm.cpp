@@ -143,8 +143,8 @@ void block_sums(const Rounded& r, int64_t M, int64_t K, int32_t zero, Sums& s) {
 }
 
 // out[m, 16 g + lane] for the TILE activation rows from m0 and the group's rows (lanes < rows);
-// ONCE: no other tile multiplies this group
-template <int BITS, int BLOCK, bool OFFSET, int TILE, bool ONCE, typename S>
+// TO_L2: the weights ahead are asked for into L2 only (qmm_vnni.h)
+template <int BITS, int BLOCK, bool OFFSET, int TILE, bool TO_L2, typename S>
 void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const uint8_t* group,
               const S* scale, const S* offset, int64_t m0, int64_t n0, int64_t rows, float* out) {
   const int64_t G = K / kGroup, per_row = K / BLOCK;
@@ -157,9 +157,9 @@ void multiply(const Rounded& r, const Sums& sums, int64_t K, int64_t N, const ui
     a.out[t] = out + (m0 + t) * N + n0;
   }
 #if DIKKAT_VNNI
-  group_vnni<BITS, BLOCK, OFFSET, TILE, ONCE, S>(a, G, group, scale, offset, rows);
+  group_vnni<BITS, BLOCK, OFFSET, TILE, TO_L2, S>(a, G, group, scale, offset, rows);
 #elif DIKKAT_AVX2
-  // (its prefetches go to L1 either way: ONCE was measured on a DRAM-bound matrix only in VNNI)
+  // (its prefetches go to L1: into L2 was measured on a DRAM-bound matrix only in VNNI)
   group_avx2<BITS, BLOCK, OFFSET, TILE, S>(a, G, group, scale, offset, rows);
 #else
   for (int t = 0; t < TILE; ++t) {
@@ -215,13 +215,14 @@ void tail_group(const uint8_t* values, const S* scale, const S* offset, const Un
 }
 
 // the activation rows [m0, M), at most TILE of them, over one weight group that no other rows
-// multiply
+// multiply: 6-bit weights read so are asked for into L2 only (qmm_vnni.h), the other widths
+// as the tiles of a longer run are (so they share its code)
 template <int BITS, int BLOCK, bool OFFSET, int TILE, typename S>
 void tile_once(const Rounded& r, const Sums& sums, int64_t M, int64_t K, int64_t N,
                const uint8_t* group, const S* scale, const S* offset, int64_t n0, int64_t rows,
                float* out, int64_t m0) {
   if (M - m0 == TILE) {
-    multiply<BITS, BLOCK, OFFSET, TILE, true, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
+    multiply<BITS, BLOCK, OFFSET, TILE, BITS == 6, S>(r, sums, K, N, group, scale, offset, m0, n0, rows, out);
   } else if constexpr (TILE > 1) {
     tile_once<BITS, BLOCK, OFFSET, TILE - 1, S>(r, sums, M, K, N, group, scale, offset, n0, rows, out, m0);
   }

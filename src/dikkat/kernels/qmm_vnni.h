@@ -16,10 +16,10 @@ inline __m512 load16(const at::Half* p, __mmask16 k) {
 }
 
 // a.out[t][lane] for the tile's rows t and the group's rows (lanes < rows). The weights ahead
-// are asked for into L1, except 6-bit weights that this tile alone reads (ONCE: a decode
-// step's rows), asked for into L2 only: a core streaming them from memory then keeps more of
+// are asked for into L1, or with TO_L2 into L2 only: where one tile alone reads a group of
+// 6-bit weights (a decode step's rows), a core streaming them from memory then keeps more of
 // them on the way (BENCHMARKS.md, "Prefetching into L2"; the other widths were no faster so).
-template <int BITS, int BLOCK, bool OFFSET, int TILE, bool ONCE, typename S>
+template <int BITS, int BLOCK, bool OFFSET, int TILE, bool TO_L2, typename S>
 void group_vnni(const Tile<TILE>& a, int64_t G, const uint8_t* group, const S* scale,
                 const S* offset, int64_t rows) {
   const auto& [aq, ad, da, zs, out] = a;
@@ -32,7 +32,7 @@ void group_vnni(const Tile<TILE>& a, int64_t G, const uint8_t* group, const S* s
     const uint8_t* c = group + g * group_bytes;
     for (int64_t b = 0; b < group_bytes; b += 64) {
       const char* ahead = reinterpret_cast<const char*>(c + kAhead + b);
-      if constexpr (ONCE && BITS == 6) _mm_prefetch(ahead, _MM_HINT_T1);
+      if constexpr (TO_L2) _mm_prefetch(ahead, _MM_HINT_T1);
       else _mm_prefetch(ahead, _MM_HINT_T0);
     }
     // h0: values 0-15 of the block of 32, h1: values 16-31; a symmetric format's zero point
