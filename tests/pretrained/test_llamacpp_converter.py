@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_hf import COMMON, _save_tokenizer, save_tiny
+from tiny_hf import COMMON, save_tiny, save_tokenizer
 
 import dikkat
 from dikkat.generation import generate
@@ -79,7 +79,7 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     for family, overrides in FAMILIES.items():
         folder = folders[family] = root / family
         save_tiny(family, folder, **overrides)
-        _save_tokenizer(folder, COMMON["vocab_size"], merges=True)
+        save_tokenizer(folder, COMMON["vocab_size"], merges=True)
         if family in SENTENCEPIECE:
             sentencepiece_model(folder)
         if family in ("phi3", "phi4"):  # Phi-4-mini's: a GPT-2 vocabulary, not SentencePiece

@@ -121,11 +121,11 @@ def save_tiny(family: str, folder: Path, seed: int = 0, **overrides: object) -> 
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.3 * torch.randn_like(p))
     model.eval().save_pretrained(folder)
-    _save_tokenizer(folder, COMMON["vocab_size"])
+    save_tokenizer(folder, COMMON["vocab_size"])
     return model
 
 
-def _save_tokenizer(folder: Path, vocab_size: int, merges: bool = False) -> None:
+def save_tokenizer(folder: Path, vocab_size: int, merges: bool = False) -> None:
     """A byte-level BPE: 256 byte tokens and <s>, </s>, with ``merges`` a few merges too (" the",
     "in", "er"), as llama.cpp reads no BPE vocabulary without them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
