@@ -31,6 +31,7 @@ from dikkat.core import (
     register_backend,
 )
 from dikkat.generation import (
+    Grammars,
     KVCache,
     LookupStats,
     SamplingParams,
@@ -111,6 +112,7 @@ __all__ = [
     "DecoderConfig",
     "GPTConfig",
     "GatedMLP",
+    "Grammars",
     "KVCache",
     "LayerNorm",
     "LearnedPositionalEmbedding",

@@ -1,12 +1,15 @@
 """Inference: how to decode (:class:`SamplingParams`, what every entry point takes), what a
 model must offer to be generated from and served (:class:`DecoderLM`), the preallocated KV
 cache, prefill and one-token decode, sampling, the decoding loop that every model shares,
-prompt-lookup decoding (greedy, a whole guessed draft checked per model call), and the weight
+prompt-lookup decoding (greedy, a whole guessed draft checked per model call), constrained
+decoding (a text held to a JSON Schema, a regex, choices or a grammar: :class:`Grammars`), and
+the weight
 formats it decodes in (``inference_model``, re-exported from :mod:`dikkat.layers`: each call
 decodes on an inference copy of the model in its format; make one with
 ``inference_model(model, "int8")`` and pass it to many calls to prepare the weights
 once)."""
 
+from dikkat.generation.constraint import ConstraintError, Grammars
 from dikkat.generation.generate import (
     decode_step,
     generate,
@@ -39,7 +42,9 @@ from dikkat.weights.inference import inference_model
 __all__ = [
     "WEIGHT_FORMATS",
     "CacheLayout",
+    "ConstraintError",
     "DecoderLM",
+    "Grammars",
     "KVCache",
     "LookupStats",
     "NgramIndex",

@@ -21,6 +21,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from dikkat.core.masks import causal, padding
+from dikkat.generation.constraint import Grammars, Guide
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampler import Sampler, check_finite, draw, largest
@@ -115,6 +116,7 @@ def sample_loop(
     params: SamplingParams,
     prompt: Tensor | None = None,
     valid: Tensor | None = None,
+    guide: Guide | None = None,
 ) -> Iterator[Tensor]:
     """The decoding loop of every model: yields the new tokens (B,), one step at a time.
 
@@ -131,12 +133,19 @@ def sample_loop(
     whichever model they were built over: build them over an inference copy
     (:func:`~dikkat.weights.inference_model`) to decode in its weight format. ``params.n`` is the
     caller's (each prompt a row per choice); the models' own checks (the vocabulary, the
-    context) are the caller's too.
+    context) are the caller's too. ``guide`` holds the rows to ``params.constraint``
+    (:meth:`Grammars.guide <dikkat.generation.constraint.Grammars.guide>`), which needs one.
     """
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.refuse("the decoding loop", *TOKEN_LEVEL)
-    return _loop(start, step, params, Sampler(params, prompt, valid))
+    if params.constraint is not None and guide is None:
+        raise ValueError(
+            f"{params.constraint.kind} needs the tokenizer's vocabulary to hold the text to: "
+            "pass grammars=Grammars(tokenizer, vocab_size, eos_ids), or generate through "
+            "dikkat.pretrained (Pretrained.generate / chat) or the server"
+        )
+    return _loop(start, step, params, Sampler(params, prompt, valid, guide))
 
 
 def _loop(
@@ -191,6 +200,7 @@ def iter_generate(
     pad_id: int = 0,
     weights: WeightFormat | None = None,
     compile: bool = False,
+    grammars: Grammars | None = None,
     **sampling: Unpack[Sampling],
 ) -> Iterator[Tensor]:
     """Yield the next token of every row, (B · n,), one step at a time (for streaming).
@@ -209,7 +219,9 @@ def iter_generate(
     static, ``torch.compile``'d step (``model.static_step``, :class:`DecoderLM`'s; prompts of
     one length): the first step compiles, the later ones cost what they read.
     The compiled step belongs to the model object it decodes, so a plain model (copied here at
-    each call) compiles at each call; pass ``inference_model(model)`` to compile once. The
+    each call) compiles at each call; pass ``inference_model(model)`` to compile once.
+    ``grammars`` compiles ``params.constraint`` (``json_schema``, ``regex``, ``choice``,
+    ``grammar``) against the tokenizer's vocabulary, which a constraint needs. The
     arguments are checked here, when it is called, not at the first ``next``.
     """
     params = as_params(params, sampling)
@@ -220,6 +232,9 @@ def iter_generate(
     if params.n > 1:
         ids, valid = ids.repeat_interleave(params.n, 0), valid.repeat_interleave(params.n, 0)
     B, T = ids.shape
+    guide = None
+    if params.constraint is not None and grammars is not None:
+        guide = grammars.guide([params.constraint] * B)
     max_new = params.max_new_tokens
     check_room(T, max_new, c.max_len)
     model = inference_model(model, weights)  # type: ignore[arg-type,assignment]
@@ -237,7 +252,8 @@ def iter_generate(
             raise ValueError("compile=True needs no padding: prompts of one length")
         compiled = model.static_step(cache, compile=True) if max_new else None
         step = lambda token, i: compiled(token, T + i)  # noqa: E731
-    return sample_loop(lambda: prefill(model, ids, cache, full_valid), step, params, ids, valid)
+    start = lambda: prefill(model, ids, cache, full_valid)  # noqa: E731
+    return sample_loop(start, step, params, ids, valid, guide)
 
 
 def generate(
@@ -248,6 +264,7 @@ def generate(
     pad_id: int = 0,
     weights: WeightFormat | None = None,
     compile: bool = False,
+    grammars: Grammars | None = None,
     **sampling: Unpack[Sampling],
 ) -> list[list[int]]:
     """Each prompt followed by its new tokens, cut after its first stop token: one list per
@@ -263,8 +280,11 @@ def generate(
     """
     params = as_params(params, sampling)
     tokens = list(
-        iter_generate(model, prompts, params, pad_id=pad_id, weights=weights, compile=compile)
-    )
+        iter_generate(
+            model, prompts, params, pad_id=pad_id, weights=weights, compile=compile,
+            grammars=grammars,
+        )
+    )  # fmt: skip
     rows = token_rows(tokens, len(prompts) * params.n, params.stop_ids)
     starts = [_as_list(p) for p in prompts for _ in range(params.n)]
     return [p + row for p, row in zip(starts, rows, strict=True)]

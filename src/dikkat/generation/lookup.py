@@ -33,6 +33,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from dikkat.core.masks import causal
+from dikkat.generation.constraint import CONSTRAINTS
 from dikkat.generation.generate import TOKEN_LEVEL, check_room, prefill
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
@@ -112,7 +113,7 @@ class NgramIndex:
 GREEDY_ONLY = (
     "temperature", "top_k", "top_p", "seed", "n",
     "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens", "repetition_penalty",
-    *TOKEN_LEVEL,
+    *TOKEN_LEVEL, *CONSTRAINTS,
 )  # fmt: skip
 
 

@@ -5,6 +5,8 @@ Notation: ``B`` rows, ``V`` vocabulary.
 
 A token is picked in four stages, the order of OpenAI's and vLLM's samplers:
 
+0. where the text must match a constraint (:mod:`dikkat.generation.constraint`), the logits of
+   the tokens it forbids set to −inf, before anything else reads them;
 1. the model's logits, in fp32; their ``log_softmax`` is what log-probabilities report (the
    model's own distribution, before anything below: vLLM's default "raw" log-probabilities);
 2. a repetition penalty over the tokens this row has seen, its prompt's and its own (a positive
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dikkat.generation.constraint import Guide
 from dikkat.generation.sampling import SamplingParams
 from dikkat.kernels import argmax_op
 
@@ -69,11 +72,13 @@ def largest(logits: Tensor) -> Tensor:
     return logits.argmax(dim=-1)
 
 
-def largest_finite(logits: Tensor) -> tuple[list[int], list[bool]]:
-    """:func:`largest` of each row of (B, V) logits, and whether the row is finite (no NaN or
-    infinity anywhere in it), read back in one host sync: what a batch of rows, each of its
-    own request, needs before it picks or fails each row alone."""
-    picks, finite = torch.stack((largest(logits), torch.isfinite(logits).all(dim=-1).long()))
+def largest_finite(logits: Tensor, masked: Tensor | None = None) -> tuple[list[int], list[bool]]:
+    """:func:`largest` of each row of (B, V) logits (of ``masked``, the same logits with the
+    tokens constraints forbid at −inf, if given), and whether the row of ``logits`` is finite
+    (no NaN or infinity anywhere in it), read back in one host sync: what a batch of rows,
+    each of its own request, needs before it picks or fails each row alone."""
+    picked = largest(logits if masked is None else masked)
+    picks, finite = torch.stack((picked, torch.isfinite(logits).all(dim=-1).long()))
     return picks.tolist(), [bool(f) for f in finite.tolist()]
 
 
@@ -110,15 +115,17 @@ class Sampler:
     penalty, which tokens each row has seen — its prompt's (``prompt`` (B, T) ids, a tensor or
     lists, ``valid`` (B, T) False at padding) and those it generated, as HF's
     ``RepetitionPenaltyLogitsProcessor`` and vLLM count them (Keskar et al. 2019,
-    https://arxiv.org/abs/1909.05858, section 4.1)."""
+    https://arxiv.org/abs/1909.05858, section 4.1). ``guide`` holds the rows to their
+    constraints (:class:`~dikkat.generation.constraint.Guide`; None: free rows)."""
 
     def __init__(
         self,
         params: SamplingParams,
         prompt: Tensor | Sequence[Sequence[int]] | None = None,
         valid: Tensor | None = None,
+        guide: Guide | None = None,
     ) -> None:
-        self.params = params
+        self.params, self.guide = params, guide
         self.generator: torch.Generator | None = None
         self.counts: Tensor | None = None  # (B, V) generated-token counts, with penalties
         self.seen: Tensor | None = None  # (B, V) tokens of the prompt or generated, with rp
@@ -129,6 +136,8 @@ class Sampler:
     def pick(self, logits: Tensor) -> Tensor:
         """Next tokens (B,) from logits (B, V); they count as generated for the penalties."""
         p = self.params
+        if self.guide is not None:
+            logits = self.guide.mask(logits)
         if self.generator is None and p.seed is not None and not p.greedy:
             self.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
         if p.repetition_penalty != 1.0 and self.seen is None:
@@ -147,6 +156,8 @@ class Sampler:
             )
         if self.seen is not None:
             self.seen.scatter_(-1, token.view(-1, 1), True)
+        if self.guide is not None:
+            self.guide.advance(token.tolist())
         self.made += 1
         return token
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from dikkat.generation.constraint import CONSTRAINTS, Constraint, constraint_of
 from dikkat.validate import check_bool, check_float, check_int, is_int
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position, OpenAI's limit for chat
@@ -44,6 +45,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
     min_new_tokens: int = 0  # new tokens made before a stop token may be picked
     repetition_penalty: float = 1.0  # a seen token's logit: > 0 divided by it, < 0 multiplied
+    # what the text must match, one at most (dikkat.generation.constraint; docs/generation.md):
+    json_schema: str | None = None  # a JSON Schema (a dict, its JSON text, a pydantic model)
+    regex: str | None = None  # a regular expression the whole text matches
+    choice: tuple[str, ...] = ()  # the text is one of these strings
+    grammar: str | None = None  # a context-free grammar: Lark, or llama.cpp's GBNF
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, at_least=0)
@@ -70,6 +76,16 @@ class SamplingParams:
             raise ValueError(
                 f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}"
             )
+        given = {f: getattr(self, f) for f in CONSTRAINTS}
+        _set(self, "_constraint", constraint_of(given))  # checks them, one at most
+        if self._constraint is not None:  # each in its normal form (a schema as sorted JSON)
+            _set(self, self._constraint.kind, self._constraint.value)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the text must match (``json_schema``, ``regex``, ``choice`` or ``grammar``), or
+        None."""
+        return self._constraint  # type: ignore[attr-defined,no-any-return]
 
     @property
     def greedy(self) -> bool:
@@ -134,6 +150,7 @@ _WHY = {
     "logit_bias": "it checks guessed drafts against the model's greedy tokens",
     "min_new_tokens": "it checks guessed drafts against the model's greedy tokens",
     "repetition_penalty": "it checks guessed drafts against the model's greedy tokens",
+    **dict.fromkeys(CONSTRAINTS, "it checks guessed drafts against the model's greedy tokens"),
 }
 
 
@@ -199,6 +216,10 @@ class Sampling(TypedDict, total=False):
     logit_bias: Mapping[int, float]
     min_new_tokens: int
     repetition_penalty: float
+    json_schema: str | Mapping[str, Any] | type | None
+    regex: str | None
+    choice: Sequence[str]
+    grammar: str | None
 
 
 def as_params(params: SamplingParams | int | None, keywords: Mapping[str, Any]) -> SamplingParams:

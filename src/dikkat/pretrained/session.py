@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from dikkat.generation.constraint import Grammars
 from dikkat.generation.generate import iter_generate
 from dikkat.generation.sampling import Sampling, SamplingParams, as_params
 from dikkat.interop.gguf_gpt import architecture_of
@@ -65,6 +66,7 @@ class Pretrained:
         self._chat_tokens = ChatTokens(tokenizer)
         # the inference copy generation runs, kept between calls (see _runnable)
         self._copy: tuple[tuple[object, ...], nn.Module] | None = None
+        self._grammars: Grammars | None = None
 
     def __repr__(self) -> str:
         c = self.model.config
@@ -219,9 +221,19 @@ class Pretrained:
             params, stop=(), stop_ids=(*params.stop_ids, *sorted(self.tokenizer.eos_ids))
         )
         compile = self.compile_steps and len(prompts) == 1
+        grammars = self.grammars() if params.constraint is not None else None
         return iter_generate(
-            self._runnable(weights), prompts, params, pad_id=pad, weights=weights, compile=compile
-        )
+            self._runnable(weights), prompts, params, pad_id=pad, weights=weights,
+            compile=compile, grammars=grammars,
+        )  # fmt: skip
+
+    def grammars(self) -> Grammars:
+        """The constraints' compiler for this model's vocabulary (made at the first constrained
+        request, kept; :mod:`dikkat.generation.constraint`)."""
+        if self._grammars is None:
+            vocab = self.model.config.vocab_size
+            self._grammars = Grammars(self.tokenizer, vocab, self.tokenizer.eos_ids)
+        return self._grammars
 
     def _runnable(self, weights: WeightFormat | None) -> nn.Module:
         """The inference copy of the model in format ``weights`` (``inference_model``), made once
