@@ -38,6 +38,7 @@ class ChatCompletion:
         new = room(len(prompt), limit, served.max_len, param, "the conversation")
         self.top = body.top_logprobs or 0
         params = body.to_sampling_params(new, served.vocab.eos_ids, served.vocab.vocab_size)
+        served.grammars.check(params, body.constraint()[1])
         self.job, self.stops = (prompt, params), stops_of(body)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())

@@ -236,6 +236,7 @@ class Served:
     max_len: int
     max_queue: int | None
     chat_ids: ChatIds | None  # messages → prompt ids; None: no chat template
+    grammars: Any = None  # compiles requests' constraints (dikkat.serving.structured)
 
     def check_count(self, count: int, param: str, what: str) -> None:
         """Refuse a request of more choices than the engine's queue holds at all."""

@@ -43,6 +43,7 @@ class Completion:
             where = "the prompt" if len(self.prompts) == 1 else f"prompt[{i}]"
             room(len(prompt), body.max_tokens, served.max_len, "max_tokens", where)
         params = body.to_sampling_params(vocab.eos_ids, vocab.vocab_size)  # every prompt's
+        served.grammars.check(params, body.constraint()[1])
         self.jobs, self.stops = [(prompt, params) for prompt in self.prompts], stops
         self.prompt_texts = [vocab.decode(p) for p in self.prompts]
         self.id = f"cmpl-{uuid.uuid4().hex}"

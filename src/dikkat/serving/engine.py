@@ -35,6 +35,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
+from dikkat.generation.constraint import Grammars, matcher_of
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampler import Sampler
 from dikkat.generation.sampling import SamplingParams
@@ -46,6 +47,7 @@ from dikkat.serving.requests import (
     EngineSequence,
     EngineStats,
     TokenEvent,
+    batched_layouts,
     check_request,
     vocab_rows,
 )
@@ -81,6 +83,8 @@ class Engine:
             symbolic, so one package serves every batch; elsewhere, or where that cannot be
             built, through ``torch.compile`` in the first steps or :meth:`warm_up`. The
             prefills stay eager.
+        grammars: compiles requests' constraints (``params.constraint``) for the tokenizer's
+            vocabulary (:class:`~dikkat.generation.Grammars`); None: such requests are refused.
 
     Threads: :meth:`submit`, :meth:`abort`, :meth:`stats` and :meth:`has_work` may be called
     from any thread while another runs :meth:`step` (a lock guards the queues and the block
@@ -106,6 +110,7 @@ class Engine:
         max_queue: int = 64,
         weights: WeightFormat | None = None,
         compile: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(
@@ -124,7 +129,7 @@ class Engine:
         # what the steps run: a snapshot, so the prefix cache's blocks always match its weights
         # (a model that is an inference copy already, such as a GGUF file's packed weights, as
         # it is)
-        snapshot = inference_model(model, weights, batched=_batched(model, max_batch))  # type: ignore[arg-type]
+        snapshot = inference_model(model, weights, batched=batched_layouts(model, max_batch))  # type: ignore[arg-type]
         held = [m.weights_format for m in snapshot.modules() if isinstance(m, InferenceLinear)]
         self.weights: str = held[0] if held else "fp32"  # the format the steps multiply in
         self._inference: DecoderLM = snapshot  # type: ignore[assignment]
@@ -149,6 +154,7 @@ class Engine:
             self._decode_step = self._inference.pool_step(
                 list(self._pool.k), list(self._pool.v), compile=True
             )
+        self.grammars = grammars
         self._lock = threading.Lock()  # queues, allocator, counters
         self._step_lock = threading.Lock()  # one step at a time
         self._waiting: deque[EngineSequence] = deque()
@@ -176,11 +182,13 @@ class Engine:
         """Queue a request; returns its id (the ``request_id`` of its events).
 
         ``params.n`` must be 1 (submit each of ``params.choices()``) and ``params.stop`` empty
-        (the engine works in token ids: whoever decodes the text matches stop strings).
+        (the engine works in token ids: whoever decodes the text matches stop strings). A
+        constraint (``params.constraint``) is compiled by the engine's ``grammars``.
         """
         tokens = check_request(
             prompt, params, self.vocab_size, self.max_len, self.block_size, self.num_blocks
         )
+        matcher = matcher_of(self.grammars, params.constraint, "Engine(grammars=...)")
         n, sampler = len(tokens), Sampler(params, [tuple(tokens)])  # (tokens grows later)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
@@ -189,7 +197,7 @@ class Engine:
                     f"{self.max_queue}); try again later"
                 )
             rid, self._next_id = self._next_id, self._next_id + 1
-            self._waiting.append(EngineSequence(rid, tokens, n, params, sampler))
+            self._waiting.append(EngineSequence(rid, tokens, n, params, sampler, matcher=matcher))
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -390,11 +398,3 @@ class Engine:
         self._running.clear()
         self._blocks = BlockAllocator(self.num_blocks)
         self._in_step = False
-
-
-def _batched(model: DecoderLM, max_batch: int) -> bool | None:
-    """The batched layouts for batches of more than two, on a model that is not an inference
-    copy yet (a copy keeps its own)."""
-    if any(isinstance(m, InferenceLinear) for m in model.modules()):  # type: ignore[attr-defined]
-        return None
-    return max_batch > 2

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dikkat.core.masks import dense
+from dikkat.generation.constraint import mask_logits, take
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampler import TokenLogprob, largest_finite, token_logprobs
 from dikkat.serving.paged import PagedKVPool, left_padded_slots, slot_table, slots_of
@@ -156,15 +157,18 @@ def emit(
     (the first carries ``prompt``, the prompt's log-probabilities, when given). A row that is
     not finite, or whose draw raises, ends its sequence alone with an error event: a NaN row
     would otherwise become a token (argmax picks a NaN's index) and a sampler would raise for
-    the whole batch."""
-    greedy, finite = largest_finite(logits)
+    the whole batch. Rows held to a constraint pick from their masked logits (all such rows
+    masked at once) and report the model's own log-probabilities."""
+    held = [(s.matcher, b) for b, s in enumerate(seqs) if s.matcher is not None]
+    masked = mask_logits(logits, held) if held else logits
+    greedy, finite = largest_finite(logits, masked)
     events = []
     for b, seq in enumerate(seqs):
         if not finite[b]:
             events.append(seq.fail(not_finite(len(seq.tokens) - 1)))
             continue
         try:
-            events.append(_next(seq, logits[b : b + 1], greedy[b], prompt))
+            events.append(_next(seq, logits[b : b + 1], masked[b : b + 1], greedy[b], prompt))
         except Exception as e:  # this request's sampling parameters on these logits
             events.append(seq.fail(f"drawing the next token failed: {describe(e)}"))
     return events
@@ -173,15 +177,19 @@ def emit(
 def _next(
     seq: EngineSequence,
     row: Tensor,
+    masked: Tensor,
     greedy: int,
     prompt: tuple[TokenLogprob | None, ...] | None,
 ) -> TokenEvent:
-    """The sequence's next token from its ``row`` (1, V) of logits: ``greedy`` (the row's
+    """The sequence's next token from its ``row`` (1, V) of logits (``masked`` by its
+    constraint, if any): ``greedy`` (the masked row's
     :func:`~dikkat.generation.sampler.largest`, the sampler's own greedy pick) for a plain
     greedy request, else its own sampler's draw, the one :func:`dikkat.generation.generate`
     makes for one prompt."""
     p = seq.params
-    token = greedy if p.greedy and not p.adjusts_logits else int(seq.sampler.pick(row))
+    token = greedy if p.greedy and not p.adjusts_logits else int(seq.sampler.pick(masked))
+    if seq.matcher is not None:
+        take(seq.matcher, token)
     logprob = None
     if p.logprobs:
         chosen = torch.tensor([token], device=row.device)

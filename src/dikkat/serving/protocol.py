@@ -4,10 +4,12 @@ Every request field of OpenAI's completions and chat completions endpoints
 (https://platform.openai.com/docs/api-reference/completions/create,
 https://platform.openai.com/docs/api-reference/chat/create) is accepted: honoured, or taken and
 ignored where it cannot change the answer (``user``, ``store``, ``metadata``, ``service_tier``
-…), or refused by name where honouring it is impossible (``suffix``, ``tools``, a JSON
-``response_format``: :func:`refusal`). A field OpenAI does not have is refused as unknown, and
+…), or refused by name where honouring it is impossible (``suffix``, ``tools``:
+:func:`refusal`). A field OpenAI does not have is refused as unknown, and
 types are strict (``"5"`` is not a number, ``true`` is not an integer). docs/server.md has the
-table. ``top_k`` is accepted too, as vLLM accepts it.
+table. ``top_k`` is accepted too, as vLLM accepts it, and the fields that hold the text to a
+constraint (:meth:`Sampling.constraint`: OpenAI's ``response_format``, vLLM's and
+llama-server's own).
 
 A request converts itself into the engine's :class:`~dikkat.generation.SamplingParams`
 (``to_sampling_params``, after vLLM's ``vllm/entrypoints/openai/protocol.py``): each field is the
@@ -25,6 +27,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dikkat.generation import SamplingParams
+from dikkat.serving.refused import RequestError
+from dikkat.serving.structured import request_constraint
 
 MAX_STOPS = 16  # OpenAI allows 4; lm-evaluation-harness sends its task's stops and the EOS
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (5 for completions; vLLM allows 20 for both)
@@ -33,16 +37,6 @@ MAX_CHOICES = 128  # OpenAI's limit on n
 Strict = ConfigDict(extra="forbid", strict=True)
 Ignored = Any  # a field taken and ignored: any JSON value
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # a negative seed is taken mod 2**64
-
-
-class RequestError(ValueError):
-    """A request the server refuses: the HTTP status, and the OpenAI ``param`` and ``code``."""
-
-    def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
 
 
 class Request(BaseModel):
@@ -85,6 +79,17 @@ class Sampling(Request):
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's: seen tokens' logits scaled
     repeat_penalty: float | None = Field(default=None, gt=0.0)  # llama-server's name for it
     user: Ignored = None  # an end user's id for the caller's own logs
+    # what the text must match (docs/server.md, "Structured outputs"): OpenAI's field (vLLM
+    # takes it on completions too), vLLM's object and its older guided_* fields, llama-server's
+    response_format: dict[str, Ignored] | None = None  # text, json_object or json_schema
+    structured_outputs: dict[str, Ignored] | None = None
+    guided_json: str | dict[str, Ignored] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Ignored = None  # one engine here: llguidance
+    json_schema: dict[str, Ignored] | None = None
+    grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -107,6 +112,7 @@ class Sampling(Request):
         engine."""
         bias = token_biases(self.logit_bias, vocab_size)
         repetition_penalty = self._repetition_penalty()
+        constraint = self.constraint()[0]
         if self.min_tokens > max_new_tokens:
             raise RequestError(
                 f"min_tokens={self.min_tokens} exceeds the {max_new_tokens} new tokens this "
@@ -130,9 +136,15 @@ class Sampling(Request):
                 logit_bias=bias,
                 min_new_tokens=self.min_tokens,
                 repetition_penalty=repetition_penalty,
+                **constraint,
             )
         except (TypeError, ValueError) as e:
             raise RequestError(str(e), param=self._field_named(str(e))) from None
+
+    def constraint(self) -> tuple[dict[str, Any], str | None]:
+        """The constraint the request sets, as ``SamplingParams``' fields, and the request's
+        field that set it (:func:`~dikkat.serving.structured.request_constraint`)."""
+        return request_constraint(self)
 
     def _repetition_penalty(self) -> float:
         """``repetition_penalty`` (vLLM's name) or ``repeat_penalty`` (llama-server's): one, or
@@ -216,7 +228,6 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict[str, Ignored] | None = None  # {"type": "text"} only
     tools: list[Ignored] | None = None  # refused unless empty
     tool_choice: Ignored = None  # "none" / "auto" (with no tools the same), else refused
     functions: list[Ignored] | None = None  # the deprecated form of tools
@@ -318,9 +329,6 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
         choice = getattr(body, name)
         if choice not in (None, "none", "auto"):
             return name, f"{name}={choice!r} is not supported: {no_tools}"
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        return "response_format", f"response_format {kind!r} is not supported: only 'text'"
     if body.audio is not None:
         return "audio", "audio output is not supported: only text comes out"
     if any(m != "text" for m in body.modalities or []):

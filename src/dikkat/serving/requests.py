@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dikkat.generation.sampler import Sampler, TokenLogprob
 from dikkat.generation.sampling import SamplingParams
 from dikkat.validate import is_int
+from dikkat.weights import InferenceLinear
 
 __all__ = ["EngineFull", "EngineStats", "FinishReason", "SamplingParams", "TokenEvent"]
 
@@ -84,6 +85,7 @@ class EngineSequence:
     cached: int = 0  # tokens whose keys and values are in the blocks
     finish: FinishReason | None = None
     aborted: bool = False
+    matcher: Any = None  # holds the text to params.constraint (dikkat.generation.constraint)
 
     def fail(self, message: str) -> TokenEvent:
         """End the request with an error (its blocks are given back when the step ends)."""
@@ -104,6 +106,14 @@ class EngineSequence:
     def slots(self) -> int:
         """Cache slots the request needs in all: its last token is never fed back."""
         return self.prompt_len + max(self.params.max_new_tokens, 1) - 1
+
+
+def batched_layouts(model: object, max_batch: int) -> bool | None:
+    """The batched weight layouts for batches of more than two, on a model that is not an
+    inference copy yet (a copy keeps its own)."""
+    if any(isinstance(m, InferenceLinear) for m in model.modules()):  # type: ignore[attr-defined]
+        return None
+    return max_batch > 2
 
 
 def vocab_rows(model: object, vocab_size: int) -> int:

@@ -45,6 +45,7 @@ from dikkat.serving.protocol import (
 )
 from dikkat.serving.requests import EngineFull
 from dikkat.serving.runner import EngineLike, EngineRunner
+from dikkat.serving.structured import ServedGrammars
 from dikkat.serving.tokenize import detokenize, tokenize
 from dikkat.serving.tokens import Vocabulary
 
@@ -110,7 +111,9 @@ def create_app(
     vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
     runner = EngineRunner(engine, executor=executor)
     queue = getattr(engine, "max_queue", None)
-    served = Served(runner, vocab, model_name, context, queue, chat_ids)
+    served = Served(
+        runner, vocab, model_name, context, queue, chat_ids, ServedGrammars(engine, vocab)
+    )
     counter = RequestCounter()
     started = int(time.time())
 
