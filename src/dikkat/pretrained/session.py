@@ -9,8 +9,10 @@ string of its :class:`~dikkat.generation.SamplingParams` (the text is cut before
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,8 +136,12 @@ class Pretrained:
         params = self._params(params, sampling)
         yield from self._stream_ids(self.tokenizer.encode(text), params, weights)
 
-    def chat_prompt(self, messages: Sequence[dict]) -> str:
-        """``messages`` rendered in the model's chat template, ready for the assistant's turn."""
+    def chat_prompt(
+        self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None, **template: Any
+    ) -> str:
+        """``messages`` rendered in the model's chat template, ready for the assistant's turn;
+        ``tools`` (OpenAI's function definitions) reach a template that renders them, and
+        ``template`` are further variables of it (``enable_thinking=False``)."""
         if self.chat_template is None:
             raise ValueError(
                 f"{self.name} has no chat template (a base model): use generate() with plain text"
@@ -146,18 +152,29 @@ class Pretrained:
             add_generation_prompt=True,
             bos_token=self.tokenizer.bos_token or "",
             eos_token=self.tokenizer.eos_token or "",
+            **template,
+            **({} if tools is None else {"tools": list(tools)}),
         )
 
-    def chat_ids(self, messages: Sequence[dict], *, special_in_content: bool = False) -> list[int]:
+    def chat_ids(
+        self,
+        messages: Sequence[dict],
+        *,
+        special_in_content: bool = False,
+        tools: Sequence[dict] | None = None,
+        **template: Any,
+    ) -> list[int]:
         """The token ids of :meth:`chat_prompt`: the template writes the special tokens (BOS
         included) itself, and they are encoded without adding any, as transformers'
         ``apply_chat_template(tokenize=True)`` does. A special token's string inside a message
         (``<|im_start|>`` in a user's text) is encoded as plain text, so that no message can
         forge a turn (:mod:`dikkat.pretrained.chat_tokens`); ``special_in_content=True``
-        encodes it as the special token, as transformers does."""
+        encodes it as the special token, as transformers does. ``tools`` and ``template``: as
+        for :meth:`chat_prompt`."""
+        render = functools.partial(self.chat_prompt, tools=tools, **template)
         if check_bool("special_in_content", special_in_content):
-            return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
-        return self._chat_tokens.ids(messages, self.chat_prompt)
+            return self.tokenizer.encode(render(messages), add_special=False)
+        return self._chat_tokens.ids(messages, render)
 
     def chat(
         self,

@@ -237,6 +237,8 @@ class Served:
     max_queue: int | None
     chat_ids: ChatIds | None  # messages → prompt ids; None: no chat template
     grammars: Any = None  # compiles requests' constraints (dikkat.serving.structured)
+    knows_tools: bool = False  # the chat template renders tools itself (dikkat.serving.tools)
+    thinks: bool = False  # the model thinks in <think> tags (dikkat.serving.reasoning)
 
     def check_count(self, count: int, param: str, what: str) -> None:
         """Refuse a request of more choices than the engine's queue holds at all."""

@@ -20,7 +20,7 @@ from dikkat.serving.tokens import Vocabulary
 
 # messages → the prompt's token ids in the model's chat template, ready for the assistant's turn
 # (``Pretrained.chat_ids``: the contents tokenised as text, the template's markup as special ids)
-ChatIds = Callable[[list[dict[str, Any]]], list[int]]
+ChatIds = Callable[..., list[int]]  # (messages, **template variables) → prompt ids
 
 
 def completion_prompts(body: CompletionRequest, vocab: Vocabulary, max_len: int) -> list[list[int]]:
@@ -72,6 +72,17 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         }
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:  # (written for the template by dikkat.serving.tools.conversation)
+            message["tool_calls"] = [
+                {
+                    "id": c.id or f"call_{i}",
+                    "name": c.function.name,
+                    "arguments": c.function.arguments,
+                }
+                for i, c in enumerate(m.tool_calls)
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
@@ -97,10 +108,14 @@ def conversation_ids(
     vocab: Vocabulary,
     max_len: int,
     model: str,
+    prepare: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
+    **template: Any,
 ) -> list[int]:
     """The conversation in the model's chat template as token ids, ready for the assistant's
     turn (the template writes its special tokens, BOS included, itself). Contents too long to
-    fit ``max_len`` tokens are refused before the template runs."""
+    fit ``max_len`` tokens are refused before the template runs. ``prepare`` rewrites the
+    messages first (tool calls: :func:`dikkat.serving.tools.conversation`); ``template`` are
+    further variables of the template (``tools``)."""
     if chat_ids is None:
         raise RequestError(
             f"{model} has no chat template (a base model): use /v1/completions with a text prompt",
@@ -108,10 +123,12 @@ def conversation_ids(
             code="chat_template_missing",
         )
     conversation = chat_messages(messages)
+    if prepare is not None:
+        conversation = prepare(conversation)
     length = sum(len(m["content"]) for m in conversation)
     check_text(length, vocab, max_len, "the conversation's contents", "messages")
     try:
-        return list(chat_ids(conversation))
+        return list(chat_ids(conversation, **template))
     except Exception as e:  # a template's own raise_exception, one too long, or a jinja error
         why = (
             str(e) if "chat template" in str(e) else f"the chat template refused the messages: {e}"

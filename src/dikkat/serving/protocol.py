@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dikkat.generation import SamplingParams
 from dikkat.serving.refused import RequestError
 from dikkat.serving.structured import request_constraint
+from dikkat.serving.tools import NamedTool, Tool, ToolCall
 
 MAX_STOPS = 16  # OpenAI allows 4; lm-evaluation-harness sends its task's stops and the EOS
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (5 for completions; vLLM allows 20 for both)
@@ -206,7 +207,8 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    """One message of a conversation; tool calls are refused (no dikkat model calls tools)."""
+    """One message of a conversation: an assistant's may carry its tool calls, a ``tool``
+    message the result of one (``tool_call_id``)."""
 
     model_config = Strict
 
@@ -214,7 +216,7 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[Ignored] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: Ignored = None
     audio: Ignored = None
@@ -228,11 +230,12 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Ignored] | None = None  # refused unless empty
-    tool_choice: Ignored = None  # "none" / "auto" (with no tools the same), else refused
-    functions: list[Ignored] | None = None  # the deprecated form of tools
-    function_call: Ignored = None  # the deprecated form of tool_choice
-    parallel_tool_calls: Ignored = None
+    tools: list[Tool] | None = None  # functions the model may call (docs/server.md, "Tools")
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True  # OpenAI's default: several calls in one answer
+    chat_template_kwargs: dict[str, Ignored] | None = None  # vLLM's: the template's variables
+    functions: list[Ignored] | None = None  # the deprecated form of tools: refused
+    function_call: Ignored = None  # the deprecated form of tool_choice: refused
     audio: Ignored = None  # refused unless null: no audio out
     modalities: list[str] | None = None  # ["text"] only
     web_search_options: Ignored = None  # refused unless null
@@ -321,14 +324,24 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
         if body.best_of is not None and body.best_of > body.n and body.stream:
             return "best_of", "best_of > n cannot be streamed: the best are known at the end"
         return None
-    no_tools = "no dikkat model calls tools"
-    if body.tools or body.functions:
-        name = "tools" if body.tools else "functions"
-        return name, f"{name} are not supported: {no_tools}"
-    for name in ("tool_choice", "function_call"):
-        choice = getattr(body, name)
-        if choice not in (None, "none", "auto"):
-            return name, f"{name}={choice!r} is not supported: {no_tools}"
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+    if taken := sorted(reserved & set(body.chat_template_kwargs or {})):
+        return "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)}"
+    if body.functions or body.function_call is not None:
+        name = "functions" if body.functions else "function_call"
+        return name, f"{name} is the deprecated form of tools: send tools and tool_choice"
+    names = [t.function.name for t in body.tools or []]
+    if len(set(names)) < len(names):
+        return "tools", f"tools name a function twice: {names}"
+    choice = body.tool_choice
+    if choice not in (None, "none", "auto") and not names:
+        return "tool_choice", "tool_choice asks for a call, and no tools are given"
+    if isinstance(choice, NamedTool) and choice.function.name not in names:
+        why = f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
+        return "tool_choice", why
+    if names and choice != "none" and body.constraint()[1] is not None:
+        why = "tools and a constraint on the text cannot both hold the answer: give one"
+        return body.constraint()[1], why  # type: ignore[return-value]
     if body.audio is not None:
         return "audio", "audio output is not supported: only text comes out"
     if any(m != "text" for m in body.modalities or []):
@@ -342,9 +355,9 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
         why = f"max_tokens={both[0]} and max_completion_tokens={both[1]} disagree; give one"
         return "max_completion_tokens", why
     for i, m in enumerate(body.messages):
-        if m.tool_calls or m.function_call is not None:
-            where = f"messages[{i}].tool_calls"
-            return where, f"{where}: a tool call in the conversation; {no_tools}"
+        if m.function_call is not None:
+            where = f"messages[{i}].function_call"
+            return where, f"{where} is the deprecated form of tool_calls: send tool_calls"
         if m.audio is not None:
             return f"messages[{i}].audio", f"messages[{i}].audio: only text goes in"
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):

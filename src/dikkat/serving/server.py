@@ -111,8 +111,13 @@ def create_app(
     vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
     runner = EngineRunner(engine, executor=executor)
     queue = getattr(engine, "max_queue", None)
+    # a pretrained model's chat_ids: its template renders tools where its text uses them
+    template = getattr(getattr(chat_ids, "__self__", None), "chat_template", None)
+    knows_tools = isinstance(template, str) and "tools" in template
+    thinks = isinstance(template, str) and "<think>" in template
+    grammars = ServedGrammars(engine, vocab)
     served = Served(
-        runner, vocab, model_name, context, queue, chat_ids, ServedGrammars(engine, vocab)
+        runner, vocab, model_name, context, queue, chat_ids, grammars, knows_tools, thinks
     )
     counter = RequestCounter()
     started = int(time.time())
