@@ -6,6 +6,7 @@ does with ``enable_thinking``), its answers shaped by a regular expression so th
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Any
 
@@ -77,7 +78,8 @@ def url(smollm2):
     thinker = copy.copy(smollm2)
     thinker.chat_template = THINKING
     engine = Engine(smollm2.model, block_size=16, num_blocks=64, max_batch=4)
-    with serving(create_app(engine, smollm2.tokenizer, NAME, chat_ids=thinker.chat_ids)) as base:
+    chat_ids = functools.partial(thinker.chat_ids, special_in_content=False)  # as dikkat serve's
+    with serving(create_app(engine, smollm2.tokenizer, NAME, chat_ids=chat_ids)) as base:
         yield base
 
 

@@ -69,6 +69,7 @@ def create_app(
     limits: Limits | None = None,
     allowed_hosts: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The server's ASGI app over ``engine``; serve it with uvicorn and
     :func:`~dikkat.serving.listen.uvicorn_settings` of the same ``limits``.
@@ -88,7 +89,10 @@ def create_app(
     bound a request's body (default :class:`~dikkat.serving.limits.Limits`);
     ``allowed_hosts`` are names a request's ``Host`` may give besides the loopback names and
     the address it arrived at, and ``allowed_origins`` the browser origins answered, with CORS
-    headers (``"*"``: any; docs/server.md, "Running it safely").
+    headers (``"*"``: any; docs/server.md, "Running it safely"). ``chat_template`` is the text
+    of the template behind ``chat_ids``, which says whether it renders tools itself and whether
+    the model thinks in ``<think>`` tags (docs/server.md, "Tools", "Reasoning"); None: that of
+    the model whose method ``chat_ids`` is (``Pretrained.chat_ids``, or a partial of it).
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
@@ -111,8 +115,7 @@ def create_app(
     vocab = Vocabulary(tokenizer, vocab_size, stop_ids)
     runner = EngineRunner(engine, executor=executor)
     queue = getattr(engine, "max_queue", None)
-    # a pretrained model's chat_ids: its template renders tools where its text uses them
-    template = getattr(getattr(chat_ids, "__self__", None), "chat_template", None)
+    template = chat_template if chat_template is not None else _template_of(chat_ids)
     knows_tools = isinstance(template, str) and "tools" in template
     thinks = isinstance(template, str) and "<think>" in template
     grammars = ServedGrammars(engine, vocab)
@@ -254,3 +257,10 @@ async def _logged(events: AsyncIterator[str], where: str) -> AsyncIterator[str]:
     except (asyncio.CancelledError, GeneratorExit):
         log.info("%s: the client left mid-stream; its request was aborted", where)
         raise
+
+
+def _template_of(chat_ids: Any) -> str | None:
+    """The chat template of the model whose method ``chat_ids`` is (bound, or in a partial)."""
+    method = getattr(chat_ids, "func", chat_ids)  # functools.partial keeps it as .func
+    template = getattr(getattr(method, "__self__", None), "chat_template", None)
+    return template if isinstance(template, str) else None
