@@ -101,20 +101,24 @@ def test_required_and_named_calls_validate(url, parallel):
 def test_a_streamed_call_is_the_whole_one(url):
     c = client(url)
     common = dict(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="required",
-                  max_tokens=80, temperature=0)  # fmt: skip
-    whole = c.chat.completions.create(**common).choices[0].message.tool_calls
+                  max_tokens=80, temperature=0, logprobs=True)  # fmt: skip
+    whole = c.chat.completions.create(**common).choices[0]
     parts: dict[int, dict[str, str]] = {}
-    finish = None
+    finish, logprobs = None, []
     for chunk in c.chat.completions.create(**common, stream=True):
-        for delta_call in chunk.choices[0].delta.tool_calls or []:
+        choice = chunk.choices[0]
+        for delta_call in choice.delta.tool_calls or []:
             part = parts.setdefault(delta_call.index, {"name": "", "arguments": ""})
             part["name"] += delta_call.function.name or ""
             part["arguments"] += delta_call.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
+        finish = choice.finish_reason or finish
+        logprobs += choice.logprobs.content if choice.logprobs else []
     assert finish == "tool_calls"
     assert [parts[i] for i in sorted(parts)] == [
-        {"name": w.function.name, "arguments": w.function.arguments} for w in whole
+        {"name": w.function.name, "arguments": w.function.arguments}
+        for w in whole.message.tool_calls
     ]
+    assert [e.token for e in logprobs] == [e.token for e in whole.logprobs.content]
 
 
 def test_a_conversation_goes_on_after_a_result(url):

@@ -118,6 +118,7 @@ class ChatCompletion:
         include_usage = self.body.include_usage
         started: set[int] = set()
         held: dict[int, list[str]] = {}  # with tools: each choice's answer, until it ends
+        tokens: dict[int, list[Any]] = {}  # and its tokens' log-probabilities
         splitters: dict[int, reasoning.Splitter] = {}
         try:
             async for index, piece in self.choices.stream():
@@ -142,8 +143,10 @@ class ChatCompletion:
                     elif text:
                         yield self._chunk(index, {"content": text}, None, None)
                 if self.tools:
+                    tokens.setdefault(index, []).extend(piece.logprobs)
                     if piece.finish_reason is not None:
-                        for chunk in self._tool_chunks(index, "".join(held.pop(index, [])), piece):
+                        text, lps = "".join(held.pop(index, [])), tokens.pop(index)
+                        for chunk in self._tool_chunks(index, text, piece, lps):
                             yield chunk
                 elif piece.finish_reason is not None or piece.logprobs:
                     yield self._chunk(index, {}, piece, self._logprobs(piece.logprobs))
@@ -156,16 +159,17 @@ class ChatCompletion:
             yield sse(last)
         yield "data: [DONE]\n\n"
 
-    def _tool_chunks(self, index: int, text: str, last: Piece) -> list[str]:
+    def _tool_chunks(self, index: int, text: str, last: Piece, logprobs: list[Any]) -> list[str]:
         """A choice's answer with tools, whole once it ends: its text, then each of its calls
-        (``delta.tool_calls``, the arguments in one piece), then its finish reason."""
+        (``delta.tool_calls``, the arguments in one piece), then its finish reason with the
+        answer's log-probabilities (when asked)."""
         content, calls = tools.tool_calls(text, self.tools)
         out = [self._chunk(index, {"content": content}, None, None)] if content else []
         for i, call in enumerate(calls):
             out.append(self._chunk(index, {"tool_calls": [{"index": i, **call}]}, None, None))
         finish = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
         end = Piece("", finish) if calls else last
-        return [*out, self._chunk(index, {}, end, None)]
+        return [*out, self._chunk(index, {}, end, self._logprobs(tuple(logprobs)))]
 
     def _chunk(self, index: int, delta: dict[str, Any], piece: Piece | None, logprobs: Any) -> str:
         choice = {
