@@ -5,7 +5,9 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python sdist (the version the benchmarks
-# build, benchmarks/llamacpp_build.py): the pretrained tests convert tiny models with it (`make test`)
+# build, benchmarks/llamacpp_build.py): the pretrained tests convert tiny models with it (`make test`);
+# and the real chat templates llama.cpp keeps for its own tests, which the server's tool and
+# reasoning tests render (tests/serving/test_family_templates.py)
 LLAMACPP  ?= 0.3.36
 CONVERTER := $(VENV)/llama.cpp-converter
 # test processes (pytest-xdist), each a test file at a time with one torch thread (tests/conftest.py)
@@ -33,7 +35,8 @@ $(CONVERTER)/convert_hf_to_gguf.py: Makefile | $(STAMP)
 	$(PY) -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$(LLAMACPP)" \
 		-d $(VENV)/sdist
 	tar -xzf $(VENV)/sdist/llama_cpp_python-$(LLAMACPP).tar.gz -C $(CONVERTER) --strip-components=3 \
-		$(addprefix llama_cpp_python-$(LLAMACPP)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py)
+		$(addprefix llama_cpp_python-$(LLAMACPP)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py \
+		models/templates)
 	rm -rf $(VENV)/sdist
 	touch $@
 

@@ -188,8 +188,12 @@ def test_a_template_that_knows_tools_gets_them_as_they_are():
     assert known[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert known[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     plain = conversation(messages, body, knows_tools=False)
-    assert plain[0]["role"] == "system" and "get_weather" in plain[0]["content"]
-    assert json.loads(plain[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert plain[0]["role"] == "user" and "get_weather" in plain[0]["content"]
+    assert plain[0]["content"].endswith("\n\nWeather?")  # the description, then the question
+    assert json.loads(plain[1]["content"]) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert plain[2] == {"role": "user", "content": "The result of get_weather: sunny"}
+    told = conversation([{"role": "system", "content": "Be brief."}, *messages], body, False)
+    assert told[0]["content"].startswith("Be brief.\n\nYou can call") and told[1] == messages[0]
 
 
 @pytest.mark.parametrize(

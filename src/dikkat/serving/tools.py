@@ -2,10 +2,10 @@
 (``tools``) told to the model, its answer held to a call where ``tool_choice`` asks for one,
 and its calls read back into OpenAI's ``message.tool_calls``.
 
-A chat template that knows tools (its text uses ``tools``: Qwen's, Llama 3's, SmolLM3's)
-renders them, and the conversation's earlier calls and results, itself. For any other
-template dikkat describes them in a system message of its own, and writes earlier calls as
-the assistant's text.
+A chat template that knows tools (its text uses ``tools``: Qwen's, Llama 3's) renders them,
+and the conversation's earlier calls and results, itself. For any other template dikkat
+describes them in words of its own, in the system message or before the first user message's
+text, writes earlier calls as the assistant's text and their results as a user's turn.
 
 Whatever the template, a call is answered in one form, which the constraint enforces: a JSON
 object ``{"name": …, "arguments": {…}}`` whose arguments follow the function's schema (a JSON
@@ -143,12 +143,25 @@ def instructions(body: ChatRequest) -> str:
 def conversation(messages: list[dict[str, Any]], body: ChatRequest, knows_tools: bool) -> list:
     """The messages (:func:`~dikkat.serving.params.chat_messages`' dicts, earlier calls under
     ``tool_calls``) as the template reads them: a template that knows tools gets the calls with
-    their arguments as objects (transformers' convention); another gets them as the assistant's
-    text, and the tools' description in the system message when tools are offered."""
-    out = []
+    their arguments as objects (transformers' convention) and the ``tool`` messages as they
+    are. Another gets the calls as the assistant's text, the results as a user's turn (one for
+    results in a row: such templates drop a ``tool`` role, or refuse turns that do not
+    alternate), and the tools' description (:func:`instructions`) in the system message, or
+    before the first user message's text where there is none, when tools are offered."""
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call id → the function it called
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
+        names |= {c["id"]: c["name"] for c in calls or []}
+        if m["role"] == "tool" and not knows_tools:  # a user's turn, of the results in a row
+            called = names.get(m.get("tool_call_id", ""), "a function")
+            said = f"The result of {called}: {m['content']}"
+            if out and out[-1].get("results"):
+                out[-1]["content"] += "\n" + said
+            else:
+                out.append({"role": "user", "content": said, "results": True})
+            continue
         if calls and knows_tools:
             m["tool_calls"] = [
                 {"id": c["id"], "type": "function", "function": {"name": c["name"],
@@ -159,15 +172,20 @@ def conversation(messages: list[dict[str, Any]], body: ChatRequest, knows_tools:
             written = [{"name": c["name"], "arguments": _loads(c["arguments"])} for c in calls]
             text = json.dumps(written[0] if len(written) == 1 else written, ensure_ascii=False)
             m["content"] = (m["content"] + "\n" if m["content"] else "") + text
-        if not knows_tools:
-            m.pop("tool_call_id", None)
         out.append(m)
+    for m in out:
+        m.pop("results", None)
     if active(body) and not knows_tools:
+        # in the system message, or where there is none before the first user message's text
+        # (some templates, Gemma's, take no system message)
         told = instructions(body)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + told}
-        else:
+        at = next((i for i, m in enumerate(out) if m["role"] in ("system", "user")), None)
+        if at is None:
             out.insert(0, {"role": "system", "content": told})
+        elif out[at]["role"] == "system":
+            out[at] = {**out[at], "content": out[at]["content"] + "\n\n" + told}
+        else:
+            out[at] = {**out[at], "content": told + "\n\n" + out[at]["content"]}
     return out
 
 
