@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from tiny_hf import save_tiny
@@ -37,6 +38,47 @@ def test_chat_message_answers_once(tiny, capsys):
     said = lm.chat([{"role": "user", "content": "hello"}], 5, repetition_penalty=1.1)
     assert out == said + "\n"  # chat's own repetition penalty: none from the folder
     assert "loading" in err and "Pretrained(" in err
+
+
+@pytest.mark.parametrize("temperature", ["0", "1.5"])
+def test_chat_holds_its_answer_to_a_constraint(tiny, capsys, tmp_path, temperature):
+    """``--json-schema`` (text or a file), ``--regex``, ``--grammar`` (GBNF), ``--choice``: the
+    tiny random model's answer follows each; a schema the engine refuses is one error line."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 99}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "list.gbnf").write_text('root ::= "[" [0-9] ("," [0-9]){0,3} "]"')
+    base = [
+        "chat",
+        str(tiny),
+        "-m",
+        "hello",
+        "-n",
+        "40",
+        "--temperature",
+        temperature,
+        "--seed",
+        "1",
+    ]
+    as_json = {"json": schema}
+    for flags, shape in [
+        (["--json-schema", json.dumps(schema)], as_json),
+        (["--json-schema", str(tmp_path / "schema.json")], as_json),
+        (["--regex", "[a-c]{1,3}-[0-9]"], "[a-c]{1,3}-[0-9]"),
+        (["--grammar", str(tmp_path / "list.gbnf")], r"\[\d(,\d){0,3}\]"),
+        (["--choice", "yes", "no"], "yes|no"),
+    ]:
+        code, out, err = run_cli(base + flags, capsys)
+        assert code == 0, err
+        text = out.removesuffix("\n")
+        if shape is as_json:
+            jsonschema.validate(json.loads(text), schema)
+        else:
+            assert re.fullmatch(shape, text), (flags, text)
+    code, out, err = run_cli([*base, "--json-schema", '{"type": "foo"}'], capsys)
+    assert code == 2 and "json_schema" in err and err.count("error") == 1
 
 
 def test_the_sampling_the_model_s_files_suggest_is_used_under_the_flags(tiny, capsys, tmp_path):

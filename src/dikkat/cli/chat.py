@@ -12,6 +12,7 @@ import argparse
 import io
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dikkat.cli.args import non_negative_float, positive_float, positive_int, probability
@@ -63,8 +64,21 @@ def sampling(args: argparse.Namespace, lm: Pretrained) -> dict[str, Any]:
     given = {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
     own = {"repetition_penalty": args.default_repetition_penalty}
     settings = own | dict(lm.sampling_defaults) | given
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, **settings)
+    held = {k: _text_or_file(v) for k in ("json_schema", "regex", "grammar")
+            if (v := getattr(args, k, None)) is not None}  # fmt: skip
+    if getattr(args, "choice", None):
+        held["choice"] = args.choice
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, **settings, **held)
     return dict(params=params, weights=args.weights)
+
+
+def _text_or_file(value: str) -> str:
+    """A constraint flag's value: the text of the file it names, else itself."""
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8") if len(value) < 4096 and path.is_file() else value
+    except OSError as e:
+        raise ValueError(f"cannot read {value}: {e}") from None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -158,6 +172,19 @@ def add_sampling_flags(
     )
     parser.set_defaults(default_repetition_penalty=repetition_penalty)
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    held = parser.add_mutually_exclusive_group()  # docs/generation.md, "Constrained decoding"
+    held.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="the answer is JSON of this JSON Schema (its text, or a file)",
+    )
+    held.add_argument("--regex", help="the answer matches this regular expression")
+    held.add_argument(
+        "--grammar",
+        metavar="GRAMMAR",
+        help="the answer follows this grammar, GBNF or Lark (its text, or a file)",
+    )
+    held.add_argument("--choice", nargs="+", metavar="TEXT", help="the answer is one of these")
     parser.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
