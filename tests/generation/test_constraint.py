@@ -91,6 +91,10 @@ def test_schemas_in_normal_form() -> None:
             {"regex": "a", "grammar": "root ::= 'a'"},
             "give one constraint at most, got grammar, regex",
         ),
+        (
+            {"regex": "a+", "min_new_tokens": 2, "stop_ids": (1,), "max_new_tokens": 4},
+            "min_new_tokens=2 and regex cannot both hold",
+        ),
     ],
 )
 def test_bad_constraints_are_named(fields: dict[str, Any], message: str) -> None:

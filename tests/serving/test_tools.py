@@ -161,6 +161,7 @@ def test_a_conversation_goes_on_after_a_result(url):
             "tools and a constraint",
         ),
         ({"functions": [{"name": "f"}]}, "functions", "deprecated form of tools"),
+        ({"tools": [WEATHER], "extra_body": {"min_tokens": 2}}, "tools", "cannot both hold"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400(url, extra: dict, param: str, message: str):

@@ -78,8 +78,13 @@ class SamplingParams:
             )
         given = {f: getattr(self, f) for f in CONSTRAINTS}
         _set(self, "_constraint", constraint_of(given))  # checks them, one at most
-        if self._constraint is not None:  # each in its normal form (a schema as sorted JSON)
+        if self._constraint is not None:  # each in its normal form (a schema as compact JSON)
             _set(self, self._constraint.kind, self._constraint.value)
+            if self.min_new_tokens and self.stop_ids:
+                raise ValueError(
+                    f"min_new_tokens={self.min_new_tokens} and {self._constraint.kind} cannot "
+                    "both hold: a text the constraint completes sooner could not end"
+                )
 
     @property
     def constraint(self) -> Constraint | None:

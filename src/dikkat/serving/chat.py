@@ -52,7 +52,10 @@ class ChatCompletion:
         params = body.to_sampling_params(new, served.vocab.eos_ids, served.vocab.vocab_size)
         held, field = tools.tool_constraint(body), body.constraint()[1]
         if held is not None:  # (refusal() let no other constraint through beside it)
-            params, field = dataclasses.replace(params, **{held.kind: held.value}), "tools"
+            try:
+                params, field = dataclasses.replace(params, **{held.kind: held.value}), "tools"
+            except ValueError as e:  # min_tokens, which a call may not leave room for
+                raise RequestError(f"tools: {e}", param="tools") from None
         served.grammars.check(params, field)
         self.job, self.stops = (prompt, params), stops_of(body)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
