@@ -27,6 +27,7 @@ module                    holds
 from dikkat.weights.block_quantize import quantize_q4, quantize_q8
 from dikkat.weights.dense import onednn_linear_available
 from dikkat.weights.formats import FORMATS, WEIGHT_FORMATS, Format, WeightFormat
+from dikkat.weights.frozen import frozen_linear
 from dikkat.weights.half import HalfEmbedding, HalfLinear
 from dikkat.weights.held import InferenceLinear
 from dikkat.weights.inference import inference_model
@@ -57,6 +58,7 @@ __all__ = [
     "W8A8Weight",
     "WeightFormat",
     "dequantize_int8",
+    "frozen_linear",
     "inference_model",
     "int8_linear",
     "onednn_linear_available",

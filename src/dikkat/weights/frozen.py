@@ -1,0 +1,64 @@
+"""A frozen layer's product that a gradient flows back through: what training adapters on a
+model whose base weights stay as its file holds them needs (QLoRA, Dettmers et al. 2023,
+"QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314: the frozen 4-bit weight is
+dequantised in the backward pass too, never kept in full precision).
+
+``frozen_linear(x, layer)`` is ``layer(x)`` forward — the packed blocks' own product, exactly —
+and, backward, the input's gradient ``∂L/∂x = ∂L/∂y · W`` with W the layer's dequantised weight
+(the rounding of x to int16 per block of 32 in the forward is taken as the identity: a
+straight-through estimate, as QLoRA takes its own rounding). W is dequantised a block of
+:data:`ROWS_AT_ONCE` rows at a time and let go, so a backward holds at most one block of it in
+fp32, never the layer's whole weight. The layer's own weights get no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dikkat.weights.packed import dequantize
+from dikkat.weights.packed_layers import PackedLinear
+
+__all__ = ["ROWS_AT_ONCE", "frozen_linear", "input_gradient"]
+
+ROWS_AT_ONCE = 2048  # weight rows dequantised at once in a backward pass
+
+
+def frozen_linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """``layer(x)``, differentiable in ``x`` (see the module doc); ``layer`` is a
+    :class:`~dikkat.weights.packed_layers.PackedLinear` or an ``nn.Linear`` whose weight is
+    frozen (``requires_grad`` False)."""
+    if not isinstance(layer, (PackedLinear, nn.Linear)):
+        raise TypeError(f"layer must be a PackedLinear or an nn.Linear, got {type(layer).__name__}")
+    if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
+        raise ValueError("layer's weight requires grad: freeze it (requires_grad_(False)) first")
+    return _FrozenProduct.apply(x, layer)
+
+
+class _FrozenProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, layer: nn.Module) -> Tensor:  # type: ignore[override]
+        ctx.layer, ctx.dtype = layer, x.dtype
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return input_gradient(grad, ctx.layer).to(ctx.dtype), None
+
+
+def input_gradient(grad: Tensor, layer: nn.Module) -> Tensor:
+    """``grad · W`` (..., K) for the output gradient ``grad`` (..., N) of ``layer``'s product,
+    W (N, K) its weight dequantised a block of rows at a time, in fp32."""
+    g = grad.reshape(-1, grad.shape[-1]).float()
+    if isinstance(layer, nn.Linear):
+        out = g @ layer.weight.detach().float()
+    else:
+        out = g.new_zeros(g.shape[0], layer.in_features)
+        for (start, stop), part in zip(layer._spans, layer.parts, strict=True):
+            for a in range(0, stop - start, ROWS_AT_ONCE):
+                b = min(a + ROWS_AT_ONCE, stop - start)
+                out.addmm_(g[:, start + a : start + b], dequantize(part.rows(a, b)))
+    return out.view(*grad.shape[:-1], out.shape[-1])
