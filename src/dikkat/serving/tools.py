@@ -8,12 +8,13 @@ describes them in words of its own, in the system message or before the first us
 text, writes earlier calls as the assistant's text and their results as a user's turn.
 
 Whatever the template, a call is answered in one form, which the constraint enforces: a JSON
-object ``{"name": …, "arguments": {…}}`` whose arguments follow the function's schema (a JSON
-array of them where ``parallel_tool_calls`` is on). ``required`` and a named function hold the
-whole answer to that form (:func:`tool_constraint`; vLLM does the same); ``auto`` lets the
-model choose between a call and a text that does not begin as JSON does. A template's own
-syntax, ``<tool_call>{…}</tool_call>`` (Hermes, as Qwen and SmolLM3 write it), is read back too
-where an ``auto`` answer uses it; a call that names no offered function stays text.
+object ``{"name": …, "arguments": {…}}`` whose arguments follow the function's schema (or,
+where ``parallel_tool_calls`` is on, a JSON array of them). ``required`` and a named function
+hold the whole answer to that form (:func:`tool_constraint`; vLLM does the same); ``auto``
+lets the model choose between a call and a text that does not begin as JSON does. A
+template's own syntax, ``<tool_call>{…}</tool_call>`` (Hermes, as Qwen and SmolLM3 write it),
+is read back too where an ``auto`` answer uses it; a call that names no offered function stays
+text.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def tool_constraint(body: ChatRequest) -> Constraint | None:
         tools = [t for t in tools if t.function.name == choice.function.name]
     calls = [_call_schema(t.function.name, t.function.parameters) for t in tools]
     one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    answer = {"type": "array", "items": one, "minItems": 1} if body.parallel_tool_calls else one
+    several = {"type": "array", "items": one, "minItems": 1}
+    answer = {"anyOf": [one, several]} if body.parallel_tool_calls else one  # one, or a list
     if choice in (None, "auto"):
         # a call, or a text that does not open as JSON (nor with the space before it)
         lark = f"start: call | text\ncall: %json {json.dumps(answer)}\ntext: /[^\\s{{\\[][\\s\\S]*/"
