@@ -67,6 +67,11 @@ class Point(BaseModel):
     label: str
 
 
+class Shape(BaseModel):
+    properties: dict[str, int]
+    corner: Point
+
+
 def test_schemas_in_normal_form() -> None:
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}
     as_text = SamplingParams(json_schema=json.dumps(schema, indent=2))
@@ -75,6 +80,11 @@ def test_schemas_in_normal_form() -> None:
     assert list(json.loads(as_text.json_schema)["properties"]) == ["b", "a"]  # order kept
     closed = Point.model_json_schema() | {"additionalProperties": False}  # as openai's parse
     assert json.loads(SamplingParams(json_schema=Point).json_schema) == closed
+    # nested models too, and a field called "properties" is a field, not a schema's keyword
+    nested = json.loads(SamplingParams(json_schema=Shape).json_schema)
+    assert nested["additionalProperties"] is False
+    assert nested["$defs"]["Point"]["additionalProperties"] is False
+    assert set(nested["properties"]) == {"properties", "corner"}
     assert SamplingParams(choice=["a", "b"]).constraint.value == ("a", "b")
     assert SamplingParams().constraint is None and SamplingParams(choice=()).constraint is None
 

@@ -113,15 +113,23 @@ def _schema_text(schema: object) -> str:
         raise ValueError(f"json_schema cannot be written as JSON: {e}") from None
 
 
+_NAMED = ("properties", "$defs", "definitions", "patternProperties")  # name → schema maps
+
+
 def _closed(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` in every object that lists properties
-    and does not say."""
+    and does not say (a map of names to schemas is not a schema: a property may be called
+    "properties")."""
     if isinstance(schema, list):
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
+    out = {
+        k: {n: _closed(v) for n, v in sub.items()}
+        if k in _NAMED and isinstance(sub, dict) else _closed(sub)
+        for k, sub in schema.items()
+    }  # fmt: skip
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 
