@@ -70,7 +70,7 @@ def timed(fn: Any) -> tuple[Any, float]:
 def llguidance_engine(tokenizer: Any, vocab: int, eos: list[int]) -> dict[str, Any]:
     import llguidance
 
-    from dikkat.generation.constraint import _JSON_LAYOUT
+    from dikkat.generation.constraint import JSON_LAYOUT
 
     lltok, build = timed(
         lambda: llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab, eos_token=eos)
@@ -79,7 +79,7 @@ def llguidance_engine(tokenizer: Any, vocab: int, eos: list[int]) -> dict[str, A
 
     def compile(schema: dict) -> Any:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), overrides=_JSON_LAYOUT
+            json.dumps(schema), overrides=JSON_LAYOUT
         )
         return llguidance.LLMatcher(lltok, grammar)
 

@@ -275,3 +275,39 @@ def test_engine_mixes_free_and_held_rows(grammars: Grammars, tokenizer: Tokenize
     jsonschema.validate(json.loads(text_of(tokenizer, [0, *together[1]], 1)), schema)
     with pytest.raises(ValueError, match=r"json_schema needs .* Engine\(grammars="):
         Engine(model, block_size=4).submit([1, 2], held)
+
+
+def test_a_byte_vocabulary_listed_by_its_bytes() -> None:
+    """A tokenizer with no ``tokenizers`` behind it (dikkat's byte tokenizer: id = byte) is
+    given as each id's bytes; id 0 ends the text."""
+    grammars = Grammars(None, 256, [0], token_bytes=[bytes([i]) for i in range(256)])
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=256, max_len=64, d_model=32, n_layers=1, n_heads=2)).eval()
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=2, stop_ids=(0,),
+                            regex=r"[a-z]{2,5}=\d")  # fmt: skip
+    (ids,) = generate(model, [[65, 66]], params, grammars=grammars)
+    assert ids[-1] == 0 and re.fullmatch(r"[a-z]{2,5}=\d", bytes(ids[2:-1]).decode())
+
+
+def test_the_compiled_grammars_kept_are_bounded(monkeypatch) -> None:
+    import dikkat.generation.constraint as constraint_module
+
+    monkeypatch.setattr(constraint_module, "KEPT_GRAMMARS", 2)
+    kept = Grammars(None, 256, [0], token_bytes=[bytes([i]) for i in range(256)])
+    for n in range(4):
+        kept.compile(SamplingParams(regex=f"a{{{n + 1}}}").constraint)
+    assert [c.value for c in kept._checked] == ["a{3}", "a{4}"]  # the last two, in use order
+
+
+def test_bad_arguments_are_named(grammars: Grammars, tokenizer: Tokenizer) -> None:
+    matcher = grammars.matcher(SamplingParams(regex="a+").constraint)
+    with pytest.raises(ValueError, match=r"logits must be floating-point \(B, V\), got \(300,\)"):
+        mask_logits(torch.zeros(300), [(matcher, 0)])
+    with pytest.raises(ValueError, match=r"held rows \[2\] must be rows of the 2 logits"):
+        mask_logits(torch.zeros(2, 300), [(matcher, 2)])
+    with pytest.raises(ValueError, match="eos_ids is empty"):
+        Grammars(tokenizer, 300, [])
+    with pytest.raises(ValueError, match=r"eos_ids=\[300\] hold an id outside the vocabulary"):
+        Grammars(tokenizer, 300, [300])
+    with pytest.raises(TypeError, match="tokenizers-based tokenizer or token_bytes, got int"):
+        Grammars(3, 300, [1])

@@ -42,6 +42,27 @@ def serving(app: Any, log_level: str = "warning") -> Iterator[str]:
         assert not thread.is_alive(), "the server did not stop"
 
 
+@contextmanager
+def serving_model(
+    lm: Any, name: str, chat_ids: Any = None, max_batch: int = 8, num_blocks: int = 256
+) -> Iterator[str]:
+    """:func:`serving` a pretrained model (``lm``, its ``chat_ids`` unless given) under
+    ``name``, its engine of ``max_batch`` rows and ``num_blocks`` blocks of 16 slots."""
+    from dikkat.serving import Engine, create_app
+
+    engine = Engine(lm.model, block_size=16, num_blocks=num_blocks, max_batch=max_batch)
+    chat_ids = lm.chat_ids if chat_ids is None else chat_ids
+    with serving(create_app(engine, lm.tokenizer, name, chat_ids=chat_ids)) as base:
+        yield base
+
+
+def openai_client(url: str, timeout: float = 120) -> Any:
+    """The official client of the server at ``url``, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def wait_for(done: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not done():

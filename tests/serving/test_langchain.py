@@ -14,10 +14,8 @@ langchain_openai = pytest.importorskip("langchain_openai")
 
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
-from live_server import serving  # noqa: E402
+from live_server import serving_model  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
-
-from dikkat.serving import Engine, create_app  # noqa: E402
 
 
 @tool
@@ -33,9 +31,7 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    engine = Engine(smollm2.model, block_size=16, num_blocks=128, max_batch=4)
-    app = create_app(engine, smollm2.tokenizer, "smollm2", chat_ids=smollm2.chat_ids)
-    with serving(app) as base:
+    with serving_model(smollm2, "smollm2", max_batch=4, num_blocks=128) as base:
         yield langchain_openai.ChatOpenAI(
             model="smollm2", base_url=f"{base}/v1", api_key="none", temperature=0,
             max_tokens=80, max_retries=0,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from typing import Any
 
 import pytest
 from hypothesis import given
@@ -59,9 +58,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from live_server import serving  # noqa: E402
-
-from dikkat.serving import Engine, create_app  # noqa: E402
+from live_server import openai_client, serving_model  # noqa: E402
 
 NAME = "thinker"
 THINKING = (
@@ -77,14 +74,12 @@ SHAPE = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{2,20}\."
 def url(smollm2):
     thinker = copy.copy(smollm2)
     thinker.chat_template = THINKING
-    engine = Engine(smollm2.model, block_size=16, num_blocks=64, max_batch=4)
     chat_ids = functools.partial(thinker.chat_ids, special_in_content=False)  # as dikkat serve's
-    with serving(create_app(engine, smollm2.tokenizer, NAME, chat_ids=chat_ids)) as base:
+    with serving_model(smollm2, NAME, chat_ids, max_batch=4, num_blocks=64) as base:
         yield base
 
 
-def client(url: str) -> Any:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+client = openai_client
 
 
 ASK = [{"role": "user", "content": "Is the sky blue?"}]

@@ -18,10 +18,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
 import jsonschema  # noqa: E402
-from live_server import serving  # noqa: E402
+from live_server import openai_client, serving_model  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
-
-from dikkat.serving import Engine, create_app  # noqa: E402
 
 NAME = "smollm2"
 
@@ -35,14 +33,11 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def url(smollm2):
-    engine = Engine(smollm2.model, block_size=16, num_blocks=256, max_batch=16)
-    app = create_app(engine, smollm2.tokenizer, NAME, chat_ids=smollm2.chat_ids)
-    with serving(app) as base:
+    with serving_model(smollm2, NAME, max_batch=16) as base:
         yield base
 
 
-def client(url: str) -> Any:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+client = openai_client
 
 
 PLACES = [

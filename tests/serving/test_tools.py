@@ -17,9 +17,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
 import jsonschema  # noqa: E402
-from live_server import serving  # noqa: E402
+from live_server import openai_client, serving_model  # noqa: E402
 
-from dikkat.serving import Engine, create_app  # noqa: E402
 from dikkat.serving.protocol import ChatRequest  # noqa: E402
 from dikkat.serving.tools import conversation, tool_calls  # noqa: E402
 
@@ -59,14 +58,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def url(smollm2):
-    engine = Engine(smollm2.model, block_size=16, num_blocks=256, max_batch=8)
-    app = create_app(engine, smollm2.tokenizer, NAME, chat_ids=smollm2.chat_ids)
-    with serving(app) as base:
+    with serving_model(smollm2, NAME) as base:
         yield base
 
 
-def client(url: str) -> Any:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+client = openai_client
 
 
 def check_calls(calls: Any, names: set[str]) -> None:
@@ -254,8 +250,7 @@ def test_a_template_that_knows_tools_renders_them(smollm2):
         tools=[WEATHER],
     )  # fmt: skip
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"' in expected
-    engine = Engine(smollm2.model, block_size=16, num_blocks=64, max_batch=2)
-    with serving(create_app(engine, smollm2.tokenizer, NAME, chat_ids=knower.chat_ids)) as base:
+    with serving_model(smollm2, NAME, knower.chat_ids, max_batch=2, num_blocks=64) as base:
         c = client(base)
         answer = c.chat.completions.create(
             model=NAME, messages=history, tools=[WEATHER], tool_choice="required",

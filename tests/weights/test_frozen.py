@@ -62,3 +62,11 @@ def test_a_plain_linear_and_what_is_refused():
         frozen_linear(torch.randn(1, K), nn.Linear(K, 4))
     with pytest.raises(TypeError, match=r"PackedLinear or an nn\.Linear, got Conv1d"):
         frozen_linear(torch.randn(1, K), nn.Conv1d(1, 1, 1))  # type: ignore[arg-type]
+
+
+def test_an_input_of_the_wrong_width_is_named():
+    layer = PackedLinear(packed("Q8_0", 32, seed=7), None, batched=False)
+    with pytest.raises(
+        ValueError, match=r"x must be floating-point \(\.\.\., 512\), got \(2, 64\)"
+    ):
+        frozen_linear(torch.randn(2, 64), layer)

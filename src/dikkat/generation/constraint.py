@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,8 +29,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dikkat.validate import check_int
+
 __all__ = [
     "CONSTRAINTS",
+    "JSON_LAYOUT",
+    "KEPT_GRAMMARS",
     "Constraint",
     "ConstraintError",
     "Grammars",
@@ -37,11 +42,13 @@ __all__ = [
     "constraint_of",
     "mask_logits",
     "matcher_of",
+    "missing_grammars",
     "take",
 ]
 
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # SamplingParams' fields
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KEPT_GRAMMARS = 256  # compiled constraints a Grammars keeps, the least recently used dropped
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ConstraintError(ValueError):
@@ -134,11 +141,10 @@ def _closed(schema: Any) -> Any:
     return out
 
 
-@lru_cache(maxsize=256)
 def _grammar_text(kind: str, value: str | tuple[str, ...]) -> str:
     llg = _llguidance()
     if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(value, overrides=_JSON_LAYOUT)
+        return llg.LLMatcher.grammar_from_json_schema(value, overrides=JSON_LAYOUT)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -162,8 +168,9 @@ def _llguidance() -> Any:
 
 class Grammars:
     """Compiles constraints against one vocabulary, and keeps what it compiled: the
-    vocabulary's llguidance tokenizer (about a second to build, once) and each constraint's
-    checked grammar (cached, so a schema sent again costs nothing to compile).
+    vocabulary's llguidance tokenizer (about a second to build, once) and the checked grammars
+    of the last :data:`KEPT_GRAMMARS` constraints (so a schema sent again costs nothing to
+    compile, and a server sent ever new ones holds a bounded number).
 
     ``tokenizer`` is a ``tokenizers.Tokenizer``, or an object holding one as ``backend``
     (:class:`dikkat.pretrained.Tokenizer`) or ``inner`` (:class:`dikkat.text.HFTokenizer`);
@@ -180,9 +187,12 @@ class Grammars:
         token_bytes: Sequence[bytes] | None = None,
     ) -> None:
         llg = _llguidance()
+        check_int("vocab_size", vocab_size)
         eos = sorted(int(i) for i in eos_ids)
         if not eos:
             raise ValueError("constrained decoding needs an end-of-text id (eos_ids is empty)")
+        if eos[-1] >= vocab_size:
+            raise ValueError(f"eos_ids={eos} hold an id outside the vocabulary of {vocab_size}")
         backend = _backend(tokenizer)
         if backend is not None:
             spec: Any = backend.to_str()
@@ -195,7 +205,7 @@ class Grammars:
             )
         self.vocab_size, self.eos_ids = int(vocab_size), tuple(eos)
         self.tokenizer = llg.LLTokenizer(spec, n_vocab=self.vocab_size, eos_token=eos)
-        self._checked: dict[Constraint, str] = {}
+        self._checked: OrderedDict[Constraint, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, constraint: Constraint) -> str:
@@ -203,8 +213,9 @@ class Grammars:
         engine could not compile."""
         with self._lock:
             found = self._checked.get(constraint)
-        if found is not None:
-            return found
+            if found is not None:
+                self._checked.move_to_end(constraint)
+                return found
         grammar = constraint.grammar_text()
         llg = _llguidance()
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
@@ -212,6 +223,8 @@ class Grammars:
             raise ConstraintError(f"{constraint.kind}: {messages[0]}")
         with self._lock:
             self._checked[constraint] = grammar
+            while len(self._checked) > KEPT_GRAMMARS:
+                self._checked.popitem(last=False)
         return grammar
 
     def guide(self, constraints: Sequence[Constraint | None]) -> Guide:
@@ -229,25 +242,37 @@ def matcher_of(grammars: Grammars | None, constraint: Constraint | None, where: 
     if constraint is None:
         return None
     if grammars is None:
-        raise ValueError(
-            f"{constraint.kind} needs the tokenizer's vocabulary to hold the text to: pass "
-            f"{where} (dikkat.generation.Grammars(tokenizer, vocab_size, eos_ids))"
-        )
+        raise missing_grammars(constraint, where)
     return grammars.matcher(constraint)
+
+
+def missing_grammars(constraint: Constraint, where: str) -> ValueError:
+    """The error of a constraint given where no :class:`Grammars` is (``where``: how to pass
+    one)."""
+    return ValueError(
+        f"{constraint.kind} needs the tokenizer's vocabulary to hold the text to: pass {where} "
+        "(dikkat.generation.Grammars(tokenizer, vocab_size, eos_ids)), or generate through "
+        "dikkat.pretrained (Pretrained.generate / chat) or the server"
+    )
 
 
 def mask_logits(logits: Tensor, held: Sequence[tuple[Any, int]]) -> Tensor:
     """``logits`` (B, V) in fp32 with the tokens each held row's matcher forbids at −inf (a new
     tensor; ``held``: (matcher, row) pairs, matchers of :meth:`Grammars.matcher` over a
-    vocabulary of V). The rows' bitmasks are computed together
-    on llguidance's threads and applied as one tensor operation; the other rows are left as
-    they are."""
+    vocabulary of V). Several rows' bitmasks are computed together on llguidance's threads
+    (one row's on this one: a pool's threads would wait beside torch's), and applied as one
+    tensor operation; the other rows are left as they are."""
     if not held:
         return logits
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be floating-point (B, V), got {got}")
     B, V = logits.shape
+    if any(not 0 <= row < B for _, row in held):
+        raise ValueError(f"held rows {[r for _, r in held]} must be rows of the {B} logits")
     words = (V + 31) // 32
     bits = torch.full((B, words), -1, dtype=torch.int32)
-    if len(held) == 1:  # on this thread: a pool's threads would wait beside torch's
+    if len(held) == 1:
         matcher, row = held[0]
         matcher.unsafe_compute_mask_ptr(bits[row].data_ptr(), words * 4)
     else:

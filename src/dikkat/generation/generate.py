@@ -21,7 +21,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from dikkat.core.masks import causal, padding
-from dikkat.generation.constraint import Grammars, Guide
+from dikkat.generation.constraint import Grammars, Guide, missing_grammars
 from dikkat.generation.prompts import Prompts, left_pad
 from dikkat.generation.protocol import DecoderLM
 from dikkat.generation.sampler import Sampler, check_finite, draw, largest
@@ -140,11 +140,7 @@ def sample_loop(
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.refuse("the decoding loop", *TOKEN_LEVEL)
     if params.constraint is not None and guide is None:
-        raise ValueError(
-            f"{params.constraint.kind} needs the tokenizer's vocabulary to hold the text to: "
-            "pass grammars=Grammars(tokenizer, vocab_size, eos_ids), or generate through "
-            "dikkat.pretrained (Pretrained.generate / chat) or the server"
-        )
+        raise missing_grammars(params.constraint, "grammars=")
     return _loop(start, step, params, Sampler(params, prompt, valid, guide))
 
 

@@ -236,7 +236,7 @@ class Served:
     max_len: int
     max_queue: int | None
     chat_ids: ChatIds | None  # messages → prompt ids; None: no chat template
-    grammars: Any = None  # compiles requests' constraints (dikkat.serving.structured)
+    grammars: Any  # compiles requests' constraints (dikkat.serving.structured.ServedGrammars)
     knows_tools: bool = False  # the chat template renders tools itself (dikkat.serving.tools)
     thinks: bool = False  # the model thinks in <think> tags (dikkat.serving.reasoning)
 

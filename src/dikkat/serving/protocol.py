@@ -4,8 +4,8 @@ Every request field of OpenAI's completions and chat completions endpoints
 (https://platform.openai.com/docs/api-reference/completions/create,
 https://platform.openai.com/docs/api-reference/chat/create) is accepted: honoured, or taken and
 ignored where it cannot change the answer (``user``, ``store``, ``metadata``, ``service_tier``
-…), or refused by name where honouring it is impossible (``suffix``, ``tools``:
-:func:`refusal`). A field OpenAI does not have is refused as unknown, and
+…), or refused by name where honouring it is impossible (``suffix``, the deprecated
+``functions``: :func:`refusal`). A field OpenAI does not have is refused as unknown, and
 types are strict (``"5"`` is not a number, ``true`` is not an integer). docs/server.md has the
 table. ``top_k`` is accepted too, as vLLM accepts it, and the fields that hold the text to a
 constraint (:meth:`Sampling.constraint`: OpenAI's ``response_format``, vLLM's and
@@ -339,9 +339,9 @@ def refusal(body: CompletionRequest | ChatRequest) -> tuple[str, str] | None:
     if isinstance(choice, NamedTool) and choice.function.name not in names:
         why = f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
         return "tool_choice", why
-    if names and choice != "none" and body.constraint()[1] is not None:
-        why = "tools and a constraint on the text cannot both hold the answer: give one"
-        return body.constraint()[1], why  # type: ignore[return-value]
+    held_by = body.constraint()[1]  # the field of a constraint on the text, if any
+    if names and choice != "none" and held_by is not None:
+        return held_by, "tools and a constraint on the text cannot both hold the answer: give one"
     if body.audio is not None:
         return "audio", "audio output is not supported: only text comes out"
     if any(m != "text" for m in body.modalities or []):

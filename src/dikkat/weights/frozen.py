@@ -34,6 +34,13 @@ def frozen_linear(x: Tensor, layer: nn.Module) -> Tensor:
         raise TypeError(f"layer must be a PackedLinear or an nn.Linear, got {type(layer).__name__}")
     if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
         raise ValueError("layer's weight requires grad: freeze it (requires_grad_(False)) first")
+    if (
+        not isinstance(x, Tensor)
+        or not x.is_floating_point()
+        or x.shape[-1:] != (layer.in_features,)
+    ):
+        got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"x must be floating-point (..., {layer.in_features}), got {got}")
     return _FrozenProduct.apply(x, layer)
 
 
@@ -57,8 +64,11 @@ def input_gradient(grad: Tensor, layer: nn.Module) -> Tensor:
         out = g @ layer.weight.detach().float()
     else:
         out = g.new_zeros(g.shape[0], layer.in_features)
-        for (start, stop), part in zip(layer._spans, layer.parts, strict=True):
-            for a in range(0, stop - start, ROWS_AT_ONCE):
-                b = min(a + ROWS_AT_ONCE, stop - start)
+        start = 0  # the part's first row in the layer's output
+        for part in layer.parts:
+            rows = part.shape[0]
+            for a in range(0, rows, ROWS_AT_ONCE):
+                b = min(a + ROWS_AT_ONCE, rows)
                 out.addmm_(g[:, start + a : start + b], dequantize(part.rows(a, b)))
+            start += rows
     return out.view(*grad.shape[:-1], out.shape[-1])
