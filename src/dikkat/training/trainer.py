@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from dikkat.files import atomic_write
@@ -110,7 +111,7 @@ class Trainer:
         self.ranks = detect_ranks(device)
         self.ranks.rows(config.batch_size)  # a batch the ranks cannot share is refused now
         self.device = rank_device(device, self.ranks)
-        self.model = task.model.to(self.device)
+        self.model = self.place(task.model)
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.made_by = made_by
         self._overwrite = overwrite
@@ -131,6 +132,10 @@ class Trainer:
         # run logs the same means as an uninterrupted one
         self._window: list[float] = []
         self._interrupted: int | None = None  # the signal that asked the loop to stop
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """The model on the trainer's device (a subclass whose model cannot move says so)."""
+        return model.to(self.device)
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -160,6 +165,15 @@ class Trainer:
             "history": self.history,
             "loss_window": self._window,
         }
+        self.write_checkpoint(state, weights)
+        self.plot()  # with every save, so a run stopped by Ctrl-C has its curves too
+        self.saved_step = self.step
+        barrier(self.ranks)
+
+    def write_checkpoint(self, state: dict[str, Any], weights: dict[str, Any] | None) -> None:
+        """Commit the model, tokenizer, run description and ``state`` as the run's new current
+        checkpoint (a subclass that saves less of the model writes its own)."""
+        assert self.out_dir is not None
         write_checkpoint(
             self.out_dir,
             model=self.model,
@@ -169,9 +183,6 @@ class Trainer:
             made_by=self.made_by,
             weights=weights,
         )
-        self.plot()  # with every save, so a run stopped by Ctrl-C has its curves too
-        self.saved_step = self.step
-        barrier(self.ranks)
 
     def load_state(self, state: dict[str, Any], source: str | Path = "trainer state") -> None:
         """Restore the optimizer, scheduler, RNG, step and history of a saved trainer state, and

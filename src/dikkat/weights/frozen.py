@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dikkat.weights.half import HalfLinear
 from dikkat.weights.packed import dequantize
 from dikkat.weights.packed_layers import PackedLinear
 
@@ -28,10 +29,13 @@ ROWS_AT_ONCE = 2048  # weight rows dequantised at once in a backward pass
 
 def frozen_linear(x: Tensor, layer: nn.Module) -> Tensor:
     """``layer(x)``, differentiable in ``x`` (see the module doc); ``layer`` is a
-    :class:`~dikkat.weights.packed_layers.PackedLinear` or an ``nn.Linear`` whose weight is
-    frozen (``requires_grad`` False)."""
-    if not isinstance(layer, (PackedLinear, nn.Linear)):
-        raise TypeError(f"layer must be a PackedLinear or an nn.Linear, got {type(layer).__name__}")
+    :class:`~dikkat.weights.packed_layers.PackedLinear`, a
+    :class:`~dikkat.weights.half.HalfLinear` (a 16-bit table, widened a block of rows at a time
+    alike) or an ``nn.Linear`` whose weight is frozen (``requires_grad`` False)."""
+    if not isinstance(layer, (PackedLinear, HalfLinear, nn.Linear)):
+        raise TypeError(
+            f"layer must be a PackedLinear, HalfLinear or nn.Linear, got {type(layer).__name__}"
+        )
     if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
         raise ValueError("layer's weight requires grad: freeze it (requires_grad_(False)) first")
     if (
@@ -69,6 +73,7 @@ def input_gradient(grad: Tensor, layer: nn.Module) -> Tensor:
             rows = part.shape[0]
             for a in range(0, rows, ROWS_AT_ONCE):
                 b = min(a + ROWS_AT_ONCE, rows)
-                out.addmm_(g[:, start + a : start + b], dequantize(part.rows(a, b)))
+                w = part[a:b].float() if isinstance(part, Tensor) else dequantize(part.rows(a, b))
+                out.addmm_(g[:, start + a : start + b], w)
             start += rows
     return out.view(*grad.shape[:-1], out.shape[-1])
