@@ -22,6 +22,7 @@ from dikkat.cli import (
     chat,
     demo,
     export,
+    finetune,
     generate,
     models,
     seeds,
@@ -34,7 +35,7 @@ from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
 from dikkat.version import __version__
 
 # the families of commands, in the order `dikkat --help` lists them
-COMMANDS = (train, demo, generate, export, chat, models, serve, audit, vision, show, bench, seeds)
+COMMANDS = (train, finetune, demo, generate, export, chat, models, serve, audit, vision, show, bench, seeds)
 
 
 def build_parser() -> argparse.ArgumentParser:

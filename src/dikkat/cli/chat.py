@@ -41,12 +41,19 @@ def load_pretrained(args: argparse.Namespace, weights: str | None = None) -> Pre
     it; :func:`dikkat.pretrained.load`), loaded with a line on stderr saying what and how
     long."""
     from dikkat.pretrained import load  # loaded when a command runs (see dikkat.cli)
+    from dikkat.training.finetune import is_finetune, load_finetuned
 
     print(f"dikkat: loading {args.model} …", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    lm = load(args.model, device=device_of(args), weights=weights)  # type: ignore[arg-type]
+    tuned = is_finetune(args.model)  # a run of `dikkat finetune`: its base with its adapters
+    if tuned and weights is not None:
+        raise ValueError(f"{args.model} is a fine-tune: its base runs as its file holds it")
+    if tuned:
+        lm = load_finetuned(args.model)
+    else:
+        lm = load(args.model, device=device_of(args), weights=weights)  # type: ignore[arg-type]
     print(f"dikkat: {lm} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    lm.compile_steps = compiles(args)
+    lm.compile_steps = compiles(args) and not tuned  # the adapters run eagerly
     if lm.sampling_defaults:
         said = ", ".join(f"{k}={v}" for k, v in lm.sampling_defaults.items())
         print(f"dikkat: sampling as the model's files suggest: {said} (flags override)",

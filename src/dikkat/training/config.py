@@ -7,6 +7,7 @@ of it at the last step (Loshchilov & Hutter 2017, arXiv:1608.03983, without rest
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,25 @@ class TrainConfig:
         check_float("beta2", self.beta2, low=0.0, high=1.0, high_open=True)
         check_float("grad_clip", self.grad_clip, low=0.0)
         check_bool("bf16", self.bf16)
+
+
+def extended(config: TrainConfig, done: int, steps: int | None, run: object) -> TrainConfig:
+    """The config a run of ``run`` at step ``done`` resumes with: ``steps`` more in all where
+    given (the cosine then re-planned to the new end); fewer than are done, or a finished run
+    without more, is refused before anything is written."""
+    if steps is None:
+        if done >= config.steps:
+            raise ValueError(
+                f"{run} has finished its {config.steps} steps; pass --steps N (N > {done}) to "
+                "extend it"
+            )
+        return config
+    if steps <= done:
+        raise ValueError(
+            f"{run} is at step {done}; --steps {steps} would end at or before it (pass more "
+            "steps to extend the run)"
+        )
+    return dataclasses.replace(config, steps=steps)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:

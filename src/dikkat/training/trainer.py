@@ -45,7 +45,7 @@ from dikkat.training.checkpoint import (
     write_checkpoint,
     write_log,
 )
-from dikkat.training.config import TrainConfig, lr_factor, make_optimizer
+from dikkat.training.config import TrainConfig, extended, lr_factor, make_optimizer
 from dikkat.training.parallel import (
     agree_signal,
     barrier,
@@ -371,18 +371,7 @@ def resume_trainer(
         raise ValueError(
             f"{saved.folder / TASK_FILE} is not a valid run description: {e}"
         ) from None
-    done = int(saved.state["step"])
-    if steps is not None:
-        if steps <= done:
-            raise ValueError(
-                f"{d} is at step {done}; --steps {steps} would end at or before it (pass more "
-                "steps to extend the run)"
-            )
-        config = TrainConfig(**{**asdict(config), "steps": steps})
-    elif done >= config.steps:
-        raise ValueError(
-            f"{d} has finished its {config.steps} steps; pass --steps N (N > {done}) to extend it"
-        )
+    config = extended(config, int(saved.state["step"]), steps, d)
     task = build_task(spec, tokenizer=load_tokenizer(saved.folder, verify=False))  # checked
     task.model = type(task.model).load(saved.folder, verify=False)  # type: ignore[attr-defined]
     made_by = saved.made_by or "dikkat.Trainer"
