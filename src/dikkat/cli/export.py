@@ -23,7 +23,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         check_writable,
         write_gguf,
     )
+    from dikkat.training.finetune import is_finetune
 
+    if is_finetune(args.run):
+        return _export_finetune(args)
+    if args.gguf is None:
+        raise ValueError("--gguf OUT is needed (--lora-gguf is a fine-tune's)")
+    if args.lora_gguf is not None or args.type is not None:
+        raise ValueError(f"--lora-gguf and --type are a fine-tune's; {args.run} is not one")
     out = Path(args.gguf)
     if out.exists() and not args.overwrite:  # before the model is read
         raise ValueError(f"--gguf {out} exists; add --overwrite to replace it")
@@ -43,27 +50,64 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_finetune(args: argparse.Namespace) -> int:
+    """A fine-tune's adapters merged into its base GGUF (--gguf) or as llama.cpp's adapter file
+    (--lora-gguf)."""
+    from dikkat.training.finetune_export import export_lora_gguf, export_merged_gguf
+
+    given = (("--gguf", args.gguf), ("--lora-gguf", args.lora_gguf))
+    wanted = [(flag, Path(p)) for flag, p in given if p is not None]
+    if not wanted:
+        raise ValueError(f"{args.run} is a fine-tune: give --gguf OUT, --lora-gguf OUT or both")
+    if args.dtype != "f32":
+        raise ValueError("--dtype is a GPT's; a fine-tune's merged file takes --type")
+    for flag, out in wanted:
+        if out.exists() and not args.overwrite:
+            raise ValueError(f"{flag} {out} exists; add --overwrite to replace it")
+    for flag, out in wanted:
+        if flag == "--gguf":
+            export_merged_gguf(args.run, out, kind=args.type)
+            what = f"the base with the adapters merged ({args.type or 'its own types'})"
+        else:
+            export_lora_gguf(args.run, out)
+            what = "llama.cpp's LoRA adapter (llama-cli -m BASE --lora FILE)"
+        print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {what}")
+    return 0
+
+
 def add_commands(sub: Any) -> None:
     export = add_command(
         sub,
         "export",
         cmd_export,
-        help="write a GPT run as a GGUF file for llama.cpp",
+        help="write a GPT run, or a fine-tune, as a GGUF file for llama.cpp",
         description="Write the GPT of a run or model folder (dikkat train --task lm, save) and its "
         "tokenizer as one GGUF file of llama.cpp's gpt2 architecture, laid out as llama.cpp's own "
         "converter writes GPT-2; a GPT with RoPE (the demo's) as llama.cpp's starcoder2 "
         "architecture, whose graph is a RoPE GPT's. dikkat.pretrained.load and dikkat generate "
         "--model read it back. A GPT with another activation than the tanh GELU, and a tokenizer "
-        "other than bytes or a byte-level BPE, have no such file: they are refused.",
+        "other than bytes or a byte-level BPE, have no such file: they are refused. A fine-tune "
+        "(dikkat finetune) of a GGUF model is written as its base file with the adapters merged "
+        "(--gguf, each matrix quantised again in its own type, or --type), or as llama.cpp's "
+        "LoRA adapter file (--lora-gguf).",
         examples=[
             ("dikkat export runs/gpt --gguf runs/gpt.gguf", "fp32 weights, as trained"),
             ("dikkat export runs/demo --gguf runs/demo.gguf", "the demo's RoPE GPT (starcoder2)"),
             ("dikkat export runs/gpt --gguf runs/gpt-f16.gguf --dtype f16", "matrices in fp16"),
+            ("dikkat export runs/ft --gguf ft.gguf --lora-gguf ft-lora.gguf", "a fine-tune"),
         ],
         notes="The file is written under a temporary name and renamed into place when complete.",
     )
     export.add_argument("run", help="a run or model folder holding a GPT")
-    export.add_argument("--gguf", required=True, metavar="OUT", help="the .gguf file to write")
+    export.add_argument("--gguf", metavar="OUT", help="the .gguf file to write")
+    export.add_argument(
+        "--lora-gguf", metavar="OUT", help="a fine-tune: llama.cpp's LoRA adapter file"
+    )
+    export.add_argument(
+        "--type",
+        choices=("F16", "BF16", "F32", "Q8_0"),
+        help="a fine-tune's merged file: every matrix in this type (default: each its own)",
+    )
     export.add_argument(
         "--dtype",
         choices=("f32", "f16"),
