@@ -35,7 +35,21 @@ from dikkat.cli.common import RAW, USER_ERRORS, DikkatParser, format_examples
 from dikkat.version import __version__
 
 # the families of commands, in the order `dikkat --help` lists them
-COMMANDS = (train, finetune, demo, generate, export, chat, models, serve, audit, vision, show, bench, seeds)
+COMMANDS = (
+    train,
+    finetune,
+    demo,
+    generate,
+    export,
+    chat,
+    models,
+    serve,
+    audit,
+    vision,
+    show,
+    bench,
+    seeds,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
