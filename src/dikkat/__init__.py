@@ -70,6 +70,8 @@ from dikkat.version import __version__
 if TYPE_CHECKING:
     from dikkat import audit, distributed, hf, maps, pretrained, serving
     from dikkat.tasks import TaskSpec
+    from dikkat.training.finetune import FinetuneSpec, finetune, load_finetuned
+    from dikkat.training.lora import LoraConfig
     from dikkat.training.trainer import TrainConfig, Trainer, train
 
 # Loaded on first use: a part of dikkat by its name (``dikkat.vision.ViT`` after a bare
@@ -92,10 +94,14 @@ _LAZY_MODULES = (
     "viz",
 )
 _LAZY_NAMES = {
+    "FinetuneSpec": "dikkat.training.finetune",
+    "LoraConfig": "dikkat.training.lora",
     "TaskSpec": "dikkat.tasks",
     "TrainConfig": "dikkat.training.trainer",
     "Trainer": "dikkat.training.trainer",
     "train": "dikkat.training.trainer",
+    "finetune": "dikkat.training.finetune",
+    "load_finetuned": "dikkat.training.finetune",
 }
 
 __all__ = [
@@ -110,6 +116,7 @@ __all__ = [
     "Capture",
     "Decoder",
     "DecoderConfig",
+    "FinetuneSpec",
     "GPTConfig",
     "GatedMLP",
     "Grammars",
@@ -117,6 +124,7 @@ __all__ = [
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "LookupStats",
+    "LoraConfig",
     "MultiHeadAttention",
     "RMSNorm",
     "RotaryEmbedding",
@@ -138,11 +146,13 @@ __all__ = [
     "clear_caches",
     "distributed",
     "explain",
+    "finetune",
     "generate",
     "hf",
     "inference_model",
     "iter_generate",
     "iter_lookup_generate",
+    "load_finetuned",
     "lookup_generate",
     "maps",
     "masks",
