@@ -60,7 +60,7 @@ def test_a_plain_linear_and_what_is_refused():
     check(linear, linear.weight, seed=6)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="requires grad: freeze it"):
         frozen_linear(torch.randn(1, K), nn.Linear(K, 4))
-    with pytest.raises(TypeError, match=r"PackedLinear or an nn\.Linear, got Conv1d"):
+    with pytest.raises(TypeError, match=r"PackedLinear, HalfLinear or nn\.Linear, got Conv1d"):
         frozen_linear(torch.randn(1, K), nn.Conv1d(1, 1, 1))  # type: ignore[arg-type]
 
 
@@ -70,3 +70,24 @@ def test_an_input_of_the_wrong_width_is_named():
         ValueError, match=r"x must be floating-point \(\.\.\., 512\), got \(2, 64\)"
     ):
         frozen_linear(torch.randn(2, 64), layer)
+
+
+def test_a_16_bit_table_and_the_bf16_backward(monkeypatch):
+    """A 16-bit table (a GGUF file's F16) widened a block of rows at a time; under bf16
+    autocast the backward's product runs in bf16, within bf16's rounding of its inputs."""
+    from dikkat.weights.half import HalfLinear
+
+    monkeypatch.setattr(frozen_module, "ROWS_AT_ONCE", 24)
+    table = torch.randn(40, K).half()
+    layer = HalfLinear(table, None)
+    check(layer, table.float(), seed=7)  # type: ignore[arg-type]
+
+    x = torch.randn(4, K, requires_grad=True)
+    upstream = torch.randn(4, 40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = frozen_linear(x, layer)
+    (y * upstream).sum().backward()
+    expected = upstream.double() @ table.double()
+    assert x.grad.dtype == torch.float32
+    error = (x.grad.double() - expected).norm() / expected.norm()
+    assert 1e-6 < error < 1e-2  # bf16's, not fp32's: the half product did run

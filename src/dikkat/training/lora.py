@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from dikkat.layers.linear import LinearRows
 from dikkat.pretrained.families import Family
 from dikkat.validate import check_float, check_int
-from dikkat.weights.frozen import frozen_linear
+from dikkat.weights.frozen import frozen_linear, half_backward, input_gradient
 from dikkat.weights.half import HalfLinear
 from dikkat.weights.packed_layers import PackedExperts, PackedLinear
 
@@ -168,9 +168,21 @@ class LoraLinear(FrozenLinear):
             self.lora_B[name] = nn.Parameter(torch.zeros(b - a, config.rank, **like))  # type: ignore[arg-type]
 
     def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.dropout, nn.Dropout) and self.training:
+            return self._unfused(x)
+        ordered = self._ordered()
+        weights = [w for name, _, _ in ordered for w in (self.lora_A[name], self.lora_B[name])]
+        return _LoraProduct.apply(x, self, *weights)
+
+    def _ordered(self) -> list[tuple[str, int, int]]:
+        return sorted(((n, a, b) for n, (a, b) in self.spans.items()), key=lambda s: s[1])
+
+    def _unfused(self, x: Tensor) -> Tensor:
+        """The adapters as plain operations, each with its own dropout mask (as PEFT's separate
+        layers draw theirs): training with dropout."""
         y = self.frozen(x)
         pieces, at = [], 0
-        for name, (a, b) in sorted(self.spans.items(), key=lambda item: item[1]):
+        for name, a, b in self._ordered():
             if a > at:
                 pieces.append(y[..., at:a])
             h = self.dropout(x) @ self.lora_A[name].T.to(x.dtype)
@@ -186,6 +198,51 @@ class LoraLinear(FrozenLinear):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, scale={self.scale:g}, spans={self.spans}"
+
+
+class _LoraProduct(torch.autograd.Function):
+    """A :class:`LoraLinear`'s product in one step: the frozen product, each adapter's update
+    added into its columns in place (no copies of the output to join), and a backward that
+    gives the input's gradient (the frozen weight's, :func:`~dikkat.weights.frozen.
+    input_gradient`, plus each adapter's) and the adapters' own; the rank-r products ``x Aᵀ``
+    are kept for it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, layer: LoraLinear, *weights: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.layer, ctx.half, ctx.dtype = layer, half_backward(), x.dtype
+        # fp32 throughout, under autocast too (whose bf16 the frozen backward takes: ctx.half)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            x = x.float()
+            y = layer.base(x).contiguous()
+            x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+            hs = []
+            for (_, a, b), A, B in zip(layer._ordered(), weights[0::2], weights[1::2], strict=True):
+                h = x2 @ A.T  # (M, r)
+                y2[:, a:b].addmm_(h, B.T, alpha=layer.scale)
+                hs.append(h)
+        ctx.save_for_backward(x, *weights, *hs)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        layer: LoraLinear = ctx.layer
+        x, *rest = ctx.saved_tensors
+        n = len(rest) // 3
+        weights, hs = rest[: 2 * n], rest[2 * n :]
+        x2, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]).float()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = input_gradient(g, layer.base, half=ctx.half)
+        grads: list[Tensor] = []
+        spans = layer._ordered()
+        for (_, a, b), A, B, h in zip(spans, weights[0::2], weights[1::2], hs, strict=True):
+            gs = g[:, a:b]
+            gh = (gs @ B).mul_(layer.scale)  # (M, r)
+            grads += [gh.T @ x2, (gs.T @ h).mul_(layer.scale)]
+            if grad_x is not None:
+                grad_x.addmm_(gh, A)
+        shown = None if grad_x is None else grad_x.view(x.shape).to(ctx.dtype)
+        return (shown, None, *grads)
 
 
 @dataclass(frozen=True)
