@@ -189,3 +189,41 @@ def test_refusals(tmp_path: Path) -> None:
             LoraConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="tuple of module names"):
         LoraConfig(targets="q_proj")  # type: ignore[arg-type]
+
+
+def test_the_fused_product_equals_the_plain_operations(tmp_path: Path) -> None:
+    """The one-step product (adapters added into the frozen product's columns) and the plain
+    operations it replaces give the same output and gradients; with dropout, training draws
+    masks (the plain path) and evaluation is the fused product again."""
+    from dikkat.weights.packed_layers import PackedLinear
+
+    path = _gguf(tmp_path / "tiny.gguf", "Q8_0")
+    model = dikkat.pretrained.load(path).model
+    add_lora(model, by_gguf_architecture("llama", "t"), LoraConfig(rank=3, targets=ALL))
+    layer = model.blocks[0].attn.qkv_proj
+    assert isinstance(layer, LoraLinear) and isinstance(layer.base, PackedLinear)
+    with torch.no_grad():
+        for B in layer.lora_B.values():
+            B.normal_(generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
+    outs, grads = [], []
+    for run in (layer.forward, layer._unfused):
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        y = run(x)
+        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        outs.append(y.detach())
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in layer.parameters()
+                                         if p.requires_grad)])  # fmt: skip
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+    dropped = LoraLinear(layer.base, layer.spans, LoraConfig(rank=3, dropout=0.5, targets=ALL))
+    dropped.load_state_dict(layer.state_dict())
+    dropped.eval()
+    torch.testing.assert_close(dropped(x), outs[0])
+    dropped.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(dropped(x), outs[0])  # masks drawn
