@@ -99,6 +99,14 @@ SHRINK: dict[str, tuple[str, str]] = {
         "--sizes 128 --min-time 0.001",
         "the default sizes, n = 1k … 32k, fp32 and bf16",
     ),
+    "dikkat finetune --model smollm2 --data chats.jsonl --out runs/ft": (
+        "--steps 1 --batch-size 1 --seq-len 64 --targets q_proj",
+        "200 steps of 4 × 512 tokens",
+    ),
+    "dikkat finetune --out runs/ft --resume --steps 400": (
+        "--steps 2",
+        "400 steps; extending the one-step run to 2 resumes it all the same",
+    ),
     "dikkat bench decode smollm2": (
         DECODE_SMALL,
         "three repetitions of 128 decoded tokens and a 512-token prefill, a 1 GiB read",
@@ -129,7 +137,7 @@ def command_of(argv: list[str]) -> str:
 def reads(args: argparse.Namespace) -> list[Path]:
     """The folders a parsed command line reads: a run or model folder, or the run --resume
     continues."""
-    given = [getattr(args, name, None) for name in ("checkpoint", "run", "hf_gpt2", "hf")]
+    given = [getattr(args, name, None) for name in ("checkpoint", "run", "hf_gpt2", "hf", "data")]
     if getattr(args, "resume", False):
         given.append(args.out)
     return [Path(p) for p in given if p is not None]
@@ -154,7 +162,11 @@ WRITES: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "vit-attention": lambda a: [Path(a.out or Path(a.run) / "vit_attention.png")],
     "detect": lambda a: [Path(a.out or Path(a.run) / "detections.png")],
     "bench attention": bench_files,
-    "export": lambda a: [Path(a.gguf)],
+    "export": lambda a: [Path(p) for p in (a.gguf, a.lora_gguf) if p is not None],
+    "finetune": lambda a: [
+        *(Path(a.out) / name for name in (RUN_FILE, LOG_FILE, PLOT_FILE)),
+        checkpoint_dir(a.out) / "adapter_model.safetensors",
+    ],
     "show": lambda a: (
         # a pretrained or Hugging Face model's pictures go to runs/show/NAME, never to "."
         [
@@ -192,6 +204,31 @@ def step_zero_run(spec: TaskSpec) -> Callable[[Path], None]:
     """A real run of ``spec`` at step 0 (run.json, checkpoint, task.json), saved by the
     Trainer without training: what the examples read needs no trained weights."""
     return lambda path: Trainer(build_task(spec), TrainConfig(steps=1, batch_size=2), path).save()
+
+
+def tag_chats(path: Path) -> None:
+    """A few chats in OpenAI's form: what `dikkat finetune --data` reads."""
+    lines = [
+        {"messages": [{"role": "user", "content": f"Label: {w}"},
+                      {"role": "assistant", "content": f"<tag>{w}</tag>"}]}
+        for w in ("bodami", "kelupa", "sivoro", "tanemi")
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def finetune_run(path: Path) -> None:
+    """A one-step LoRA fine-tune of SmolLM2 (rank 2 on q_proj): what `dikkat chat RUN`,
+    `dikkat export RUN --gguf` and `dikkat finetune --resume` read."""
+    if importlib.util.find_spec(NAMES["smollm2"].package) is None:
+        pytest.skip(f"SmolLM2 is absent: {NAMES['smollm2'].install}")
+    from dikkat.training.finetune import FinetuneSpec, finetune
+    from dikkat.training.lora import LoraConfig
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tag_chats(path.with_suffix(".jsonl"))
+    spec = FinetuneSpec("smollm2", str(path.with_suffix(".jsonl")), seq_len=64,
+                        lora=LoraConfig(rank=2, targets=("q_proj",)))  # fmt: skip
+    finetune(spec, TrainConfig(steps=1, batch_size=1, warmup=0), path, progress=False)
 
 
 def corpus() -> str:
@@ -236,6 +273,8 @@ FOLDERS: dict[Path, Callable[[Path], None]] = {
     ),
     Path("runs/shapes"): step_zero_run(TaskSpec(task="shapes", model_overrides=SMALL)),
     Path("gpt2"): hf_gpt2,
+    Path("chats.jsonl"): tag_chats,
+    Path("runs/ft"): finetune_run,
 }
 
 
@@ -279,7 +318,10 @@ def test_help_example_runs_as_written(example, made, tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     for folder in reads(args):
         assert folder in FOLDERS, f"{example!r} reads {folder}: add a tiny one to FOLDERS"
-        shutil.copytree(made(folder), folder)
+        if made(folder).is_file():  # a data file
+            shutil.copy(made(folder), folder)
+        else:
+            shutil.copytree(made(folder), folder)
     before = files_under(tmp_path)
 
     code, out, err = run_cli(argv, capsys)

@@ -13,16 +13,8 @@ import torch.nn.functional as F
 
 import dikkat
 from dikkat.pretrained.families import by_gguf_architecture, by_hf_model_type
-from dikkat.training.lora import (
-    FrozenLinear,
-    LoraConfig,
-    LoraLinear,
-    add_lora,
-    load_peft_state,
-    lora_config_of,
-    peft_config,
-    peft_state,
-)
+from dikkat.training.lora import FrozenLinear, LoraConfig, LoraLinear, add_lora
+from dikkat.training.peft_format import load_peft_state, lora_config_of, peft_config, peft_state
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "pretrained"))
 from tiny_hf import save_tiny
@@ -216,9 +208,10 @@ def test_the_fused_product_equals_the_plain_operations(tmp_path: Path) -> None:
         outs.append(y.detach())
         grads.append([x.grad.clone(), *(p.grad.clone() for p in layer.parameters()
                                          if p.requires_grad)])  # fmt: skip
-    torch.testing.assert_close(outs[0], outs[1])
+    # the same sums in another order: to fp32's rounding of the whole
+    assert (outs[0] - outs[1]).norm() <= 1e-6 * outs[1].norm()
     for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b)
+        assert (a - b).norm() <= 1e-5 * b.norm()
 
     dropped = LoraLinear(layer.base, layer.spans, LoraConfig(rank=3, dropout=0.5, targets=ALL))
     dropped.load_state_dict(layer.state_dict())

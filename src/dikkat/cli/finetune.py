@@ -102,9 +102,10 @@ def add_commands(sub: Any) -> None:
         examples=[
             ("dikkat finetune --model smollm2 --data chats.jsonl --out runs/ft", ""),
             ("dikkat finetune --out runs/ft --resume --steps 400", "continue, exactly"),
-            ("dikkat chat runs/ft", "talk to the result"),
-            ("dikkat export runs/ft --gguf ft.gguf", "the merged model, for llama.cpp"),
         ],
+        notes="then: dikkat chat runs/ft (talk to the result), dikkat export runs/ft --gguf "
+        "ft.gguf (the merged model, for llama.cpp) or --lora-gguf ft-lora.gguf (llama.cpp's "
+        "adapter file)",
     )
     p.add_argument("--model", help="a name, GGUF file or HF folder (dikkat models lists them)")
     p.add_argument("--data", help="a JSONL file of examples")

@@ -46,16 +46,9 @@ from dikkat.training.checkpoint import (
     writing,
 )
 from dikkat.training.config import TrainConfig, extended
-from dikkat.training.lora import (
-    LoraConfig,
-    Site,
-    add_lora,
-    load_peft_state,
-    lora_config_of,
-    peft_config,
-    peft_state,
-)
+from dikkat.training.lora import LoraConfig, Site, add_lora
 from dikkat.training.packing import Packed, batch_rows, pack
+from dikkat.training.peft_format import load_peft_state, lora_config_of, peft_config, peft_state
 from dikkat.training.results import TrainResult
 from dikkat.training.sft_data import read_examples, split_examples
 from dikkat.training.trainer import Trainer

@@ -40,17 +40,12 @@ from dikkat.weights.packed_layers import PackedExperts, PackedLinear
 
 __all__ = [
     "DEFAULT_TARGETS",
-    "PEFT_PREFIX",
     "FrozenLinear",
     "LoraConfig",
     "LoraLinear",
     "Site",
     "adapter_sites",
     "add_lora",
-    "load_peft_state",
-    "lora_config_of",
-    "peft_config",
-    "peft_state",
     "target_names",
 ]
 
@@ -212,13 +207,13 @@ class _LoraProduct(torch.autograd.Function):
         ctx.layer, ctx.half, ctx.dtype = layer, half_backward(), x.dtype
         # fp32 throughout, under autocast too (whose bf16 the frozen backward takes: ctx.half)
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            x = x.float()
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
             y = layer.base(x).contiguous()
             x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
             hs = []
             for (_, a, b), A, B in zip(layer._ordered(), weights[0::2], weights[1::2], strict=True):
-                h = x2 @ A.T  # (M, r)
-                y2[:, a:b].addmm_(h, B.T, alpha=layer.scale)
+                h = x2 @ A.T.to(x.dtype)  # (M, r)
+                y2[:, a:b].addmm_(h, B.T.to(x.dtype), alpha=layer.scale)
                 hs.append(h)
         ctx.save_for_backward(x, *weights, *hs)
         return y
@@ -229,18 +224,18 @@ class _LoraProduct(torch.autograd.Function):
         x, *rest = ctx.saved_tensors
         n = len(rest) // 3
         weights, hs = rest[: 2 * n], rest[2 * n :]
-        x2, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]).float()
+        x2, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]).to(x.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = input_gradient(g, layer.base, half=ctx.half)
+            grad_x = input_gradient(g, layer.base, half=ctx.half).to(x.dtype)
         grads: list[Tensor] = []
         spans = layer._ordered()
         for (_, a, b), A, B, h in zip(spans, weights[0::2], weights[1::2], hs, strict=True):
             gs = g[:, a:b]
-            gh = (gs @ B).mul_(layer.scale)  # (M, r)
-            grads += [gh.T @ x2, (gs.T @ h).mul_(layer.scale)]
+            gh = (gs @ B.to(g.dtype)).mul_(layer.scale)  # (M, r)
+            grads += [(gh.T @ x2).to(A.dtype), (gs.T @ h).mul_(layer.scale).to(B.dtype)]
             if grad_x is not None:
-                grad_x.addmm_(gh, A)
+                grad_x.addmm_(gh, A.to(g.dtype))
         shown = None if grad_x is None else grad_x.view(x.shape).to(ctx.dtype)
         return (shown, None, *grads)
 
@@ -361,90 +356,3 @@ def _check_trainable_path(model: nn.Module) -> None:
                 f"{name} holds its weight as {m.weights_format!r}, which has no backward pass: "
                 "load the model with weights=None (as its file holds them) or 'fp32'"
             )
-
-
-# --- PEFT's format ----------------------------------------------------------------------------
-
-# the prefix PEFT's saved adapters give every key (peft.utils.save_and_load): the PeftModel's
-# base_model (a LoraModel) wraps the transformers model as .model
-PEFT_PREFIX = "base_model.model."
-
-
-def peft_state(sites: list[Site]) -> dict[str, Tensor]:
-    """The adapters as PEFT saves them (``adapter_model.safetensors``): ``<prefix><module>.lora_A
-    .weight`` (r, K) and ``.lora_B.weight`` (N, r), fp32 and contiguous."""
-    state = {}
-    for s in sites:
-        key = f"{PEFT_PREFIX}{s.hf}"
-        state[f"{key}.lora_A.weight"] = s.layer.lora_A[s.name].detach().contiguous()
-        state[f"{key}.lora_B.weight"] = s.layer.lora_B[s.name].detach().contiguous()
-    return state
-
-
-def load_peft_state(sites: list[Site], state: Mapping[str, Tensor], source: str) -> None:
-    """Copy a PEFT adapter's weights (keys as :func:`peft_state` writes them) into ``sites``;
-    a missing or extra key, or a shape that differs, is refused naming it."""
-    wanted = peft_state(sites)
-    missing = sorted(set(wanted) - set(state))
-    extra = sorted(set(state) - set(wanted))
-    if missing or extra:
-        raise ValueError(
-            f"{source} does not hold this model's adapters: missing {missing[:3]}"
-            f"{' …' * (len(missing) > 3)}, unknown {extra[:3]}{' …' * (len(extra) > 3)}"
-        )
-    for key, want in wanted.items():
-        if tuple(state[key].shape) != tuple(want.shape):
-            raise ValueError(
-                f"{source}: {key} has shape {tuple(state[key].shape)}, the model's adapter "
-                f"{tuple(want.shape)}"
-            )
-    with torch.no_grad():
-        for s in sites:
-            key = f"{PEFT_PREFIX}{s.hf}"
-            s.layer.lora_A[s.name].copy_(state[f"{key}.lora_A.weight"])
-            s.layer.lora_B[s.name].copy_(state[f"{key}.lora_B.weight"])
-
-
-def peft_config(config: LoraConfig, base_model: str) -> dict[str, Any]:
-    """``adapter_config.json`` as PEFT reads it (``peft.LoraConfig``'s fields; the rest take
-    PEFT's defaults): ``base_model`` is what ``PeftModel.from_pretrained`` is told to load."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": config.rank,
-        "lora_alpha": config.alpha,
-        "lora_dropout": config.dropout,
-        "target_modules": list(config.targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
-
-
-def lora_config_of(peft: Mapping[str, Any], source: str) -> LoraConfig:
-    """The :class:`LoraConfig` of a PEFT ``adapter_config.json``; what dikkat's adapters do
-    not compute (DoRA, rsLoRA, trained biases, per-module ranks) is refused by name."""
-    if peft.get("peft_type") != "LORA":
-        raise ValueError(f"{source}: peft_type {peft.get('peft_type')!r} is not LORA")
-    for key, plain in (("use_dora", False), ("use_rslora", False), ("bias", "none")):
-        if peft.get(key, plain) != plain:
-            raise ValueError(f"{source}: {key}={peft[key]!r} is not supported (only {plain!r})")
-    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform"):
-        if peft.get(key):
-            raise ValueError(f"{source}: {key} is not supported")
-    targets = peft.get("target_modules")
-    if isinstance(targets, str):
-        raise ValueError(f"{source}: target_modules {targets!r} (a pattern) is not supported")
-    try:
-        return LoraConfig(
-            rank=peft["r"],
-            alpha=float(peft["lora_alpha"]),
-            dropout=float(peft.get("lora_dropout", 0.0)),
-            targets=tuple(targets or ()),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{source} is not a LoRA adapter config dikkat reads: {e}") from None
