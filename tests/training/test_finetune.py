@@ -191,3 +191,24 @@ def test_command_line_trains_chats_and_refuses(tiny: Path, tmp_path: Path, capsy
     lm = load_finetuned(out)
     messages = [{"role": "user", "content": "Label: bodami"}]
     assert said == lm.chat(messages, 4, repetition_penalty=1.1) + "\n"
+
+
+def test_the_server_answers_with_the_adapters(tiny: Path, tmp_path: Path) -> None:
+    """A fine-tune served (the engine's paged cache, the OpenAI client) answers as the run's
+    model does: the adapters are in every product the engine makes."""
+    pytest.importorskip("openai")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
+    from live_server import openai_client, serving_model
+
+    finetune(_spec(tiny), _config(2), tmp_path / "run", progress=False)
+    lm = load_finetuned(tmp_path / "run")
+    messages = [{"role": "user", "content": "Label: bodami"}]
+    want = lm.chat(messages, 6, temperature=0)
+    with serving_model(lm, "tuned") as url:
+        got = openai_client(url).chat.completions.create(
+            model="tuned",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,  # type: ignore[arg-type]
+        )
+    assert got.choices[0].message.content == want
