@@ -66,7 +66,11 @@ def _export_finetune(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {out} exists; add --overwrite to replace it")
     for flag, out in wanted:
         if flag == "--gguf":
-            export_merged_gguf(args.run, out, kind=args.type)
+            try:
+                export_merged_gguf(args.run, out, kind=args.type)
+            except ValueError as e:  # the library's keyword, said as this command's flag
+                said = str(e).replace('pass kind="Q8_0" or kind="F16"', "give --type Q8_0 or F16")
+                raise ValueError(said) from None
             what = f"the base with the adapters merged ({args.type or 'its own types'})"
         else:
             export_lora_gguf(args.run, out)
