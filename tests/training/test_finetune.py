@@ -212,3 +212,18 @@ def test_the_server_answers_with_the_adapters(tiny: Path, tmp_path: Path) -> Non
             temperature=0,  # type: ignore[arg-type]
         )
     assert got.choices[0].message.content == want
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [("fpu avx512f avx512_bf16 avx512_vnni", True), ("fpu avx512f avx512_vnni", False),
+     ("avx512_bf16 amx_bf16 amx_tile amx_int8", False), (None, False)],
+)  # fmt: skip
+def test_bf16_is_the_default_where_the_cpu_has_it_natively(tmp_path: Path, flags, native) -> None:
+    """AVX512-BF16 without AMX (whose tile loads fault on one VM): bf16 autocast by default."""
+    from dikkat.training.config import native_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    if flags is not None:
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert native_bf16(str(cpuinfo)) is native

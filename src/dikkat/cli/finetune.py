@@ -19,7 +19,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def cmd_finetune(args: argparse.Namespace) -> int:
     # training loads when the command runs, not when `dikkat --help` builds the parsers
     from dikkat.training.checkpoint import check_out_dir
-    from dikkat.training.config import TrainConfig
+    from dikkat.training.config import TrainConfig, native_bf16
     from dikkat.training.finetune import FinetuneSpec, _finetuner, resume_finetune
     from dikkat.training.lora import LoraConfig
 
@@ -48,7 +48,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             lr=args.lr,
             warmup=args.warmup,
             weight_decay=0.0,
-            bf16=args.bf16,
+            bf16=native_bf16() if args.bf16 is None else args.bf16,
             eval_every=args.eval_every,
             eval_batches=1,
             log_every=args.log_every,
@@ -80,9 +80,10 @@ def _describe(trainer: Any) -> None:
         f"rank {task.spec.lora.rank}), {n:,} trained parameters"
     )
     held_rows = 0 if held is None else held.ids.shape[0]
+    precision = "bf16 autocast" if c.bf16 else "fp32"
     print(
         f"data: {train.ids.shape[0]} rows of {task.spec.seq_len} tokens to train on, "
-        f"{held_rows} held out; {c.steps} steps of {c.batch_size}"
+        f"{held_rows} held out; {c.steps} steps of {c.batch_size}, {precision}"
     )
 
 
@@ -133,7 +134,11 @@ def add_commands(sub: Any) -> None:
     opt.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
     opt.add_argument("--log-every", type=positive_int, default=5)
     opt.add_argument("--save-every", type=int, default=0, help="0: at the end")
-    opt.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    opt.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        help="bf16 autocast (default: on where the CPU has AVX512-BF16 and no AMX)",
+    )
     opt.add_argument(
         "--checkpointing", action="store_true", help="recompute activations (less memory)"
     )

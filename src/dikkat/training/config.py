@@ -68,6 +68,19 @@ def extended(config: TrainConfig, done: int, steps: int | None, run: object) -> 
     return dataclasses.replace(config, steps=steps)
 
 
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 natively and safely: AVX512-BF16 and no AMX. oneDNN
+    emulates bf16 on other AVX-512 CPUs (slower than fp32), and AMX is left to be asked for:
+    one Xeon VM reports AMX while its tile loads fault (SIGILL). False where the flags cannot
+    be read (not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags and not any(flag.startswith("amx") for flag in flags)
+
+
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Linear warmup to 1, then a cosine from 1 down to ``min_lr_ratio`` at the last step."""
     if step < config.warmup:
