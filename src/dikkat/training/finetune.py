@@ -47,7 +47,7 @@ from dikkat.training.checkpoint import (
 )
 from dikkat.training.config import TrainConfig, extended
 from dikkat.training.lora import LoraConfig, Site, add_lora
-from dikkat.training.packing import Packed, batch_rows, pack
+from dikkat.training.packing import IGNORE, Packed, batch_rows, pack
 from dikkat.training.peft_format import load_peft_state, lora_config_of, peft_config, peft_state
 from dikkat.training.results import TrainResult
 from dikkat.training.sft_data import read_examples, split_examples
@@ -68,7 +68,6 @@ __all__ = [
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file names (peft.utils.constants)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-IGNORED = -100  # a label the loss skips (PyTorch's cross_entropy ignore_index)
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ class FinetuneTask(Task):
             return_hidden=True,
         )
         labels = batch["labels"]
-        kept = labels != IGNORED
+        kept = labels != IGNORE
         logits = model.output_logits(hidden[kept])  # type: ignore[operator]
         n = int(kept.sum())
         return F.cross_entropy(logits.float(), labels[kept], reduction="sum") / max(n, 1), n
