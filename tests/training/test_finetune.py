@@ -112,9 +112,9 @@ def test_resume_is_exact(tiny: Path, tmp_path: Path) -> None:
     """Stopped at step 2 and resumed, a run ends with the adapter and the logged losses of the
     run that went straight through."""
     straight = finetune(_spec(tiny), _config(4), tmp_path / "a", progress=False)
-    from dikkat.training.finetune import _finetuner
+    from dikkat.training.finetune import finetuner
 
-    stopped = _finetuner(_spec(tiny), _config(4), tmp_path / "b")
+    stopped = finetuner(_spec(tiny), _config(4), tmp_path / "b")
     stopped.train(progress=False, until=2)
     del stopped
     resumed = resume_finetune(tmp_path / "b").train(progress=False)
@@ -227,3 +227,14 @@ def test_bf16_is_the_default_where_the_cpu_has_it_natively(tmp_path: Path, flags
     if flags is not None:
         cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     assert native_bf16(str(cpuinfo)) is native
+
+
+def test_what_a_fine_tune_refuses_before_loading(tiny: Path, tmp_path: Path) -> None:
+    from dikkat.training.finetune import finetuner
+
+    with pytest.raises(ValueError, match="is not a file"):
+        finetuner(FinetuneSpec(str(tiny), str(tmp_path / "none.jsonl")), _config(1), None)
+    with pytest.raises(TypeError, match="lora must be a LoraConfig, got str"):
+        FinetuneSpec(str(tiny), "x.jsonl", lora="q_proj")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="eval_fraction"):
+        FinetuneSpec(str(tiny), "x.jsonl", eval_fraction=1.0)

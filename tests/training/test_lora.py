@@ -179,6 +179,8 @@ def test_refusals(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=match):
             LoraConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model must be a pretrained Decoder, got Linear"):
+        add_lora(torch.nn.Linear(2, 2), family, LoraConfig())
     with pytest.raises(TypeError, match="tuple of module names"):
         LoraConfig(targets="q_proj")  # type: ignore[arg-type]
 

@@ -20,7 +20,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     # training loads when the command runs, not when `dikkat --help` builds the parsers
     from dikkat.training.checkpoint import check_out_dir
     from dikkat.training.config import TrainConfig, native_bf16
-    from dikkat.training.finetune import FinetuneSpec, _finetuner, resume_finetune
+    from dikkat.training.finetune import FinetuneSpec, finetuner, resume_finetune
     from dikkat.training.lora import LoraConfig
 
     out = Path(args.out)
@@ -35,7 +35,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         check_out_dir(out, overwrite=args.overwrite, what="--out")  # before any slow work
         targets = ALL_LINEAR if args.targets == ["all-linear"] else tuple(args.targets)
         spec = FinetuneSpec(
-            model=args.model,
+            # a path as an absolute one, so that --resume and `dikkat chat RUN` find it from
+            # any folder; a name (smollm2, a hub id) as given
+            model=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
             data=str(Path(args.data).resolve()),
             seq_len=args.seq_len,
             eval_fraction=args.eval_fraction,
@@ -55,7 +57,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             save_every=args.save_every,
             seed=args.seed,
         )
-        trainer = _finetuner(spec, config, out, overwrite=args.overwrite, made_by="dikkat finetune")
+        trainer = finetuner(spec, config, out, overwrite=args.overwrite, made_by="dikkat finetune")
         _describe(trainer)
     result = run_training(trainer, not args.no_progress)
     if isinstance(result, int):

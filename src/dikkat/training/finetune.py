@@ -61,6 +61,7 @@ __all__ = [
     "Finetuner",
     "family_of",
     "finetune",
+    "finetuner",
     "is_finetune",
     "load_finetuned",
     "resume_finetune",
@@ -93,9 +94,11 @@ class FinetuneSpec:
         check_int("seq_len", self.seq_len, at_least=2)
         check_float("eval_fraction", self.eval_fraction, low=0.0, high=1.0, high_open=True)
         check_bool("checkpointing", self.checkpointing)
-        if isinstance(self.lora, dict):
+        if isinstance(self.lora, dict):  # as task.json holds it
             lora = {**self.lora, "targets": tuple(self.lora.get("targets", ()))}
             object.__setattr__(self, "lora", LoraConfig(**lora))
+        if not isinstance(self.lora, LoraConfig):
+            raise TypeError(f"lora must be a LoraConfig, got {type(self.lora).__name__}")
 
     @property
     def preset(self) -> str:
@@ -242,13 +245,18 @@ def finetune(
     """Load ``spec.model``, give it adapters, and train them on ``spec.data`` (module doc)."""
     if out_dir is not None:  # refuse a folder in use before loading anything
         check_out_dir(Path(out_dir), overwrite=overwrite)
-    trainer = _finetuner(spec, config, out_dir, overwrite=overwrite, made_by=made_by)
+    trainer = finetuner(spec, config, out_dir, overwrite=overwrite, made_by=made_by)
     return trainer.train(progress=progress)
 
 
-def _finetuner(
+def finetuner(
     spec: FinetuneSpec, config: TrainConfig, out_dir: str | Path | None, **options: Any
 ) -> Finetuner:
+    """The :class:`Finetuner` of ``spec`` (its model loaded, its data read and packed, the
+    adapters added), ready to ``train()``; ``options`` go to the Trainer (``overwrite``,
+    ``made_by``). A data file that is not there is refused before the model is loaded."""
+    if not Path(spec.data).is_file():
+        raise ValueError(f"the data {spec.data} is not a file (a JSONL file of examples)")
     lm = load(spec.model)
     lm.model.train()
     return Finetuner(FinetuneTask(spec, lm, config.seed), config, out_dir, **options)
@@ -262,7 +270,7 @@ def resume_finetune(
     saved = read_checkpoint(out_dir, verify=verify)
     spec, config = _described(saved.meta, saved.folder)
     config = extended(config, int(saved.state["step"]), steps, out_dir)
-    trainer = _finetuner(spec, config, out_dir, made_by=saved.made_by or "dikkat.finetune",
+    trainer = finetuner(spec, config, out_dir, made_by=saved.made_by or "dikkat.finetune",
                          _resuming=True)  # fmt: skip
     _load_adapter(trainer.task.sites, saved.folder)
     trainer.load_state(saved.state, saved.folder / STATE_FILE)

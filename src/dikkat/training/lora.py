@@ -32,10 +32,12 @@ import torch
 from torch import Tensor, nn
 
 from dikkat.layers.linear import LinearRows
+from dikkat.models.decoder import Decoder
 from dikkat.pretrained.families import Family
 from dikkat.validate import check_float, check_int
 from dikkat.weights.frozen import frozen_linear, half_backward, input_gradient
 from dikkat.weights.half import HalfLinear
+from dikkat.weights.held import InferenceLinear
 from dikkat.weights.packed_layers import PackedExperts, PackedLinear
 
 __all__ = [
@@ -272,6 +274,8 @@ def add_lora(model: nn.Module, family: Family, config: LoraConfig) -> list[Site]
     adapters, in place; returns where they are. Every frozen linear layer a gradient passes is
     wrapped in :class:`FrozenLinear`. Unknown targets, a model of experts and a model holding
     its weights in a format without a backward (int8, w8a8) are refused by name."""
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model must be a pretrained Decoder, got {type(model).__name__}")
     if not isinstance(config, LoraConfig):
         raise TypeError(f"config must be a LoraConfig, got {type(config).__name__}")
     if any(isinstance(m, LoraLinear) for m in model.modules()):
@@ -348,8 +352,6 @@ def _owner(root: nn.Module, layer: nn.Module) -> tuple[nn.Module, str]:
 def _check_trainable_path(model: nn.Module) -> None:
     """Refuse a model one of whose linear layers has no backward (an int8 or w8a8 inference
     copy): the gradient would stop there without a word."""
-    from dikkat.weights.held import InferenceLinear
-
     for name, m in model.named_modules():
         if isinstance(m, InferenceLinear) and not isinstance(m, (PackedLinear, HalfLinear)):
             raise ValueError(
